@@ -1,0 +1,81 @@
+"""Buckets: a named (frames, height, width) in pixels → latent shape → tokens S.
+
+    latent frames  F' = 1 + (frames − 1) / stride_t        (Wan VAE: stride_t = 4, so frames = 1 + 4k)
+    latent size    H' = height / stride_s, W' = width / stride_s   (stride_s = 8)
+    tokens         S  = (F' / p_t) · (H' / p_h) · (W' / p_w)     (patch (1, 2, 2))
+
+Buckets are a dict keyed by name in the config (`data.buckets.v480_33f.frames=33`), so one entry can be
+overridden from the command line. Batch sizes are not decided here: they come from `scheduling/`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+VAE_STRIDE_T = 4
+VAE_STRIDE_S = 8
+PATCH = (1, 2, 2)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    name: str
+    frames: int
+    height: int
+    width: int
+    stride_t: int = VAE_STRIDE_T
+    stride_s: int = VAE_STRIDE_S
+    patch: tuple[int, int, int] = PATCH
+
+    def __post_init__(self):
+        where = f"data.buckets.{self.name}"
+        for field in ("frames", "height", "width"):
+            if int(getattr(self, field)) < 1:
+                raise ValueError(f"{where}.{field} must be ≥ 1, got {getattr(self, field)}")
+        if (self.frames - 1) % self.stride_t:
+            raise ValueError(f"{where}.frames must be 1 + {self.stride_t}·k (the VAE's temporal stride), "
+                             f"got {self.frames}; try {1 + (self.frames - 1) // self.stride_t * self.stride_t}")
+        pt, ph, pw = self.patch
+        for field, stride, p in (("height", self.stride_s, ph), ("width", self.stride_s, pw)):
+            if getattr(self, field) % (stride * p):
+                raise ValueError(f"{where}.{field} must be a multiple of {stride * p} (VAE stride × patch), "
+                                 f"got {getattr(self, field)}")
+        if self.latent_frames % pt:
+            raise ValueError(f"{where}: {self.latent_frames} latent frames do not divide by the temporal patch {pt}")
+
+    @property
+    def is_image(self) -> bool:
+        return self.frames == 1
+
+    @property
+    def latent_frames(self) -> int:
+        return 1 + (self.frames - 1) // self.stride_t
+
+    def latent_shape(self, channels: int) -> tuple[int, int, int, int]:
+        """(C, F', H', W') of this bucket's latents."""
+        return (channels, self.latent_frames, self.height // self.stride_s, self.width // self.stride_s)
+
+    @property
+    def tokens(self) -> int:
+        """S: the transformer's sequence length for one sample of this bucket."""
+        _, f, h, w = self.latent_shape(1)
+        pt, ph, pw = self.patch
+        return (f // pt) * (h // ph) * (w // pw)
+
+
+def bucket_table(buckets: Mapping[str, Mapping], stride_t: int = VAE_STRIDE_T, stride_s: int = VAE_STRIDE_S,
+                 patch: tuple[int, int, int] = PATCH) -> dict[str, Bucket]:
+    """Config dict {name: {frames, height, width}} → {name: Bucket}, ordered by tokens S then name."""
+    if not buckets:
+        raise ValueError("data.buckets is empty: define at least one bucket {name: {frames, height, width}}")
+    table = {}
+    for name, spec in buckets.items():
+        unknown = set(spec) - {"frames", "height", "width"}
+        if unknown:
+            raise ValueError(f"data.buckets.{name} has unknown keys {sorted(unknown)}; expected frames, height, width")
+        missing = {"frames", "height", "width"} - set(spec)
+        if missing:
+            raise ValueError(f"data.buckets.{name} is missing {sorted(missing)}")
+        table[name] = Bucket(name, int(spec["frames"]), int(spec["height"]), int(spec["width"]),
+                             stride_t, stride_s, tuple(patch))
+    return dict(sorted(table.items(), key=lambda kv: (kv[1].tokens, kv[0])))

@@ -1,0 +1,60 @@
+"""Typed configuration of the data side (the `data:` group)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class SyntheticConfig:
+    """The embedded corpus, generated on first use into `data.cache_dir` when no index or urls are given."""
+    num_samples: int = 192
+    num_val: int = 8
+    num_classes: int = 8
+    seed: int = 0
+    mix: dict = field(default_factory=dict)  # bucket name → share of samples; empty: equal shares
+    samples_per_shard: int = 64
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.num_samples < 1:
+            raise ValueError(f"data.synthetic.num_samples must be ≥ 1, got {self.num_samples}")
+        if self.num_val < 0:
+            raise ValueError(f"data.synthetic.num_val must be ≥ 0, got {self.num_val}")
+        if any(float(v) < 0 for v in self.mix.values()):
+            raise ValueError(f"data.synthetic.mix shares must be ≥ 0, got {dict(self.mix)}")
+        if self.dtype not in ("float32", "float16"):
+            raise ValueError(f"data.synthetic.dtype must be float32 or float16, got {self.dtype!r}")
+
+
+@dataclass
+class DataConfig:
+    buckets: dict = field(default_factory=dict)  # name → {frames, height, width}
+    index: Optional[str] = None                  # a corpus folder holding index.jsonl; None: the synthetic corpus
+    urls: Optional[Any] = None                   # raw WebDataset shards (the raw-video pipeline)
+    sources: Optional[list] = None               # [{index: folder, weight: w}, ...]: weighted mix of corpora
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    cache_dir: str = ".cache"
+    num_workers: int = 0                         # background threads decoding the planned micro-batches ahead
+    prefetch: int = 2
+    caption_dropout: float = 0.1
+    val_samples: int = 8                         # held-out samples for val/loss
+
+    def __post_init__(self):
+        if not 0 <= self.caption_dropout <= 1:
+            raise ValueError(f"data.caption_dropout must lie in [0, 1], got {self.caption_dropout}")
+        if self.num_workers < 0:
+            raise ValueError(f"data.num_workers must be ≥ 0, got {self.num_workers}")
+        if self.prefetch < 1:
+            raise ValueError(f"data.prefetch must be ≥ 1, got {self.prefetch}")
+        if self.val_samples < 1:
+            raise ValueError(f"data.val_samples must be ≥ 1, got {self.val_samples}")
+        if self.sources is not None:
+            for i, s in enumerate(self.sources):
+                if not isinstance(s, dict) or "index" not in s:
+                    raise ValueError(f"data.sources[{i}] must be {{index: <corpus folder>, weight: <w>}}, got {s!r}")
+                if float(s.get("weight", 1.0)) <= 0:
+                    raise ValueError(f"data.sources[{i}].weight must be > 0, got {s.get('weight')}")
+        if self.urls is not None:
+            raise ValueError("data.urls (raw image/video shards) needs the raw-video pipeline, which is not built "
+                             "yet: precompute latents and point data.index at them")

@@ -1,0 +1,30 @@
+"""Typed configuration of the scheduler (the `scheduling:` group); knobs named as CONTRACTS §8."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from scheduling.batching import STRATEGIES
+
+
+@dataclass
+class SchedulingConfig:
+    strategy: str = "equal_token"
+    m_tokens: Optional[int] = None              # equal_token: tokens per micro-batch
+    m_mem: Optional[float] = None               # memory bound on B·S
+    mem_budget_gib: Optional[float] = None      # or m_mem from the calibration's memory model at this budget
+    m_comp: Optional[float] = None              # dual_constraint: bound on B·S^p
+    p: Optional[float] = None                   # dual_constraint: exponent
+    target_microbatch_ms: Optional[float] = None  # cost / balanced: predicted fwd+bwd ms per micro-batch
+    window: int = 1                             # steps planned together (balanced)
+    calibration: Optional[str] = None           # JSON written by scripts/calibrate.py
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"scheduling.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        for name in ("m_tokens", "m_mem", "mem_budget_gib", "m_comp", "p", "target_microbatch_ms"):
+            v = getattr(self, name)
+            if v is not None and not float(v) > 0:
+                raise ValueError(f"scheduling.{name} must be > 0 (or null), got {v}")
+        if self.window < 1:
+            raise ValueError(f"scheduling.window must be ≥ 1, got {self.window}")

@@ -1,0 +1,197 @@
+"""AdaptiveLoad training entry point (Hydra): cfg → typed config → build → resume → loop.
+
+    python train.py                              the embedded default: tiny Wan 2.1, synthetic corpus, CPU
+    python train.py conf=wan21_8gpu              a preset (conf/conf/*.yaml); starts its own processes
+    python train.py train.steps=20 resume=auto   any key from the command line
+    python train.py +show_buckets=true           print the bucket table (S and B per bucket) and exit
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections import deque
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from data.buckets import bucket_table
+from data.loader import Loader, open_corpus
+from models.build import build_model
+from models.flow_matching import FlowMatching
+from models.parallelize import checkpoint_policy, parallelize
+from scheduling.balance import advance, plan_step
+from scheduling.metrics import compute_cv, cv, idle_fraction, model_flops
+from scheduling.policy import ModelShape, resolve_schedule
+from training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from training.config import TrainConfig, load_config
+from training.dist import DistContext, init_distributed, maybe_launch, shutdown
+from training.metrics_log import MetricsLogger
+from training.optim import EMA, build_optimizer
+from training.step import autocast_for, train_step, validation_loss
+
+log = logging.getLogger("train")
+WARMUP_STEPS = 3  # steps left out of throughput (compilation, allocator warm-up)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def run(cfg: TrainConfig, config_yaml: str) -> dict:
+    """Train as configured; returns the last logged metrics (for tests and scripts)."""
+    ctx = init_distributed()
+    torch.manual_seed(cfg.train.seed)
+    if ctx.is_main:
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
+            f.write(config_yaml)
+    ctx.barrier()
+
+    buckets = bucket_table(cfg.data.buckets)
+    model = build_model(cfg.model, ctx.device)
+    shape = ModelShape(model.num_matmul_params(), cfg.model.num_layers, cfg.model.dim, cfg.model.text_len)
+    schedule = resolve_schedule(cfg.scheduling, {n: b.tokens for n, b in buckets.items()}, shape,
+                                proxy_tflops=cfg.metrics.peak_tflops or 100.0)
+    corpus = open_corpus(cfg.data, buckets, cfg.model.in_channels, cfg.model.text_dim, cfg.train.seed,
+                         ctx.is_main, ctx.barrier)
+    batch_sizes = [schedule.batch_sizes[n] for n in corpus.bucket_names]
+    parallelize(model, compile=cfg.model.compile, world_size=ctx.world_size)
+    policy = checkpoint_policy(cfg.model.checkpointing)
+    autocast = autocast_for(ctx.device, cfg.model.precision)
+    optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.train.steps)
+    ema = EMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
+    objective = FlowMatching(cfg.objective)
+
+    state = {"step": 0, "epoch": 0, "pos": 0, "samples_seen": 0, "bad_in_a_row": 0, "skipped_steps": 0}
+    ckpt = latest_checkpoint(cfg.run_dir) if cfg.resume == "auto" else cfg.resume
+    if ckpt:
+        meta = load_checkpoint(ckpt, model, optimizer, ema, ctx)
+        scheduler.load_state_dict(meta["lr_scheduler"])
+        state.update({k: meta[k] for k in state})
+    logger = MetricsLogger(cfg.run_dir, cfg.logging, cfg.name, OmegaConf.to_container(OmegaConf.create(config_yaml)),
+                           enabled=ctx.is_main)
+    if ctx.is_main:
+        log.info("%s from %s\n%s", f"resumed at step {state['step']}" if ckpt else "starting",
+                 ckpt or "scratch", schedule.table({n: buckets[n].tokens for n in corpus.bucket_names}))
+        log.info("scheduling values: %s", schedule.sources)
+    loader = Loader(corpus, cfg.model.text_len, cfg.data.caption_dropout, cfg.train.seed, ctx.rank,
+                    cfg.data.num_workers)
+    val_batches = loader.val_batches()
+
+    stop = {"signal": None}  # SIGTERM/SIGINT: finish the step, checkpoint, exit
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, _f: stop.update(signal=s))
+
+    def checkpoint():
+        meta = {k: state[k] for k in state} | {"lr_scheduler": scheduler.state_dict()}
+        return save_checkpoint(cfg.run_dir, state["step"], model, optimizer, ema, meta, config_yaml, ctx,
+                               cfg.checkpoint.keep_last)
+
+    step_times, tokens_since, samples_since, t_since, last = deque(maxlen=50), 0, 0, None, {}
+    plan = None
+    if ctx.is_main and cfg.train.progress:
+        from tqdm import tqdm
+        bar = tqdm(total=cfg.train.steps, initial=state["step"], desc=cfg.name, dynamic_ncols=True)
+    else:
+        bar = None
+    model.train()
+    if state["step"] == 0:  # the starting point of the val/loss curve
+        logger.log_metrics(0, {"samples_seen": 0, "val/loss": validation_loss(model, objective, val_batches, ctx,
+                                                                              cfg.train.seed, autocast)})
+    while state["step"] < cfg.train.steps:
+        t_step = time.perf_counter()
+        epoch, pos = state["epoch"], state["pos"]
+        plan, next_pos = plan_step(corpus.table, cfg.train.seed, epoch, pos, ctx.world_size,
+                                   cfg.scheduling.strategy, cfg.train.micro_batches, batch_sizes, schedule.cost_fn)
+        nxt_epoch, nxt_pos = advance(epoch, next_pos, corpus.table)
+        if cfg.data.num_workers and state["step"] + 1 < cfg.train.steps:
+            loader.prefetch(plan_step(corpus.table, cfg.train.seed, nxt_epoch, nxt_pos, ctx.world_size,
+                                      cfg.scheduling.strategy, cfg.train.micro_batches, batch_sizes,
+                                      schedule.cost_fn)[0])
+        st = train_step(model, objective, loader.step(plan), plan.num_samples, ctx, optimizer, scheduler, ema,
+                        cfg.optim.grad_clip, cfg.train.seed, epoch, policy, autocast)
+        step_s = time.perf_counter() - t_step
+        state.update(step=state["step"] + 1, epoch=nxt_epoch, pos=nxt_pos,
+                     samples_seen=state["samples_seen"] + plan.num_samples)
+        state["bad_in_a_row"] = state["bad_in_a_row"] + 1 if st.skipped else 0
+        state["skipped_steps"] += int(st.skipped)
+
+        # every rank's timings → rank 0: time/*, time/*_max
+        timings = ctx.all_gather_floats([step_s, st.data_wait_s, st.fwd_s, st.bwd_s, st.optim_s, st.loss_sum])
+        step_times.append(float(timings[:, 0].max()))
+        if state["step"] == WARMUP_STEPS:
+            t_since, tokens_since, samples_since = time.perf_counter(), 0, 0
+        elif t_since is not None:
+            tokens_since += plan.tokens
+            samples_since += plan.num_samples
+        flops = sum(model_flops(mb.num_real, mb.S, cfg.model.text_len, shape.p_matmul, shape.layers, shape.dim)
+                    for r in plan.ranks for mb in r)
+        pred = plan.pred_ms()
+        m = {"samples_seen": state["samples_seen"], "epoch": epoch,
+             "train/loss": float(timings[:, 5].sum()) / max(1, plan.num_samples),
+             "train/grad_norm": st.grad_norm, "train/lr": scheduler.get_last_lr()[0],
+             "train/skipped_steps": state["skipped_steps"],
+             "perf/tokens_per_s": tokens_since / (time.perf_counter() - t_since) if t_since and tokens_since else None,
+             "perf/samples_per_s": samples_since / (time.perf_counter() - t_since) if t_since and samples_since else None,
+             "perf/mfu": (flops / (step_times[-1] * ctx.world_size * cfg.metrics.peak_tflops * 1e12)
+                          if cfg.metrics.peak_tflops and ctx.device.type == "cuda" else None),
+             "balance/compute_cv_pred": compute_cv(pred), "balance/idle_fraction_pred": idle_fraction(pred),
+             "balance/step_time_cv": cv(step_times),
+             "batch/S": st.S, "batch/B": st.B, "batch/bucket": st.buckets,
+             "memory/peak_gib": ctx.all_reduce_max(peak_memory_gib(ctx.device))}
+        for i, k in enumerate(("step_s", "data_wait_s", "fwd_s", "bwd_s", "optim_s")):
+            m[f"time/{k}"], m[f"time/{k}_max"] = float(timings[0, i]), float(timings[:, i].max())
+        m.update({f"data/skipped_{r}": n for r, n in corpus.skipped.items()})
+        if state["step"] % cfg.train.val_every == 0 or state["step"] == cfg.train.steps:
+            m["val/loss"] = validation_loss(model, objective, val_batches, ctx, cfg.train.seed, autocast)
+        if state["step"] % cfg.train.log_every == 0 or "val/loss" in m:
+            logger.log_metrics(state["step"], m)
+        last = m
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{m['train/loss']:.4f}", **({"val": f"{m['val/loss']:.4f}"} if "val/loss" in m else {}))
+
+        if state["bad_in_a_row"] >= cfg.train.max_bad_steps:
+            checkpoint()
+            raise RuntimeError(f"{state['bad_in_a_row']} steps in a row had a NaN/Inf loss or gradient "
+                               f"(train.max_bad_steps={cfg.train.max_bad_steps}); checkpoint kept, stopping")
+        if ctx.all_reduce_max(float(stop["signal"] is not None)):
+            log.warning("signal received: checkpointing at step %d and stopping", state["step"])
+            last["checkpoint"] = checkpoint()
+            break
+        if cfg.checkpoint.every and state["step"] % cfg.checkpoint.every == 0:
+            checkpoint()
+    else:
+        if cfg.checkpoint.at_end and not os.path.exists(os.path.join(cfg.run_dir, f"step_{state['step']}")):
+            checkpoint()
+    if bar is not None:
+        bar.close()
+    loader.close()
+    logger.close()
+    shutdown()
+    return last
+
+
+@hydra.main(config_path="conf", config_name="train", version_base=None)
+def main(dcfg: DictConfig) -> None:
+    raw = OmegaConf.to_container(dcfg, resolve=True)
+    raw.pop("hydra", None)
+    cfg = load_config(raw)  # every bad value is refused here, before any compute
+    if cfg.show_buckets:
+        from scripts.show_buckets import print_buckets
+
+        print_buckets(cfg)
+        return
+    maybe_launch(cfg.launch.num_processes)
+    run(cfg, OmegaConf.to_yaml(OmegaConf.create(raw)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Process group, device and the few collectives the loop needs; one code path on gloo (CPU) and NCCL (GPU).
+
+Single-process CPU is the default; distributed only adds. `maybe_launch` lets `python train.py conf=wan21_8gpu`
+start its own processes (torch's launcher API) when `launch.num_processes` asks for more than are running.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def broadcast_object(self, obj: Any) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather_floats(self, values: list[float]) -> torch.Tensor:
+        """(world, len(values)) tensor of every rank's values."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.comm_device)
+        if not self.distributed:
+            return t[None].cpu()
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t)
+        return torch.stack(out).cpu()
+
+    def all_reduce_max(self, value: float) -> float:
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    @property
+    def comm_device(self) -> torch.device:
+        return self.device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def init_distributed() -> DistContext:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    return DistContext(rank, world, local, device)
+
+
+def maybe_launch(num_processes: int) -> None:
+    """Re-run this command under torch's elastic launcher with `num_processes` processes when no launcher did."""
+    if num_processes <= 1 or "LOCAL_RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        return
+    if torch.cuda.is_available() and torch.cuda.device_count() < num_processes:
+        raise ValueError(f"launch.num_processes={num_processes} but this machine has "
+                         f"{torch.cuda.device_count()} GPUs: lower it or use a multi-node launcher")
+    from torch.distributed.run import main as torchrun
+
+    torchrun(["--standalone", f"--nproc_per_node={num_processes}", sys.argv[0], *sys.argv[1:]])
+    sys.exit(0)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,88 @@
+"""Optimizer, learning-rate schedule and EMA.
+
+AdamW over fp32 master weights; LR: linear warm-up over `warmup_steps`, then constant, cosine or linear decay to
+`min_lr_ratio`·lr at `train.steps`. EMA: θ_ema ← d·θ_ema + (1 − d)·θ after each update, kept in fp32.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: str = "constant"   # constant | cosine | linear (after warm-up)
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0       # max global grad norm; 0 disables clipping (the norm is still logged)
+    ema_decay: Optional[float] = None
+
+    def __post_init__(self):
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay must be ≥ 0, got {self.weight_decay}")
+        self.betas = tuple(float(b) for b in self.betas)
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be ≥ 0, got {self.warmup_steps}")
+        if self.schedule not in ("constant", "cosine", "linear"):
+            raise ValueError(f"optim.schedule must be constant, cosine or linear, got {self.schedule!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
+        if self.grad_clip < 0:
+            raise ValueError(f"optim.grad_clip must be ≥ 0 (0 disables), got {self.grad_clip}")
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            raise ValueError(f"optim.ema_decay must lie in (0, 1) or be null, got {self.ema_decay}")
+
+
+def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    frac = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    decay = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.schedule == "cosine" else 1 - frac
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int):
+    params = [p for p in model.parameters() if p.requires_grad]
+    # no weight decay on norms, biases and the modulation tables: 1-D parameters and scale_shift_table
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2 and "scale_shift" not in n]
+    ids = {id(p) for p in decay}
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if id(p) not in ids], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                            foreach=not any(p.device.type == "meta" for p in params))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg, total_steps))
+    return opt, sched
+
+
+class EMA:
+    """fp32 shadow copy of the trainable parameters (sharded like them under FSDP2)."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.shadow = {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module) -> None:
+        for n, p in model.named_parameters():
+            if n in self.shadow:
+                self.shadow[n].lerp_(p.detach().float(), 1 - self.decay)
+
+    def state_dict(self) -> dict:
+        return self.shadow
+
+    def load_state_dict(self, sd: dict) -> None:
+        for n, t in sd.items():
+            self.shadow[n].copy_(t)
