@@ -1,17 +1,52 @@
-"""Fused AdaLN: LayerNorm (no affine, fp32 statistics) then modulation.
+"""Fused AdaLN: LayerNorm (no affine, fp32 statistics) then modulation, forward and backward in Triton.
 
-    y = LN(x) * (1 + scale) + shift        computed in fp32, returned in x.dtype
+    x̂ = (x − μ) · rstd,   μ = mean_D(x),   rstd = 1 / sqrt(var_D(x) + eps)      (fp32, two passes over registers)
+    y = x̂ · (1 + scale) + shift                                                  computed in fp32, returned in x.dtype
 
 This is the same function as diffusers' Wan block `(norm1(x.float()) * (1 + scale) + shift).type_as(x)`.
-`x` is [B, N, D]; `scale`/`shift` are [B, 1, D] (per sample), [B, N, D] (per token) or [1, 1, D], any strides.
-backend: "torch" (this reference), "triton" (fused kernels, issue 3), "auto" (Triton on CUDA, else the reference).
+`x` is [B, N, D]; `scale`/`shift` are [B, 1, D] (per sample), [B, N, D] (per token) or [1, 1, D] (broadcast), any
+strides (diffusers hands over `chunk` views of a [B, 6, D] table): the kernels read them by stride, never copy them.
+
+Backward, with g = dy · (1 + scale):
+    dx     = rstd · (g − mean_D(g) − x̂ · mean_D(g · x̂))         one pass over x and dy, x̂ recomputed
+    dscale = Σ_rows dy · x̂,   dshift = Σ_rows dy                 per sample: fp32 partial sums in the same pass
+    dscale = dy · x̂,          dshift = dy                         per token: written in that pass
+
+Saved for backward: x, scale (a view of the modulation table) and the fp32 mean/rstd ([B, N]) — 2 bytes per element
+of bf16 x plus 8 bytes per row, against 8 bytes per element for the eager reference.
+
+Per-sample dscale/dshift: each program owns a contiguous span of rows of one sample and keeps [ROWS, D] fp32
+accumulators in registers; it writes one partial row, and the partials ([B, P, D]) are summed in a fixed order, so
+gradients are bit-for-bit deterministic (no float atomics). The paper's D-tile coalesced reduction (programs own a
+tile of features and walk down the sequence, re-reading x and dy: ≈ 10 bytes per element instead of 6) is kept as
+`adaln_backward(..., dmod="dtile")` for the benchmark to compare.
+
+backend: "torch" (the reference), "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "auto" (Triton on CUDA tensors
+of a supported dtype and D, the reference otherwise). The Triton path runs through the custom op
+`torch.ops.adaptiveload.adaln_fwd/adaln_bwd` (fake implementations registered), so it traces under torch.compile,
+recomputes under activation checkpointing and needs nothing special under FSDP2.
 """
 from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+try:  # cheap (~50 ms); the kernels are jitted on first use, see _kernels()
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the reference still works
+    triton = None
+    tl = None
+
 BACKENDS = ("auto", "triton", "torch")
+DMOD_SCHEMES = ("fused", "dtile")
+MAX_D = 16384  # one row lives in registers; wider rows would spill (auto falls back to the reference)
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def adaln_reference(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -19,10 +54,357 @@ def adaln_reference(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, e
     return (x_hat * (1 + scale.float()) + shift.float()).to(x.dtype)
 
 
+# ----------------------------------------------------------------------------------------------------------- kernels
+# Plain functions, jitted by _kernels() on first use: TRITON_INTERPRET is read when triton.jit decorates, and the
+# tests set it only after deciding there is no CUDA. Every load is upcast to fp32 at once (the interpreter has no
+# bf16 arithmetic, and the math is fp32 by contract). Row offsets are int64: B·N·D passes 2^31 at video sizes.
+
+def _fwd_kernel(X, SCALE, SHIFT, Y, MEAN, RSTD,
+                N, D, tiles_per_prog, eps,
+                sxb, sxn, ssb, ssn, ssd, shb, shn, shd,
+                SCALE_PER_TOKEN: tl.constexpr, SHIFT_PER_TOKEN: tl.constexpr,
+                ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    rows = tl.arange(0, ROWS)
+    if not SCALE_PER_TOKEN:  # one vector per sample: loaded once, broadcast over the program's rows
+        sc1 = 1.0 + tl.load(SCALE + b * ssb + cols * ssd, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if not SHIFT_PER_TOKEN:
+        sh = tl.load(SHIFT + b * shb + cols * shd, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    n_tiles = tl.cdiv(N, ROWS)
+    t0 = pid * tiles_per_prog
+    t1 = tl.minimum(t0 + tiles_per_prog, n_tiles)
+    for t in range(t0, t1):
+        n = (t * ROWS + rows).to(tl.int64)
+        rmask = n < N
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(X + b * sxb + n[:, None] * sxn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / D
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / D + eps)
+        x_hat = xc * rstd[:, None]
+        if SCALE_PER_TOKEN:
+            sc1 = 1.0 + tl.load(SCALE + b * ssb + n[:, None] * ssn + cols[None, :] * ssd, mask=mask,
+                                other=0.0).to(tl.float32)
+        if SHIFT_PER_TOKEN:
+            sh = tl.load(SHIFT + b * shb + n[:, None] * shn + cols[None, :] * shd, mask=mask,
+                         other=0.0).to(tl.float32)
+        y = x_hat * sc1 + sh
+        tl.store(Y + (b * N + n[:, None]) * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(MEAN + b * N + n, mean, mask=rmask)
+        tl.store(RSTD + b * N + n, rstd, mask=rmask)
+
+
+def _bwd_kernel(DY, X, SCALE, MEAN, RSTD, DX, DSCALE, DSHIFT,
+                N, D, tiles_per_prog, n_progs,
+                sdyb, sdyn, sxb, sxn, ssb, ssn, ssd, dsb, dhb,
+                SCALE_PER_TOKEN: tl.constexpr, SHIFT_PER_TOKEN: tl.constexpr, ACC_DMOD: tl.constexpr,
+                ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    # DSCALE/DSHIFT: per token, [B or 1, N, D] written row by row (batch stride dsb/dhb); per sample, the [B, P, D]
+    # fp32 partial buffer, one row per program (unless ACC_DMOD is off: the D-tile kernel computes them instead).
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    rows = tl.arange(0, ROWS)
+    if not SCALE_PER_TOKEN:
+        sc1 = 1.0 + tl.load(SCALE + b * ssb + cols * ssd, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    acc_s = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    acc_h = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    n_tiles = tl.cdiv(N, ROWS)
+    t0 = pid * tiles_per_prog
+    t1 = tl.minimum(t0 + tiles_per_prog, n_tiles)
+    for t in range(t0, t1):
+        n = (t * ROWS + rows).to(tl.int64)
+        rmask = n < N
+        mask = rmask[:, None] & cmask[None, :]
+        # masked lanes: dy = 0 there, so they add nothing to the row sums or the partials
+        x = tl.load(X + b * sxb + n[:, None] * sxn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + b * sdyb + n[:, None] * sdyn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + b * N + n, mask=rmask, other=0.0)
+        rstd = tl.load(RSTD + b * N + n, mask=rmask, other=0.0)
+        x_hat = (x - mean[:, None]) * rstd[:, None]
+        if SCALE_PER_TOKEN:
+            sc1 = 1.0 + tl.load(SCALE + b * ssb + n[:, None] * ssn + cols[None, :] * ssd, mask=mask,
+                                other=0.0).to(tl.float32)
+        g = dy * sc1
+        c1 = tl.sum(g * x_hat, axis=1) / D
+        c2 = tl.sum(g, axis=1) / D
+        dx = (g - (x_hat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        tl.store(DX + (b * N + n[:, None]) * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if SCALE_PER_TOKEN:
+            tl.store(DSCALE + b * dsb + n[:, None] * D + cols[None, :], (dy * x_hat).to(DSCALE.dtype.element_ty),
+                     mask=mask)
+        elif ACC_DMOD:
+            acc_s += dy * x_hat
+        if SHIFT_PER_TOKEN:
+            tl.store(DSHIFT + b * dhb + n[:, None] * D + cols[None, :], dy.to(DSHIFT.dtype.element_ty), mask=mask)
+        elif ACC_DMOD:
+            acc_h += dy
+    if ACC_DMOD:
+        part = (b * n_progs + pid) * D + cols
+        if not SCALE_PER_TOKEN:
+            tl.store(DSCALE + part, tl.sum(acc_s, axis=0), mask=cmask)
+        if not SHIFT_PER_TOKEN:
+            tl.store(DSHIFT + part, tl.sum(acc_h, axis=0), mask=cmask)
+
+
+def _dmod_dtile_kernel(DY, X, MEAN, RSTD, PART_S, PART_H,
+                       N, D, tiles_per_prog, n_splits, n_dtiles,
+                       sdyb, sdyn, sxb, sxn,
+                       ROWS: tl.constexpr, BLOCK_DT: tl.constexpr):
+    # The paper's scheme: a program owns BLOCK_DT features of one sample and walks down its span of rows, loads
+    # coalesced along D; it re-reads x and dy (the dx kernel already read them once).
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    pid_d = pid % n_dtiles  # feature tiles fastest: neighbouring programs read the same rows
+    pid_n = pid // n_dtiles
+    cols = pid_d * BLOCK_DT + tl.arange(0, BLOCK_DT)
+    cmask = cols < D
+    rows = tl.arange(0, ROWS)
+    acc_s = tl.zeros([ROWS, BLOCK_DT], dtype=tl.float32)
+    acc_h = tl.zeros([ROWS, BLOCK_DT], dtype=tl.float32)
+    n_tiles = tl.cdiv(N, ROWS)
+    t0 = pid_n * tiles_per_prog
+    t1 = tl.minimum(t0 + tiles_per_prog, n_tiles)
+    for t in range(t0, t1):
+        n = (t * ROWS + rows).to(tl.int64)
+        rmask = n < N
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(X + b * sxb + n[:, None] * sxn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + b * sdyb + n[:, None] * sdyn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + b * N + n, mask=rmask, other=0.0)
+        rstd = tl.load(RSTD + b * N + n, mask=rmask, other=0.0)
+        acc_s += dy * ((x - mean[:, None]) * rstd[:, None])
+        acc_h += dy
+    part = (b * n_splits + pid_n) * D + cols
+    tl.store(PART_S + part, tl.sum(acc_s, axis=0), mask=cmask)
+    tl.store(PART_H + part, tl.sum(acc_h, axis=0), mask=cmask)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(interpret: bool):
+    if triton is None:
+        raise RuntimeError("backend='triton' needs the `triton` package (pip install triton); "
+                           "use backend='torch' or 'auto'")
+    return triton.jit(_fwd_kernel), triton.jit(_bwd_kernel), triton.jit(_dmod_dtile_kernel)
+
+
+# ---------------------------------------------------------------------------------------------------------- launchers
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch shape of one kernel. rows: rows per tile; programs_per_sm: the persistent grid's programs per SM
+    (over all samples; each program owns a contiguous span of tiles), 0 = one tile per program; block_d: features per
+    program (the D-tile kernel only; 0 = all of D)."""
+    rows: int
+    num_warps: int
+    programs_per_sm: int
+    block_d: int = 0
+
+
+def default_config(kind: str, D: int, device: torch.device) -> KernelConfig:
+    """Launch shapes per kernel ("fwd", "bwd", "dtile"), tuned on the H200 (results/adaln_notes.md)."""
+    if device.type != "cuda":  # the interpreter pays ~1 ms per program and per loop step: few, wide programs
+        return KernelConfig(rows=4, num_warps=4, programs_per_sm=2, block_d=64 if kind == "dtile" else 0)
+    block_d = triton.next_power_of_2(D)
+    if kind == "dtile":
+        return KernelConfig(rows=32, num_warps=4, programs_per_sm=4, block_d=min(128, block_d))
+    rows = max(1, min(16, 4096 // block_d))
+    num_warps = max(4, min(16, rows * block_d // 512))
+    return KernelConfig(rows=rows, num_warps=num_warps, programs_per_sm=0 if kind == "fwd" else 4)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def _span(n_tiles: int, B: int, cfg: KernelConfig, device: torch.device) -> tuple[int, int]:
+    """(programs per sample, tiles per program) for a grid of contiguous spans."""
+    if n_tiles == 0:
+        return 0, 1
+    target = n_tiles if cfg.programs_per_sm == 0 else max(1, -(-cfg.programs_per_sm * _sm_count(device) // B))
+    tiles_per_prog = -(-n_tiles // min(n_tiles, target))
+    return -(-n_tiles // tiles_per_prog), tiles_per_prog
+
+
+def _mod_layout(t: torch.Tensor, B: int, N: int) -> tuple[bool, int, int, int]:
+    """(per token, batch stride, token stride, feature stride) of a [B|1, N|1, D] modulation; stride 0 broadcasts."""
+    per_token = t.shape[1] == N and N > 1
+    return per_token, t.stride(0) if t.shape[0] > 1 else 0, t.stride(1) if per_token else 0, t.stride(2)
+
+
+def _check(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> None:
+    if x.dim() != 3:
+        raise ValueError(f"adaln: x must be [B, N, D], got shape {tuple(x.shape)}")
+    B, N, D = x.shape
+    for name, t in (("scale", scale), ("shift", shift)):
+        if t.dim() != 3 or t.shape[2] != D or t.shape[0] not in (1, B) or t.shape[1] not in (1, N):
+            raise ValueError(f"adaln: {name} must be [B, 1, D], [B, N, D] or [1, 1, D] with x [B, N, D] = "
+                             f"{tuple(x.shape)}, got {tuple(t.shape)}")
+        if t.dtype not in _DTYPES or t.device != x.device:
+            raise ValueError(f"adaln: {name} must be fp32/fp16/bf16 on {x.device}, got {t.dtype} on {t.device}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"adaln: the Triton backend takes fp32/fp16/bf16 x, got {x.dtype}; use backend='torch'")
+    if D > MAX_D:
+        raise ValueError(f"adaln: the Triton backend keeps a row in registers, D ≤ {MAX_D}, got {D}; "
+                         "use backend='torch'")
+    if x.device.type != "cuda" and not _interpreting():
+        raise RuntimeError("adaln: backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before first use")
+
+
+def _rows_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()  # x and dy: rows are read contiguously
+
+
+def adaln_forward(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6,
+                  config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel: (y [B, N, D] in x.dtype, mean [B, N] fp32, rstd [B, N] fp32)."""
+    _check(x, scale, shift)
+    x = _rows_last(x)
+    B, N, D = x.shape
+    y = torch.empty((B, N, D), dtype=x.dtype, device=x.device)
+    mean = torch.empty((B, N), dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    cfg = config or default_config("fwd", D, x.device)
+    P, tiles_per_prog = _span(triton.cdiv(N, cfg.rows), B, cfg, x.device)
+    if P * B == 0 or D == 0:
+        return y, mean, rstd
+    s_tok, ssb, ssn, ssd = _mod_layout(scale, B, N)
+    h_tok, shb, shn, shd = _mod_layout(shift, B, N)
+    fwd, _, _ = _kernels(_interpreting())
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        fwd[(P, B)](x, scale, shift, y, mean, rstd, N, D, tiles_per_prog, eps,
+                    x.stride(0), x.stride(1), ssb, ssn, ssd, shb, shn, shd,
+                    SCALE_PER_TOKEN=s_tok, SHIFT_PER_TOKEN=h_tok, ROWS=cfg.rows,
+                    BLOCK_D=triton.next_power_of_2(D), num_warps=cfg.num_warps)
+    return y, mean, rstd
+
+
+def adaln_backward(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                   shift_shape, shift_dtype: torch.dtype, dmod: str = "fused", config: KernelConfig | None = None,
+                   dtile_config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward: (dx, dscale, dshift), each in its input's dtype and shape.
+
+    dmod="fused": per-sample dscale/dshift as partial sums in the dx pass; "dtile": the paper's D-tile kernel."""
+    if dmod not in DMOD_SCHEMES:
+        raise ValueError(f"adaln: dmod must be one of {DMOD_SCHEMES}, got {dmod!r}")
+    x, dy = _rows_last(x), _rows_last(dy)
+    B, N, D = x.shape
+    dev = x.device
+    s_tok, ssb, ssn, ssd = _mod_layout(scale, B, N)
+    h_tok = shift_shape[1] == N and N > 1
+    cfg = config or default_config("bwd", D, dev)
+    P, tiles_per_prog = _span(triton.cdiv(N, cfg.rows), B, cfg, dev)
+    acc = dmod == "fused"
+
+    def grad_buffer(per_token, shape, dtype):  # per token: final layout unless B must still be summed; else partials
+        if per_token:
+            full = shape[0] == B or B == 1
+            return torch.empty((B, N, D), dtype=dtype if full else torch.float32, device=dev), full
+        alloc = torch.empty if P * B > 0 else torch.zeros  # nothing to launch: the sums are zero
+        return alloc((B, max(P, 1), D), dtype=torch.float32, device=dev), False
+
+    dx = torch.empty((B, N, D), dtype=x.dtype, device=dev)
+    ds_buf, ds_final = grad_buffer(s_tok, scale.shape, scale.dtype)
+    dh_buf, dh_final = grad_buffer(h_tok, shift_shape, shift_dtype)
+    if P * B > 0 and D > 0:
+        _, bwd, dtile = _kernels(_interpreting())
+        with torch.cuda.device(dev) if x.is_cuda else contextlib.nullcontext():
+            bwd[(P, B)](dy, x, scale, mean, rstd, dx, ds_buf, dh_buf, N, D, tiles_per_prog, P,
+                        dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), ssb, ssn, ssd,
+                        N * D if s_tok else 0, N * D if h_tok else 0,
+                        SCALE_PER_TOKEN=s_tok, SHIFT_PER_TOKEN=h_tok, ACC_DMOD=acc, ROWS=cfg.rows,
+                        BLOCK_D=triton.next_power_of_2(D), num_warps=cfg.num_warps)
+            if not acc and not (s_tok and h_tok):
+                dcfg = dtile_config or default_config("dtile", D, dev)
+                block_dt = dcfg.block_d or triton.next_power_of_2(D)
+                n_dtiles = triton.cdiv(D, block_dt)
+                S, tiles_per_split = _span(triton.cdiv(N, dcfg.rows), B * n_dtiles, dcfg, dev)
+                part_s = torch.empty((B, S, D), dtype=torch.float32, device=dev)
+                part_h = torch.empty_like(part_s)
+                dtile[(S * n_dtiles, B)](dy, x, mean, rstd, part_s, part_h, N, D, tiles_per_split, S, n_dtiles,
+                                         dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
+                                         ROWS=dcfg.rows, BLOCK_DT=block_dt, num_warps=dcfg.num_warps)
+                ds_buf = ds_buf if s_tok else part_s
+                dh_buf = dh_buf if h_tok else part_h
+
+    def finish(buf, per_token, final, shape, dtype):
+        if per_token:
+            return buf if final else buf.sum(0, keepdim=True).to(dtype)
+        g = buf.sum(1, keepdim=True)  # [B, 1, D]: the partials in a fixed order, deterministic
+        return (g if shape[0] == B else g.sum(0, keepdim=True)).to(dtype)
+
+    return (dx, finish(ds_buf, s_tok, ds_final, scale.shape, scale.dtype),
+            finish(dh_buf, h_tok, dh_final, shift_shape, shift_dtype))
+
+
+# ------------------------------------------------------------------------------------------- custom op and autograd
+@torch.library.custom_op("adaptiveload::adaln_fwd", mutates_args=())
+def _adaln_fwd_op(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return adaln_forward(x, scale, shift, eps)
+
+
+@_adaln_fwd_op.register_fake
+def _adaln_fwd_fake(x, scale, shift, eps):
+    B, N, D = x.shape
+    stats = x.new_empty((B, N), dtype=torch.float32)
+    return x.new_empty((B, N, D)), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("adaptiveload::adaln_bwd", mutates_args=())
+def _adaln_bwd_op(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                  shift_shape: list[int], shift_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return adaln_backward(dy, x, scale, mean, rstd, shift_shape, shift_dtype)
+
+
+@_adaln_bwd_op.register_fake
+def _adaln_bwd_fake(dy, x, scale, mean, rstd, shift_shape, shift_dtype):
+    return (x.new_empty(x.shape), scale.new_empty(scale.shape), scale.new_empty(shift_shape, dtype=shift_dtype))
+
+
+def _adaln_setup_context(ctx, inputs, output):
+    x, scale, shift, _eps = inputs
+    _y, mean, rstd = output
+    ctx.save_for_backward(x, scale, mean, rstd)  # x and scale are the caller's tensors: only the stats are new
+    ctx.shift_shape, ctx.shift_dtype = list(shift.shape), shift.dtype
+
+
+def _adaln_backward(ctx, dy, _dmean, _drstd):
+    x, scale, mean, rstd = ctx.saved_tensors
+    dx, dscale, dshift = _adaln_bwd_op(dy, x, scale, mean, rstd, ctx.shift_shape, ctx.shift_dtype)
+    return dx, dscale, dshift, None
+
+
+_adaln_fwd_op.register_autograd(_adaln_backward, setup_context=_adaln_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------------ functional
+def triton_supported(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> bool:
+    """Whether backend="auto" takes the Triton path for these inputs."""
+    return (triton is not None and x.is_cuda and x.dim() == 3 and x.dtype in _DTYPES
+            and scale.dtype in _DTYPES and shift.dtype in _DTYPES and 0 < x.shape[-1] <= MAX_D)
+
+
 def adaln_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6,
                    backend: str = "auto") -> torch.Tensor:
     if backend not in BACKENDS:
         raise ValueError(f"adaln backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "triton":
-        raise NotImplementedError("the Triton AdaLN kernels land with issue 3; use backend='torch' or 'auto'")
-    return adaln_reference(x, scale, shift, eps)
+    if backend == "auto":
+        backend = "triton" if triton_supported(x, scale, shift) else "torch"
+    if backend == "torch":
+        return adaln_reference(x, scale, shift, eps)
+    if triton is None:
+        raise RuntimeError("adaln: backend='triton' needs the `triton` package (pip install triton); "
+                           "use backend='torch' or 'auto'")
+    _check(x, scale, shift)
+    return _adaln_fwd_op(x, scale, shift, float(eps))[0]

@@ -1,0 +1,235 @@
+"""ops/adaln.py: the fused kernels against an fp64 reference, output and every gradient.
+
+On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py sets it when CUDA is absent); the interpreter
+pays ~1 ms per program and loop step, so the shapes are small but awkward: odd D, N not a multiple of the row tile,
+several programs per sample, chunk views of a modulation table. On CUDA the same tests run natively, and the tests
+marked gpu add model-sized rows, determinism and torch.compile.
+"""
+import zlib
+
+import pytest
+import torch
+
+from ops import adaln
+from ops.adaln import KernelConfig, adaln_backward, adaln_forward, adaln_modulate, adaln_reference
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# ‖out − ref‖ / ‖ref‖ against fp64 on the same rounded inputs: the output's own rounding dominates
+TOL = {torch.float32: 1e-5, torch.float16: 1.5e-3, torch.bfloat16: 1e-2}
+HALF = {torch.float32: torch.bfloat16, torch.float16: torch.float16, torch.bfloat16: torch.bfloat16}
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+pytestmark = pytest.mark.skipif(adaln.triton is None, reason="triton is not installed")
+
+
+def ref64(x, scale, shift, eps=1e-6):
+    x = x.double()
+    mu = x.mean(-1, keepdim=True)
+    var = ((x - mu) ** 2).mean(-1, keepdim=True)
+    return (x - mu) / torch.sqrt(var + eps) * (1 + scale.double()) + shift.double()
+
+
+def rel_err(out, ref):
+    assert torch.isfinite(out).all()
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+TABLE_SHAPE = {  # the leaf each kind's scale/shift are views of, as diffusers hands them over
+    "sample": lambda B, N, D: (B, 6, D),   # Wan 2.1: (table + temb).chunk(6, dim=1) → [B, 1, D], stride 6·D
+    "token": lambda B, N, D: (B, N, 6, D),  # Wan 2.2 TI2V: chunk(6, dim=2), squeezed → [B, N, D], stride 6·D
+    "bcast": lambda B, N, D: (1, 2, D),     # the output head: one [1, 1, D] modulation for every sample
+    "mixed": lambda B, N, D: (B, D, N + 1),  # transposed: per-token scale, per-sample shift, feature stride N+1
+    "dstride": lambda B, N, D: (1, N, D, 3),  # features at stride 3, one per-token modulation shared over B
+}
+
+
+def views(kind, table):
+    """(scale, shift) as views of the table: read by stride, never copied."""
+    if kind in ("sample", "bcast"):
+        return table[:, 1:2], table[:, 0:1]
+    if kind == "token":
+        return tuple(c.squeeze(2) for c in table.chunk(6, dim=2)[:2])
+    if kind == "mixed":
+        return table.transpose(1, 2)[:, 1:], table.transpose(1, 2)[:, :1]
+    return table[..., 0], table[..., 2]
+
+
+def modulation(kind, B, N, D, dtype, gen):
+    table = (0.5 * torch.randn(*TABLE_SHAPE[kind](B, N, D), generator=gen)).to(DEV, dtype)
+    return (table, *views(kind, table))
+
+
+def reference_grads(x, table, kind, dy):
+    """fp64: (y, dx, dscale, dshift, dtable)."""
+    x64 = x.detach().double().requires_grad_()
+    t64 = table.detach().double().requires_grad_()
+    s64, h64 = views(kind, t64)
+    s64.retain_grad()
+    h64.retain_grad()
+    y64 = ref64(x64, s64, h64)
+    y64.backward(dy.double())
+    return y64.detach(), x64.grad, s64.grad, h64.grad, t64.grad
+
+
+# (kind, D, B, N, x dtype, modulation half?) — every D, B, dtype and kind, pairwise; N never a multiple of rows=4
+CASES = [
+    ("sample", 37, 3, 13, torch.bfloat16, False), ("sample", 64, 1, 13, torch.float32, False),
+    ("sample", 200, 3, 9, torch.float16, True), ("sample", 384, 1, 21, torch.bfloat16, True),
+    ("token", 37, 1, 13, torch.float32, True), ("token", 64, 3, 13, torch.bfloat16, False),
+    ("token", 200, 1, 10, torch.bfloat16, True), ("token", 384, 3, 7, torch.float16, False),
+    ("bcast", 37, 3, 13, torch.float16, False), ("bcast", 64, 3, 9, torch.bfloat16, True),
+    ("bcast", 200, 1, 13, torch.float32, False), ("bcast", 384, 3, 5, torch.bfloat16, False),
+    ("mixed", 200, 3, 11, torch.bfloat16, False), ("dstride", 64, 3, 9, torch.float32, False),
+]
+
+
+@pytest.mark.parametrize("kind,D,B,N,x_dtype,half_mod", CASES,
+                         ids=[f"{c[0]}-D{c[1]}-B{c[2]}-N{c[3]}-{str(c[4])[6:]}-{'half' if c[5] else 'fp32'}mod"
+                              for c in CASES])
+def test_matches_fp64_reference(kind, D, B, N, x_dtype, half_mod):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}{D}{B}{N}".encode()))
+    mod_dtype = HALF[x_dtype] if half_mod else torch.float32
+    x = (torch.randn(B, N, D, generator=gen) * 2 + 0.5).to(DEV, x_dtype)
+    table, scale, shift = modulation(kind, B, N, D, mod_dtype, gen)
+    dy = torch.randn(B, N, D, generator=gen).to(DEV, x_dtype)
+    y64, dx64, ds64, dh64, dt64 = reference_grads(x, table, kind, dy)
+
+    # the launchers: every output in its input's dtype and shape
+    y, mean, rstd = adaln_forward(x, scale, shift)
+    assert (y.dtype, y.shape, mean.dtype, mean.shape) == (x_dtype, x.shape, torch.float32, (B, N))
+    dx, ds, dh = adaln_backward(dy, x, scale, mean, rstd, shift.shape, shift.dtype)
+    assert (dx.dtype, dx.shape) == (x_dtype, x.shape)
+    assert (ds.dtype, ds.shape, dh.dtype, dh.shape) == (mod_dtype, scale.shape, mod_dtype, shift.shape)
+    assert rel_err(y, y64) < TOL[x_dtype]
+    assert rel_err(dx, dx64) < TOL[x_dtype]
+    assert rel_err(ds, ds64) < TOL[mod_dtype]
+    assert rel_err(dh, dh64) < TOL[mod_dtype]
+
+    # the public op through autograd, down to the table behind the views
+    x_leaf = x.clone().requires_grad_()
+    t_leaf = table.clone().requires_grad_()
+    scale_v, shift_v = views(kind, t_leaf)
+    y_op = adaln_modulate(x_leaf, scale_v, shift_v, backend="triton")
+    y_op.backward(dy)
+    assert torch.equal(y_op, y)
+    assert torch.equal(x_leaf.grad, dx)
+    assert t_leaf.grad.dtype == mod_dtype
+    assert rel_err(t_leaf.grad, dt64) < TOL[mod_dtype]
+
+
+@pytest.mark.parametrize("kind", ["sample", "bcast", "mixed"])
+def test_dtile_variant_and_spans(kind):
+    """The paper's D-tile reduction and explicit launch shapes (several programs per sample, a persistent span that
+    ends in a partial tile) give the fused path's gradients."""
+    B, N, D = 3, 13, 200
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(B, N, D, generator=gen).to(DEV, torch.bfloat16)
+    table, scale, shift = modulation(kind, B, N, D, torch.float32, gen)
+    dy = torch.randn(B, N, D, generator=gen).to(DEV, torch.bfloat16)
+    _, dx64, ds64, dh64, _ = reference_grads(x, table, kind, dy)
+    cfg = KernelConfig(rows=2, num_warps=4, programs_per_sm=9 * adaln._sm_count(DEV))  # 3 programs per sample
+    y, mean, rstd = adaln_forward(x, scale, shift, config=KernelConfig(rows=2, num_warps=4, programs_per_sm=0))
+    assert torch.equal(y, adaln_forward(x, scale, shift)[0])
+    fused = adaln_backward(dy, x, scale, mean, rstd, shift.shape, shift.dtype, config=cfg)
+    dtile = adaln_backward(dy, x, scale, mean, rstd, shift.shape, shift.dtype, dmod="dtile", config=cfg,
+                           dtile_config=KernelConfig(rows=4, num_warps=4, programs_per_sm=6, block_d=64))
+    for got in (fused, dtile):
+        assert rel_err(got[0], dx64) < TOL[torch.bfloat16]
+        assert rel_err(got[1], ds64) < TOL[torch.float32]
+        assert rel_err(got[2], dh64) < TOL[torch.float32]
+    assert torch.equal(fused[0], dtile[0])
+
+
+def test_checkpointing_and_opcheck():
+    """The custom op recomputes under non-reentrant activation checkpointing, and torch.library.opcheck accepts its
+    schema, fake implementation and autograd registration."""
+    from torch.utils.checkpoint import checkpoint
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 40, generator=gen).to(DEV, torch.bfloat16).requires_grad_()
+    table = torch.randn(2, 6, 40, generator=gen).to(DEV).requires_grad_()
+
+    def f(x, table):
+        return adaln_modulate(x, table[:, 1:2], table[:, 0:1], backend="triton").float().square().sum()
+
+    grads = torch.autograd.grad(f(x, table), (x, table))
+    grads_ckpt = torch.autograd.grad(checkpoint(f, x, table, use_reentrant=False), (x, table))
+    for a, b in zip(grads, grads_ckpt):
+        assert torch.equal(a, b)
+
+    scale, shift = table[:, 1:2].detach().requires_grad_(), table[:, 0:1].detach().requires_grad_()
+    torch.library.opcheck(torch.ops.adaptiveload.adaln_fwd.default, (x, scale, shift, 1e-6),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    y, mean, rstd = adaln_forward(x.detach(), scale.detach(), shift.detach())
+    torch.library.opcheck(torch.ops.adaptiveload.adaln_bwd.default,
+                          (torch.randn_like(y), x.detach(), scale.detach(), mean, rstd, [2, 1, 40], torch.float32),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_backends_and_errors(monkeypatch):
+    x = torch.randn(2, 3, 8, device=DEV)
+    scale, shift = torch.randn(2, 1, 8, device=DEV), torch.randn(1, 1, 8, device=DEV)
+    y_auto = adaln_modulate(x, scale, shift)
+    if DEV.type == "cpu":  # auto means the reference off CUDA
+        assert torch.equal(y_auto, adaln_reference(x, scale, shift))
+    else:
+        assert torch.equal(y_auto, adaln_modulate(x, scale, shift, backend="triton"))
+    with pytest.raises(ValueError, match="backend"):
+        adaln_modulate(x, scale, shift, backend="cuda")
+    with pytest.raises(ValueError, match="scale"):
+        adaln_modulate(x, torch.randn(2, 2, 8, device=DEV), shift, backend="triton")
+    with pytest.raises(ValueError, match="dmod"):
+        adaln_backward(x, x, scale, x[..., 0], x[..., 0], shift.shape, shift.dtype, dmod="atomic")
+    x64 = x.double()
+    assert torch.equal(adaln_modulate(x64, scale, shift), adaln_reference(x64, scale, shift))  # auto: reference
+    monkeypatch.setattr(adaln, "triton", None)
+    with pytest.raises(RuntimeError, match="triton"):
+        adaln_modulate(x, scale, shift, backend="triton")
+    assert torch.equal(adaln_modulate(x, scale, shift, backend="torch"), adaln_reference(x, scale, shift))
+
+
+# ------------------------------------------------------------------------------------------------------- GPU only
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [200, 1536, 5120])
+@pytest.mark.parametrize("kind", ["sample", "token"])
+def test_gpu_model_sizes_deterministic(kind, D):
+    B, N = 2, 1000
+    gen = torch.Generator().manual_seed(D)
+    x = (torch.randn(B, N, D, generator=gen) * 3 + 1).to(DEV, torch.bfloat16)
+    table, scale, shift = modulation(kind, B, N, D, torch.float32, gen)
+    dy = torch.randn(B, N, D, generator=gen).to(DEV, torch.bfloat16)
+    y64, dx64, ds64, dh64, _ = reference_grads(x, table, kind, dy)
+    y, mean, rstd = adaln_forward(x, scale, shift)
+    runs = [adaln_backward(dy, x, scale, mean, rstd, shift.shape, shift.dtype) for _ in range(2)]
+    for a, b in zip(*runs):  # no atomics: bit-for-bit the same
+        assert torch.equal(a, b)
+    dx, ds, dh = runs[0]
+    assert rel_err(y, y64) < TOL[torch.bfloat16] and rel_err(dx, dx64) < TOL[torch.bfloat16]
+    assert rel_err(ds, ds64) < TOL[torch.float32] and rel_err(dh, dh64) < TOL[torch.float32]
+    if kind == "sample":
+        dtile = adaln_backward(dy, x, scale, mean, rstd, shift.shape, shift.dtype, dmod="dtile")
+        assert rel_err(dtile[1], ds64) < TOL[torch.float32] and rel_err(dtile[2], dh64) < TOL[torch.float32]
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_torch_compile():
+    """Inside a compiled graph (fullgraph: the op must not break it) the op gives the eager op's output and grads,
+    at B=1 where compiling the reference fails on the [1, 1, D] gradient."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 300, 1536, generator=gen).to(DEV, torch.bfloat16).requires_grad_()
+    table = torch.randn(1, 6, 1536, generator=gen).to(DEV).requires_grad_()
+
+    def f(x, table):
+        scale, shift = table.chunk(6, dim=1)[:2]
+        return adaln_modulate(x, scale, shift, backend="triton")
+
+    dy = torch.randn(1, 300, 1536, generator=gen).to(DEV, torch.bfloat16)
+    y = f(x, table)
+    grads = torch.autograd.grad(y, (x, table), dy)
+    y_c = torch.compile(f, fullgraph=True)(x, table)
+    grads_c = torch.autograd.grad(y_c, (x, table), dy)
+    assert torch.equal(y, y_c)
+    for a, b in zip(grads, grads_c):
+        assert torch.equal(a, b)
