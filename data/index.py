@@ -66,15 +66,14 @@ class SampleIndex:
         return read_range(os.path.join(self.root, r["shard"]), offset, size)
 
 
-@lru_cache(maxsize=64)
-def _open(path: str):
-    return open(path, "rb")
+@lru_cache(maxsize=256)
+def _fd(path: str) -> int:
+    return os.open(path, os.O_RDONLY)
 
 
 def read_range(path: str, offset: int, size: int) -> bytes:
-    f = _open(path)
-    f.seek(offset)
-    data = f.read(size)
+    """`size` bytes at `offset`: one pread on a cached descriptor (safe across loader threads, no stale buffer)."""
+    data = os.pread(_fd(path), size, offset)
     if len(data) != size:
         raise IOError(f"{path}: short read at offset {offset} ({len(data)} of {size} bytes): truncated shard?")
     return data

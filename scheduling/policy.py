@@ -34,7 +34,7 @@ class Schedule:
         rows = [f"{'bucket':<16}{'S':>8}{'B':>6}{'B·S':>10}{'pred ms':>10}"]
         for name, S in tokens.items():
             B = self.batch_sizes[name]
-            rows.append(f"{name:<16}{S:>8}{B:>6}{B * S:>10}{self.cost_fn(B, S):>10.2f}")
+            rows.append(f"{name:<16}{S:>8}{B:>6}{B * S:>10}{self.cost_fn(B, S):>10.3g}")
         return "\n".join(rows)
 
 

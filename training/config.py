@@ -93,7 +93,7 @@ def _coerce(tp, value, where: str):
             return value
         if not isinstance(value, dict):
             raise ValueError(f"{where} must be a mapping, got {value!r}")
-        return from_dict(tp, value, where)
+        return from_dict(tp, value, where + ".")
     if tp is Any or value is None and tp in (dict, list):
         return value
     if tp is bool:

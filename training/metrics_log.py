@@ -66,9 +66,7 @@ class MetricsLogger:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._wandb is not None:
-            scal = {k: (sum(v) / len(v) if v else None) if isinstance(v, list) else v
-                    for k, v in metrics.items() if isinstance(v, (int, float, list)) and not isinstance(v, bool)}
-            self._wandb.log(scal, step=step)
+            self._wandb.log({k: _scalar(v) for k, v in metrics.items() if _scalar(v) is not None}, step=step)
 
     def close(self) -> None:
         if self._file:
@@ -77,6 +75,14 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def _scalar(v):
+    """wandb gets numbers; a list of numbers (per micro-batch) as its mean; strings and None are left out."""
+    if isinstance(v, list):
+        nums = [x for x in v if isinstance(x, (int, float)) and not isinstance(x, bool)]
+        return sum(nums) / len(nums) if nums and len(nums) == len(v) else None
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def _run_id(run_dir: str) -> str:

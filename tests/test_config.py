@@ -1,0 +1,71 @@
+"""Every preset composes and validates; bad values are refused with a message naming the field."""
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import PRESETS, ROOT, compose_config
+
+
+def test_presets_exist():
+    assert {"wan21_1p3b", "wan21_8gpu", "wan21_16gpu"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("preset", [None] + PRESETS)
+def test_every_preset_composes_and_validates(preset):
+    cfg = compose_config([f"conf={preset}"] if preset else [])
+    assert cfg.run_dir == f"runs/{cfg.name}"
+    assert cfg.data.buckets and cfg.train.steps > 0
+
+
+def test_wan21_8gpu_resolves_14b():
+    cfg = compose_config(["conf=wan21_8gpu"])
+    m = cfg.model
+    assert (m.dim, m.num_layers, m.num_attention_heads, m.ffn_dim, m.text_dim) == (5120, 40, 40, 13824, 4096)
+    assert cfg.launch.num_processes == 8 and cfg.model.precision == "bf16"
+    frames = {b["frames"] for b in cfg.data.buckets.values()}
+    assert frames == {1, 17, 33, 49, 81}
+    from data.buckets import bucket_table
+
+    tokens = {n: b.tokens for n, b in bucket_table(cfg.data.buckets).items()}
+    assert tokens["i480"] == 1560 and tokens["v480_81f"] == 32760 and tokens["v720_81f"] == 75600
+
+
+def test_16gpu_and_1p3b_shapes():
+    assert compose_config(["conf=wan21_16gpu"]).launch.num_processes == 16
+    m = compose_config(["conf=wan21_1p3b"]).model
+    assert (m.dim, m.num_layers, m.ffn_dim) == (1536, 30, 8960)
+
+
+def test_bucket_override_from_command_line():
+    cfg = compose_config(["conf=wan21_8gpu", "data.buckets.v480_33f.frames=37"])
+    assert cfg.data.buckets["v480_33f"]["frames"] == 37
+
+
+@pytest.mark.parametrize("override, field", [
+    ("train.steps=0", "train.steps"),
+    ("train.micro_batches=-1", "train.micro_batches"),
+    ("optim.lr=-1", "optim.lr"),
+    ("optim.betas=[0.9,1.5]", "optim.betas"),
+    ("model.adaln_backend=cuda", "model.adaln_backend"),
+    ("model.checkpointing=some", "model.checkpointing"),
+    ("scheduling.strategy=fastest", "scheduling.strategy"),
+    ("scheduling.m_tokens=-5", "scheduling.m_tokens"),
+    ("data.caption_dropout=1.5", "data.caption_dropout"),
+    ("data.buckets.vid_64_9f.frames=10", "data.buckets.vid_64_9f.frames"),
+    ("data.buckets.img_64.height=60", "data.buckets.img_64.height"),
+    ("logging.wandb=maybe", "logging.wandb"),
+    ("train.steps=ten", "train.steps"),
+    ("+train.stepz=3", "train.stepz"),
+    ("scheduling.m_mem=50", "scheduling.m_mem"),
+])
+def test_bad_values_are_refused_naming_the_field(override, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        compose_config([override])
+
+
+def test_cfg_job_prints_the_composed_14b_config_on_cpu():
+    out = subprocess.run([sys.executable, "train.py", "conf=wan21_8gpu", "--cfg", "job"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "num_layers: 40" in out.stdout and "ffn_dim: 13824" in out.stdout

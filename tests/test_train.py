@@ -1,0 +1,92 @@
+"""End-to-end training on the CPU: the default run learns, resume equals the uninterrupted run, SIGTERM checkpoints."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import ROOT, run_training, tiny_overrides
+from training.checkpoint import list_checkpoints
+from training.metrics_log import read_metrics
+
+pytestmark = pytest.mark.slow
+
+EVERY_STEP_KEYS = {"step", "samples_seen", "train/loss", "train/grad_norm", "train/lr", "perf/tokens_per_s",
+                   "perf/samples_per_s", "perf/mfu", "time/step_s", "time/data_wait_s", "time/fwd_s", "time/bwd_s",
+                   "time/optim_s", "time/step_s_max", "balance/compute_cv_pred", "balance/idle_fraction_pred",
+                   "balance/step_time_cv", "batch/S", "batch/B", "batch/bucket", "memory/peak_gib"}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def test_default_run_learns_and_logs_the_contract_metrics(tmp_path, cache, monkeypatch):
+    run_dir = str(tmp_path / "run")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    overrides = tiny_overrides(run_dir, cache, "train.steps=100", "train.val_every=50")
+    run_training([o for o in overrides if not o.startswith("logging.wandb")] + ["logging.wandb=offline"])
+    assert any(d.startswith("offline-run-") for d in os.listdir(os.path.join(run_dir, "wandb")))
+    rows = read_metrics(run_dir)
+    val = [(r["step"], r["val/loss"]) for r in rows if "val/loss" in r]
+    assert [s for s, _ in val] == [0, 50, 100]
+    assert val[-1][1] <= 0.8 * val[0][1], f"val/loss did not fall by 20 %: {val}"
+    steps = [r for r in rows if r["step"] > 0]
+    assert len(steps) == 100 and EVERY_STEP_KEYS <= set(steps[-1])
+    last = steps[-1]
+    assert last["perf/tokens_per_s"] > 0 and last["perf/mfu"] is None  # MFU is null on CPU
+    assert last["samples_seen"] == sum(r["samples_seen"] - p["samples_seen"] for p, r in zip(rows, rows[1:])) > 0
+    assert all(S in (16, 24, 48, 120) for S in last["batch/S"]) and len(last["batch/S"]) == 2
+    assert 0 <= last["balance/idle_fraction_pred"] < 1 and last["memory/peak_gib"] > 0
+    assert list_checkpoints(run_dir)[-1][0] == 100
+    with open(os.path.join(run_dir, "config.yaml")) as f:
+        assert "num_layers: 2" in f.read()
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, cache):
+    straight = str(tmp_path / "straight")
+    common = ("train.steps=16", "train.val_every=8", "checkpoint.every=8", "checkpoint.keep_last=3",
+              "optim.ema_decay=0.9")
+    run_training(tiny_overrides(straight, cache, *common))
+    resumed = str(tmp_path / "resumed")
+    os.makedirs(resumed)
+    shutil.copytree(os.path.join(straight, "step_8"), os.path.join(resumed, "step_8"))
+    run_training(tiny_overrides(resumed, cache, *common, "resume=auto"))
+    a = {r["step"]: r for r in read_metrics(straight)}
+    b = {r["step"]: r for r in read_metrics(resumed)}
+    assert min(b) == 9 and max(b) == 16
+    for s in range(9, 17):
+        for k in ("train/loss", "train/grad_norm", "train/lr", "samples_seen", "batch/S"):
+            assert a[s][k] == b[s][k], (s, k, a[s][k], b[s][k])
+    assert a[16]["val/loss"] == b[16]["val/loss"]
+
+
+def test_sigterm_leaves_a_resumable_checkpoint(tmp_path, cache):
+    run_dir = str(tmp_path / "sig")
+    args = [sys.executable, "train.py", *tiny_overrides(run_dir, cache, "train.steps=100000", "checkpoint.every=0",
+                                                          "train.val_every=100000")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= 4:
+            break
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    (step, path), = list_checkpoints(run_dir)
+    assert step >= 3
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    assert meta["step"] == step and meta["samples_seen"] > 0 and "pos" in meta and "epoch" in meta
+    run_training(tiny_overrides(run_dir, cache, f"train.steps={step + 2}", "resume=auto"))
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows[-2:]] == [step + 1, step + 2]
