@@ -1,7 +1,7 @@
 """Fused AdaLN: LayerNorm (no affine, fp32 statistics) then modulation, forward and backward in Triton.
 
     x̂ = (x − μ) · rstd,   μ = mean_D(x),   rstd = 1 / sqrt(var_D(x) + eps)      (fp32, two passes over registers)
-    y = x̂ · (1 + scale) + shift                                                  computed in fp32, returned in x.dtype
+    y = x̂ · (1 + scale) + shift                                   computed in fp32, returned in x.dtype
 
 This is the same function as diffusers' Wan block `(norm1(x.float()) * (1 + scale) + shift).type_as(x)`.
 `x` is [B, N, D]; `scale`/`shift` are [B, 1, D] (per sample), [B, N, D] (per token) or [1, 1, D] (broadcast), any
@@ -30,18 +30,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-try:  # cheap (~50 ms); the kernels are jitted on first use, see _kernels()
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - the reference still works
-    triton = None
-    tl = None
+# Imported on first use by _kernels(): triton.language jits its own helpers (tl.cdiv, tl.sum's combine) when it is
+# imported, in whatever mode TRITON_INTERPRET names then, and the tests set it only after finding no CUDA.
+triton = None
+tl = None
+_HAS_TRITON = importlib.util.find_spec("triton") is not None  # a module constant: torch.compile traces the checks
 
 BACKENDS = ("auto", "triton", "torch")
 DMOD_SCHEMES = ("fused", "dtile")
@@ -55,106 +55,141 @@ def adaln_reference(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, e
 
 
 # ----------------------------------------------------------------------------------------------------------- kernels
-# Plain functions, jitted by _kernels() on first use: TRITON_INTERPRET is read when triton.jit decorates, and the
-# tests set it only after deciding there is no CUDA. Every load is upcast to fp32 at once (the interpreter has no
-# bf16 arithmetic, and the math is fp32 by contract). Row offsets are int64: B·N·D passes 2^31 at video sizes.
+# Plain functions, jitted by _kernels() on first use (the annotations stay strings until then). Every load is
+# upcast to fp32 at once (the interpreter has no bf16 arithmetic, and the math is fp32 by contract). Row offsets
+# are int64: B·N·D passes 2^31 at video sizes.
+#
+# A row is held as two segments, columns [0, BLOCK_A) and [BLOCK_A, BLOCK_A + BLOCK_B): with BLOCK_A the largest
+# power of two ≤ D and BLOCK_B the next power of two ≥ D − BLOCK_A, D = 1536 = 1024 + 512 and 5120 = 4096 + 1024
+# need no masked lanes at all (one power-of-two tile would mask a quarter and three eighths of its lanes).
+# The unsplit layout (BLOCK_A = next power of two, masked; BLOCK_B = 1, empty) is kept for the benchmark.
 
 def _fwd_kernel(X, SCALE, SHIFT, Y, MEAN, RSTD,
-                N, D, tiles_per_prog, eps,
+                N, tiles_per_prog, eps,
                 sxb, sxn, ssb, ssn, ssd, shb, shn, shd,
-                SCALE_PER_TOKEN: tl.constexpr, SHIFT_PER_TOKEN: tl.constexpr,
-                ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+                D: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ROWS: tl.constexpr,
+                SCALE_PER_TOKEN: tl.constexpr, SHIFT_PER_TOKEN: tl.constexpr, NUM_STAGES: tl.constexpr):
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    cmask = cols < D
     rows = tl.arange(0, ROWS)
+    ca = tl.arange(0, BLOCK_A)
+    cb = BLOCK_A + tl.arange(0, BLOCK_B)
+    ma = ca < D
+    mb = cb < D
     if not SCALE_PER_TOKEN:  # one vector per sample: loaded once, broadcast over the program's rows
-        sc1 = 1.0 + tl.load(SCALE + b * ssb + cols * ssd, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        sa = 1.0 + tl.load(SCALE + b * ssb + ca * ssd, mask=ma, other=0.0).to(tl.float32)[None, :]
+        sb = 1.0 + tl.load(SCALE + b * ssb + cb * ssd, mask=mb, other=0.0).to(tl.float32)[None, :]
     if not SHIFT_PER_TOKEN:
-        sh = tl.load(SHIFT + b * shb + cols * shd, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    n_tiles = tl.cdiv(N, ROWS)
+        ha = tl.load(SHIFT + b * shb + ca * shd, mask=ma, other=0.0).to(tl.float32)[None, :]
+        hb = tl.load(SHIFT + b * shb + cb * shd, mask=mb, other=0.0).to(tl.float32)[None, :]
     t0 = pid * tiles_per_prog
-    t1 = tl.minimum(t0 + tiles_per_prog, n_tiles)
-    for t in range(t0, t1):
+    t1 = tl.minimum(t0 + tiles_per_prog, tl.cdiv(N, ROWS))
+    for t in tl.range(t0, t1, num_stages=NUM_STAGES):
         n = (t * ROWS + rows).to(tl.int64)
         rmask = n < N
-        mask = rmask[:, None] & cmask[None, :]
-        x = tl.load(X + b * sxb + n[:, None] * sxn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1) / D
-        xc = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / D + eps)
-        x_hat = xc * rstd[:, None]
+        mask_a = rmask[:, None] & ma[None, :]
+        mask_b = rmask[:, None] & mb[None, :]
+        x_row = X + b * sxb + n[:, None] * sxn
+        xa = tl.load(x_row + ca[None, :], mask=mask_a, other=0.0).to(tl.float32)
+        xb = tl.load(x_row + cb[None, :], mask=mask_b, other=0.0).to(tl.float32)
+        mean = (tl.sum(xa, axis=1) + tl.sum(xb, axis=1)) / D
+        xa = tl.where(ma[None, :], xa - mean[:, None], 0.0)
+        xb = tl.where(mb[None, :], xb - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt((tl.sum(xa * xa, axis=1) + tl.sum(xb * xb, axis=1)) / D + eps)
         if SCALE_PER_TOKEN:
-            sc1 = 1.0 + tl.load(SCALE + b * ssb + n[:, None] * ssn + cols[None, :] * ssd, mask=mask,
-                                other=0.0).to(tl.float32)
+            s_row = SCALE + b * ssb + n[:, None] * ssn
+            sa = 1.0 + tl.load(s_row + ca[None, :] * ssd, mask=mask_a, other=0.0).to(tl.float32)
+            sb = 1.0 + tl.load(s_row + cb[None, :] * ssd, mask=mask_b, other=0.0).to(tl.float32)
         if SHIFT_PER_TOKEN:
-            sh = tl.load(SHIFT + b * shb + n[:, None] * shn + cols[None, :] * shd, mask=mask,
-                         other=0.0).to(tl.float32)
-        y = x_hat * sc1 + sh
-        tl.store(Y + (b * N + n[:, None]) * D + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+            h_row = SHIFT + b * shb + n[:, None] * shn
+            ha = tl.load(h_row + ca[None, :] * shd, mask=mask_a, other=0.0).to(tl.float32)
+            hb = tl.load(h_row + cb[None, :] * shd, mask=mask_b, other=0.0).to(tl.float32)
+        y_row = Y + (b * N + n[:, None]) * D
+        tl.store(y_row + ca[None, :], (xa * rstd[:, None] * sa + ha).to(Y.dtype.element_ty), mask=mask_a)
+        tl.store(y_row + cb[None, :], (xb * rstd[:, None] * sb + hb).to(Y.dtype.element_ty), mask=mask_b)
         tl.store(MEAN + b * N + n, mean, mask=rmask)
         tl.store(RSTD + b * N + n, rstd, mask=rmask)
 
 
 def _bwd_kernel(DY, X, SCALE, MEAN, RSTD, DX, DSCALE, DSHIFT,
-                N, D, tiles_per_prog, n_progs,
+                N, tiles_per_prog, n_progs,
                 sdyb, sdyn, sxb, sxn, ssb, ssn, ssd, dsb, dhb,
+                D: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ROWS: tl.constexpr,
                 SCALE_PER_TOKEN: tl.constexpr, SHIFT_PER_TOKEN: tl.constexpr, ACC_DMOD: tl.constexpr,
-                ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+                NUM_STAGES: tl.constexpr):
     # DSCALE/DSHIFT: per token, [B or 1, N, D] written row by row (batch stride dsb/dhb); per sample, the [B, P, D]
     # fp32 partial buffer, one row per program (unless ACC_DMOD is off: the D-tile kernel computes them instead).
+    # Masked lanes load dy = 0, so they add nothing to the row sums or the partials.
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    cmask = cols < D
     rows = tl.arange(0, ROWS)
+    ca = tl.arange(0, BLOCK_A)
+    cb = BLOCK_A + tl.arange(0, BLOCK_B)
+    ma = ca < D
+    mb = cb < D
     if not SCALE_PER_TOKEN:
-        sc1 = 1.0 + tl.load(SCALE + b * ssb + cols * ssd, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    acc_s = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-    acc_h = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-    n_tiles = tl.cdiv(N, ROWS)
+        sa = 1.0 + tl.load(SCALE + b * ssb + ca * ssd, mask=ma, other=0.0).to(tl.float32)[None, :]
+        sb = 1.0 + tl.load(SCALE + b * ssb + cb * ssd, mask=mb, other=0.0).to(tl.float32)[None, :]
+    acc_sa = tl.zeros([ROWS, BLOCK_A], dtype=tl.float32)  # Σ dy·x̂ and Σ dy, reduced over rows once at the end
+    acc_sb = tl.zeros([ROWS, BLOCK_B], dtype=tl.float32)
+    acc_ha = tl.zeros([ROWS, BLOCK_A], dtype=tl.float32)
+    acc_hb = tl.zeros([ROWS, BLOCK_B], dtype=tl.float32)
     t0 = pid * tiles_per_prog
-    t1 = tl.minimum(t0 + tiles_per_prog, n_tiles)
-    for t in range(t0, t1):
+    t1 = tl.minimum(t0 + tiles_per_prog, tl.cdiv(N, ROWS))
+    for t in tl.range(t0, t1, num_stages=NUM_STAGES):
         n = (t * ROWS + rows).to(tl.int64)
         rmask = n < N
-        mask = rmask[:, None] & cmask[None, :]
-        # masked lanes: dy = 0 there, so they add nothing to the row sums or the partials
-        x = tl.load(X + b * sxb + n[:, None] * sxn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + b * sdyb + n[:, None] * sdyn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(MEAN + b * N + n, mask=rmask, other=0.0)
-        rstd = tl.load(RSTD + b * N + n, mask=rmask, other=0.0)
-        x_hat = (x - mean[:, None]) * rstd[:, None]
+        mask_a = rmask[:, None] & ma[None, :]
+        mask_b = rmask[:, None] & mb[None, :]
+        x_row = X + b * sxb + n[:, None] * sxn
+        dy_row = DY + b * sdyb + n[:, None] * sdyn
+        xa = tl.load(x_row + ca[None, :], mask=mask_a, other=0.0).to(tl.float32)
+        xb = tl.load(x_row + cb[None, :], mask=mask_b, other=0.0).to(tl.float32)
+        dya = tl.load(dy_row + ca[None, :], mask=mask_a, other=0.0).to(tl.float32)
+        dyb = tl.load(dy_row + cb[None, :], mask=mask_b, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + b * N + n, mask=rmask, other=0.0)[:, None]
+        rstd = tl.load(RSTD + b * N + n, mask=rmask, other=0.0)[:, None]
+        xa = (xa - mean) * rstd  # x̂
+        xb = (xb - mean) * rstd
         if SCALE_PER_TOKEN:
-            sc1 = 1.0 + tl.load(SCALE + b * ssb + n[:, None] * ssn + cols[None, :] * ssd, mask=mask,
-                                other=0.0).to(tl.float32)
-        g = dy * sc1
-        c1 = tl.sum(g * x_hat, axis=1) / D
-        c2 = tl.sum(g, axis=1) / D
-        dx = (g - (x_hat * c1[:, None] + c2[:, None])) * rstd[:, None]
-        tl.store(DX + (b * N + n[:, None]) * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            s_row = SCALE + b * ssb + n[:, None] * ssn
+            sa = 1.0 + tl.load(s_row + ca[None, :] * ssd, mask=mask_a, other=0.0).to(tl.float32)
+            sb = 1.0 + tl.load(s_row + cb[None, :] * ssd, mask=mask_b, other=0.0).to(tl.float32)
+        ga = dya * sa
+        gb = dyb * sb
+        c1 = ((tl.sum(ga * xa, axis=1) + tl.sum(gb * xb, axis=1)) / D)[:, None]
+        c2 = ((tl.sum(ga, axis=1) + tl.sum(gb, axis=1)) / D)[:, None]
+        dx_row = DX + (b * N + n[:, None]) * D
+        tl.store(dx_row + ca[None, :], ((ga - (xa * c1 + c2)) * rstd).to(DX.dtype.element_ty), mask=mask_a)
+        tl.store(dx_row + cb[None, :], ((gb - (xb * c1 + c2)) * rstd).to(DX.dtype.element_ty), mask=mask_b)
         if SCALE_PER_TOKEN:
-            tl.store(DSCALE + b * dsb + n[:, None] * D + cols[None, :], (dy * x_hat).to(DSCALE.dtype.element_ty),
-                     mask=mask)
+            ds_row = DSCALE + b * dsb + n[:, None] * D
+            tl.store(ds_row + ca[None, :], (dya * xa).to(DSCALE.dtype.element_ty), mask=mask_a)
+            tl.store(ds_row + cb[None, :], (dyb * xb).to(DSCALE.dtype.element_ty), mask=mask_b)
         elif ACC_DMOD:
-            acc_s += dy * x_hat
+            acc_sa += dya * xa
+            acc_sb += dyb * xb
         if SHIFT_PER_TOKEN:
-            tl.store(DSHIFT + b * dhb + n[:, None] * D + cols[None, :], dy.to(DSHIFT.dtype.element_ty), mask=mask)
+            dh_row = DSHIFT + b * dhb + n[:, None] * D
+            tl.store(dh_row + ca[None, :], dya.to(DSHIFT.dtype.element_ty), mask=mask_a)
+            tl.store(dh_row + cb[None, :], dyb.to(DSHIFT.dtype.element_ty), mask=mask_b)
         elif ACC_DMOD:
-            acc_h += dy
+            acc_ha += dya
+            acc_hb += dyb
     if ACC_DMOD:
-        part = (b * n_progs + pid) * D + cols
+        part = (b * n_progs + pid) * D
         if not SCALE_PER_TOKEN:
-            tl.store(DSCALE + part, tl.sum(acc_s, axis=0), mask=cmask)
+            tl.store(DSCALE + part + ca, tl.sum(acc_sa, axis=0), mask=ma)
+            tl.store(DSCALE + part + cb, tl.sum(acc_sb, axis=0), mask=mb)
         if not SHIFT_PER_TOKEN:
-            tl.store(DSHIFT + part, tl.sum(acc_h, axis=0), mask=cmask)
+            tl.store(DSHIFT + part + ca, tl.sum(acc_ha, axis=0), mask=ma)
+            tl.store(DSHIFT + part + cb, tl.sum(acc_hb, axis=0), mask=mb)
 
 
 def _dmod_dtile_kernel(DY, X, MEAN, RSTD, PART_S, PART_H,
-                       N, D, tiles_per_prog, n_splits, n_dtiles,
+                       N, tiles_per_prog, n_splits, n_dtiles,
                        sdyb, sdyn, sxb, sxn,
-                       ROWS: tl.constexpr, BLOCK_DT: tl.constexpr):
+                       D: tl.constexpr, ROWS: tl.constexpr, BLOCK_DT: tl.constexpr):
     # The paper's scheme: a program owns BLOCK_DT features of one sample and walks down its span of rows, loads
     # coalesced along D; it re-reads x and dy (the dx kernel already read them once).
     pid = tl.program_id(0)
@@ -166,9 +201,8 @@ def _dmod_dtile_kernel(DY, X, MEAN, RSTD, PART_S, PART_H,
     rows = tl.arange(0, ROWS)
     acc_s = tl.zeros([ROWS, BLOCK_DT], dtype=tl.float32)
     acc_h = tl.zeros([ROWS, BLOCK_DT], dtype=tl.float32)
-    n_tiles = tl.cdiv(N, ROWS)
     t0 = pid_n * tiles_per_prog
-    t1 = tl.minimum(t0 + tiles_per_prog, n_tiles)
+    t1 = tl.minimum(t0 + tiles_per_prog, tl.cdiv(N, ROWS))
     for t in range(t0, t1):
         n = (t * ROWS + rows).to(tl.int64)
         rmask = n < N
@@ -188,12 +222,31 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _require_triton() -> None:
+    if not _HAS_TRITON:
+        raise RuntimeError("adaln: backend='triton' needs the `triton` package (pip install triton); "
+                           "use backend='torch' or 'auto'")
+
+
 @functools.lru_cache(maxsize=None)
 def _kernels(interpret: bool):
-    if triton is None:
-        raise RuntimeError("backend='triton' needs the `triton` package (pip install triton); "
-                           "use backend='torch' or 'auto'")
+    global triton, tl
+    _require_triton()
+    import triton
+    import triton.language as tl
+
+    if interpret and type(tl.cdiv).__name__ != "InterpretedFunction":
+        raise RuntimeError("adaln: TRITON_INTERPRET=1 was set after triton was imported; set it before any import "
+                           "of triton (tests/conftest.py does so when CUDA is absent)")
     return triton.jit(_fwd_kernel), triton.jit(_bwd_kernel), triton.jit(_dmod_dtile_kernel)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 # ---------------------------------------------------------------------------------------------------------- launchers
@@ -201,18 +254,21 @@ def _kernels(interpret: bool):
 class KernelConfig:
     """Launch shape of one kernel. rows: rows per tile; programs_per_sm: the persistent grid's programs per SM
     (over all samples; each program owns a contiguous span of tiles), 0 = one tile per program; block_d: features per
-    program (the D-tile kernel only; 0 = all of D)."""
+    program (the D-tile kernel only; 0 = all of D); split: a row as two unmasked power-of-two segments (else one
+    masked tile); num_stages: software-pipelining depth of the loop over a program's tiles."""
     rows: int
     num_warps: int
     programs_per_sm: int
     block_d: int = 0
+    split: bool = True
+    num_stages: int = 1
 
 
 def default_config(kind: str, D: int, device: torch.device) -> KernelConfig:
     """Launch shapes per kernel ("fwd", "bwd", "dtile"), tuned on the H200 (results/adaln_notes.md)."""
     if device.type != "cuda":  # the interpreter pays ~1 ms per program and per loop step: few, wide programs
         return KernelConfig(rows=4, num_warps=4, programs_per_sm=2, block_d=64 if kind == "dtile" else 0)
-    block_d = triton.next_power_of_2(D)
+    block_d = _next_pow2(D)
     if kind == "dtile":
         return KernelConfig(rows=32, num_warps=4, programs_per_sm=4, block_d=min(128, block_d))
     rows = max(1, min(16, 4096 // block_d))
@@ -231,9 +287,9 @@ def _span(n_tiles: int, B: int, cfg: KernelConfig, device: torch.device) -> tupl
     """(programs per sample, tiles per program) for a grid of contiguous spans."""
     if n_tiles == 0:
         return 0, 1
-    target = n_tiles if cfg.programs_per_sm == 0 else max(1, -(-cfg.programs_per_sm * _sm_count(device) // B))
-    tiles_per_prog = -(-n_tiles // min(n_tiles, target))
-    return -(-n_tiles // tiles_per_prog), tiles_per_prog
+    target = n_tiles if cfg.programs_per_sm == 0 else max(1, _cdiv(cfg.programs_per_sm * _sm_count(device), B))
+    tiles_per_prog = _cdiv(n_tiles, min(n_tiles, target))
+    return _cdiv(n_tiles, tiles_per_prog), tiles_per_prog
 
 
 def _mod_layout(t: torch.Tensor, B: int, N: int) -> tuple[bool, int, int, int]:
@@ -261,6 +317,14 @@ def _check(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> None:
         raise RuntimeError("adaln: backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before first use")
 
 
+def _segments(D: int, split: bool) -> tuple[int, int]:
+    """(BLOCK_A, BLOCK_B): see the kernels' header. An empty segment b is one masked lane."""
+    if not split:
+        return _next_pow2(D), 1
+    block_a = 1 << (D.bit_length() - 1)
+    return block_a, _next_pow2(D - block_a) if D > block_a else 1
+
+
 def _rows_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()  # x and dy: rows are read contiguously
 
@@ -275,17 +339,18 @@ def adaln_forward(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps
     mean = torch.empty((B, N), dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
     cfg = config or default_config("fwd", D, x.device)
-    P, tiles_per_prog = _span(triton.cdiv(N, cfg.rows), B, cfg, x.device)
+    P, tiles_per_prog = _span(_cdiv(N, cfg.rows), B, cfg, x.device)
     if P * B == 0 or D == 0:
         return y, mean, rstd
     s_tok, ssb, ssn, ssd = _mod_layout(scale, B, N)
     h_tok, shb, shn, shd = _mod_layout(shift, B, N)
     fwd, _, _ = _kernels(_interpreting())
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        fwd[(P, B)](x, scale, shift, y, mean, rstd, N, D, tiles_per_prog, eps,
+        block_a, block_b = _segments(D, cfg.split)
+        fwd[(P, B)](x, scale, shift, y, mean, rstd, N, tiles_per_prog, eps,
                     x.stride(0), x.stride(1), ssb, ssn, ssd, shb, shn, shd,
-                    SCALE_PER_TOKEN=s_tok, SHIFT_PER_TOKEN=h_tok, ROWS=cfg.rows,
-                    BLOCK_D=triton.next_power_of_2(D), num_warps=cfg.num_warps)
+                    D=D, BLOCK_A=block_a, BLOCK_B=block_b, ROWS=cfg.rows, SCALE_PER_TOKEN=s_tok,
+                    SHIFT_PER_TOKEN=h_tok, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
     return y, mean, rstd
 
 
@@ -303,7 +368,7 @@ def adaln_backward(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean:
     s_tok, ssb, ssn, ssd = _mod_layout(scale, B, N)
     h_tok = shift_shape[1] == N and N > 1
     cfg = config or default_config("bwd", D, dev)
-    P, tiles_per_prog = _span(triton.cdiv(N, cfg.rows), B, cfg, dev)
+    P, tiles_per_prog = _span(_cdiv(N, cfg.rows), B, cfg, dev)
     acc = dmod == "fused"
 
     def grad_buffer(per_token, shape, dtype):  # per token: final layout unless B must still be summed; else partials
@@ -319,21 +384,22 @@ def adaln_backward(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean:
     if P * B > 0 and D > 0:
         _, bwd, dtile = _kernels(_interpreting())
         with torch.cuda.device(dev) if x.is_cuda else contextlib.nullcontext():
-            bwd[(P, B)](dy, x, scale, mean, rstd, dx, ds_buf, dh_buf, N, D, tiles_per_prog, P,
+            block_a, block_b = _segments(D, cfg.split)
+            bwd[(P, B)](dy, x, scale, mean, rstd, dx, ds_buf, dh_buf, N, tiles_per_prog, P,
                         dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), ssb, ssn, ssd,
                         N * D if s_tok else 0, N * D if h_tok else 0,
-                        SCALE_PER_TOKEN=s_tok, SHIFT_PER_TOKEN=h_tok, ACC_DMOD=acc, ROWS=cfg.rows,
-                        BLOCK_D=triton.next_power_of_2(D), num_warps=cfg.num_warps)
+                        D=D, BLOCK_A=block_a, BLOCK_B=block_b, ROWS=cfg.rows, SCALE_PER_TOKEN=s_tok,
+                        SHIFT_PER_TOKEN=h_tok, ACC_DMOD=acc, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
             if not acc and not (s_tok and h_tok):
                 dcfg = dtile_config or default_config("dtile", D, dev)
-                block_dt = dcfg.block_d or triton.next_power_of_2(D)
-                n_dtiles = triton.cdiv(D, block_dt)
-                S, tiles_per_split = _span(triton.cdiv(N, dcfg.rows), B * n_dtiles, dcfg, dev)
+                block_dt = dcfg.block_d or _next_pow2(D)
+                n_dtiles = _cdiv(D, block_dt)
+                S, tiles_per_split = _span(_cdiv(N, dcfg.rows), B * n_dtiles, dcfg, dev)
                 part_s = torch.empty((B, S, D), dtype=torch.float32, device=dev)
                 part_h = torch.empty_like(part_s)
-                dtile[(S * n_dtiles, B)](dy, x, mean, rstd, part_s, part_h, N, D, tiles_per_split, S, n_dtiles,
+                dtile[(S * n_dtiles, B)](dy, x, mean, rstd, part_s, part_h, N, tiles_per_split, S, n_dtiles,
                                          dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
-                                         ROWS=dcfg.rows, BLOCK_DT=block_dt, num_warps=dcfg.num_warps)
+                                         D=D, ROWS=dcfg.rows, BLOCK_DT=block_dt, num_warps=dcfg.num_warps)
                 ds_buf = ds_buf if s_tok else part_s
                 dh_buf = dh_buf if h_tok else part_h
 
@@ -381,7 +447,7 @@ def _adaln_setup_context(ctx, inputs, output):
 
 def _adaln_backward(ctx, dy, _dmean, _drstd):
     x, scale, mean, rstd = ctx.saved_tensors
-    dx, dscale, dshift = _adaln_bwd_op(dy, x, scale, mean, rstd, ctx.shift_shape, ctx.shift_dtype)
+    dx, dscale, dshift = torch.ops.adaptiveload.adaln_bwd(dy, x, scale, mean, rstd, ctx.shift_shape, ctx.shift_dtype)
     return dx, dscale, dshift, None
 
 
@@ -391,7 +457,7 @@ _adaln_fwd_op.register_autograd(_adaln_backward, setup_context=_adaln_setup_cont
 # ------------------------------------------------------------------------------------------------------ functional
 def triton_supported(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> bool:
     """Whether backend="auto" takes the Triton path for these inputs."""
-    return (triton is not None and x.is_cuda and x.dim() == 3 and x.dtype in _DTYPES
+    return (x.is_cuda and _HAS_TRITON and x.dim() == 3 and x.dtype in _DTYPES
             and scale.dtype in _DTYPES and shift.dtype in _DTYPES and 0 < x.shape[-1] <= MAX_D)
 
 
@@ -403,8 +469,6 @@ def adaln_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, ep
         backend = "triton" if triton_supported(x, scale, shift) else "torch"
     if backend == "torch":
         return adaln_reference(x, scale, shift, eps)
-    if triton is None:
-        raise RuntimeError("adaln: backend='triton' needs the `triton` package (pip install triton); "
-                           "use backend='torch' or 'auto'")
+    _require_triton()
     _check(x, scale, shift)
-    return _adaln_fwd_op(x, scale, shift, float(eps))[0]
+    return torch.ops.adaptiveload.adaln_fwd(x, scale, shift, float(eps))[0]

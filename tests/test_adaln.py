@@ -19,7 +19,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 1.5e-3, torch.bfloat16: 1e-2}
 HALF = {torch.float32: torch.bfloat16, torch.float16: torch.float16, torch.bfloat16: torch.bfloat16}
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-pytestmark = pytest.mark.skipif(adaln.triton is None, reason="triton is not installed")
+pytestmark = pytest.mark.skipif(not adaln._HAS_TRITON, reason="triton is not installed")
 
 
 def ref64(x, scale, shift, eps=1e-6):
@@ -119,17 +119,21 @@ def test_matches_fp64_reference(kind, D, B, N, x_dtype, half_mod):
 
 @pytest.mark.parametrize("kind", ["sample", "bcast", "mixed"])
 def test_dtile_variant_and_spans(kind):
-    """The paper's D-tile reduction and explicit launch shapes (several programs per sample, a persistent span that
-    ends in a partial tile) give the fused path's gradients."""
+    """The paper's D-tile reduction and other launch shapes (several programs per sample, a persistent span that
+    ends in a partial tile, one masked tile per row instead of two segments, a pipelined loop) give the same."""
     B, N, D = 3, 13, 200
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(B, N, D, generator=gen).to(DEV, torch.bfloat16)
     table, scale, shift = modulation(kind, B, N, D, torch.float32, gen)
     dy = torch.randn(B, N, D, generator=gen).to(DEV, torch.bfloat16)
     _, dx64, ds64, dh64, _ = reference_grads(x, table, kind, dy)
-    cfg = KernelConfig(rows=2, num_warps=4, programs_per_sm=9 * adaln._sm_count(DEV))  # 3 programs per sample
-    y, mean, rstd = adaln_forward(x, scale, shift, config=KernelConfig(rows=2, num_warps=4, programs_per_sm=0))
-    assert torch.equal(y, adaln_forward(x, scale, shift)[0])
+    cfg = KernelConfig(rows=2, num_warps=4, programs_per_sm=9 * adaln._sm_count(DEV),  # 3 programs per sample
+                       split=False, num_stages=2)
+    y, mean, rstd = adaln_forward(x, scale, shift, config=KernelConfig(rows=2, num_warps=4, programs_per_sm=0,
+                                                                       split=False))
+    y2, mean2, rstd2 = adaln_forward(x, scale, shift)
+    assert (y.float() - y2.float()).abs().max() <= 0.01 * y2.float().abs().max()  # summation order differs
+    assert torch.allclose(mean, mean2, atol=1e-6) and torch.allclose(rstd, rstd2, rtol=1e-5)
     fused = adaln_backward(dy, x, scale, mean, rstd, shift.shape, shift.dtype, config=cfg)
     dtile = adaln_backward(dy, x, scale, mean, rstd, shift.shape, shift.dtype, dmod="dtile", config=cfg,
                            dtile_config=KernelConfig(rows=4, num_warps=4, programs_per_sm=6, block_d=64))
@@ -159,11 +163,35 @@ def test_checkpointing_and_opcheck():
 
     scale, shift = table[:, 1:2].detach().requires_grad_(), table[:, 0:1].detach().requires_grad_()
     torch.library.opcheck(torch.ops.adaptiveload.adaln_fwd.default, (x, scale, shift, 1e-6),
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
     y, mean, rstd = adaln_forward(x.detach(), scale.detach(), shift.detach())
     torch.library.opcheck(torch.ops.adaptiveload.adaln_bwd.default,
                           (torch.randn_like(y), x.detach(), scale.detach(), mean, rstd, [2, 1, 40], torch.float32),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager"] + (["inductor"] if DEV.type == "cuda" else []))
+def test_torch_compile_fullgraph(compiler):
+    """Inside a compiled graph (fullgraph: the op must not break it) the op gives the eager op's output and grads,
+    at B=1 where compiling the reference fails on the [1, 1, D] gradient. Inductor only on CUDA (20 s on CPU)."""
+    D = 1536 if DEV.type == "cuda" else 40
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 7, D, generator=gen).to(DEV, torch.bfloat16).requires_grad_()
+    table = torch.randn(1, 6, D, generator=gen).to(DEV).requires_grad_()
+    dy = torch.randn(1, 7, D, generator=gen).to(DEV, torch.bfloat16)
+
+    def f(x, table):
+        scale, shift = table.chunk(6, dim=1)[:2]
+        return adaln_modulate(x, scale, shift, backend="triton")
+
+    y = f(x, table)
+    grads = torch.autograd.grad(y, (x, table), dy)
+    y_c = torch.compile(f, fullgraph=True, backend=compiler)(x, table)
+    grads_c = torch.autograd.grad(y_c, (x, table), dy)
+    assert torch.equal(y, y_c)
+    for a, b in zip(grads, grads_c):
+        assert torch.equal(a, b)
 
 
 def test_backends_and_errors(monkeypatch):
@@ -182,7 +210,7 @@ def test_backends_and_errors(monkeypatch):
         adaln_backward(x, x, scale, x[..., 0], x[..., 0], shift.shape, shift.dtype, dmod="atomic")
     x64 = x.double()
     assert torch.equal(adaln_modulate(x64, scale, shift), adaln_reference(x64, scale, shift))  # auto: reference
-    monkeypatch.setattr(adaln, "triton", None)
+    monkeypatch.setattr(adaln, "_HAS_TRITON", False)
     with pytest.raises(RuntimeError, match="triton"):
         adaln_modulate(x, scale, shift, backend="triton")
     assert torch.equal(adaln_modulate(x, scale, shift, backend="torch"), adaln_reference(x, scale, shift))
@@ -210,26 +238,3 @@ def test_gpu_model_sizes_deterministic(kind, D):
     if kind == "sample":
         dtile = adaln_backward(dy, x, scale, mean, rstd, shift.shape, shift.dtype, dmod="dtile")
         assert rel_err(dtile[1], ds64) < TOL[torch.float32] and rel_err(dtile[2], dh64) < TOL[torch.float32]
-
-
-@gpu
-@pytest.mark.gpu
-def test_gpu_torch_compile():
-    """Inside a compiled graph (fullgraph: the op must not break it) the op gives the eager op's output and grads,
-    at B=1 where compiling the reference fails on the [1, 1, D] gradient."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 300, 1536, generator=gen).to(DEV, torch.bfloat16).requires_grad_()
-    table = torch.randn(1, 6, 1536, generator=gen).to(DEV).requires_grad_()
-
-    def f(x, table):
-        scale, shift = table.chunk(6, dim=1)[:2]
-        return adaln_modulate(x, scale, shift, backend="triton")
-
-    dy = torch.randn(1, 300, 1536, generator=gen).to(DEV, torch.bfloat16)
-    y = f(x, table)
-    grads = torch.autograd.grad(y, (x, table), dy)
-    y_c = torch.compile(f, fullgraph=True)(x, table)
-    grads_c = torch.autograd.grad(y_c, (x, table), dy)
-    assert torch.equal(y, y_c)
-    for a, b in zip(grads, grads_c):
-        assert torch.equal(a, b)

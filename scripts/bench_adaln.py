@@ -1,0 +1,304 @@
+"""Benchmark the fused AdaLN op (ops/adaln.py) against the eager reference and torch.compile of it.
+
+    python scripts/bench_adaln.py --out results            # the issue's table: prints it, writes CSV + JSON
+    python scripts/bench_adaln.py --out /tmp/s --sweep     # launch-shape sweep of the kernels (tuning)
+
+B=1, bf16 x, fp32 modulation as chunk views of a modulation table (per sample: [1, 6, D]; per token: [1, N, 6, D]).
+Byte floors per element (each input read once, each output written once): per-sample forward 4 (x, y), backward 6
+(x, dy, dx); per-token forward 12 (+ scale, shift), backward 18 (+ scale; dscale, dshift in fp32). `%copy` is the
+floor's time at the device-to-device copy bandwidth measured in the same run over the measured time. Timings are
+medians of triton.testing.do_bench (L2 flushed before each call). Benchmarks never assert: a failing
+implementation is reported as a failure.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FLOOR_BYTES = {("sample", "fwd"): 4, ("sample", "bwd"): 6, ("token", "fwd"): 12, ("token", "bwd"): 18}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="directory for <name>.csv and <name>.json")
+    p.add_argument("--name", default="adaln_h200")
+    p.add_argument("--n", type=int, nargs="+", default=[4096, 16384, 65536])
+    p.add_argument("--d", type=int, nargs="+", default=[1536, 5120])
+    p.add_argument("--kinds", nargs="+", default=["sample", "token"], choices=["sample", "token"])
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
+    p.add_argument("--sweep", action="store_true", help="time the kernels over launch shapes instead")
+    p.add_argument("--rep-ms", type=float, default=100.0)
+    return p.parse_args()
+
+
+def timer(rep_ms):
+    import torch
+
+    if torch.cuda.is_available():
+        import triton.testing
+
+        def bench(fn):
+            fn()  # compile/autotune outside the timing
+            return triton.testing.do_bench(fn, warmup=max(5, rep_ms / 4), rep=rep_ms, return_mode="median")
+    else:  # a dry run on CPU (TRITON_INTERPRET=1) checks the script, its numbers mean nothing
+        def bench(fn):
+            fn()
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+    return bench
+
+
+def copy_bandwidth(bench, device):
+    """Bytes read + written per second by a large device-to-device copy."""
+    import torch
+
+    n = (1 << 30) if device.type == "cuda" else (1 << 20)
+    src = torch.randn(n // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * n / (bench(lambda: dst.copy_(src)) * 1e-3)
+
+
+def make_inputs(kind, N, D, device, seed=0):
+    """x [1, N, D] bf16, scale/shift as strided views of an fp32 table (leaves: grads land on them directly)."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(1, N, D, device=device, generator=g).to(torch.bfloat16)
+    if kind == "sample":
+        table = torch.randn(1, 6, D, device=device, generator=g) * 0.1
+        scale, shift = table[:, 1:2], table[:, 0:1]
+    else:
+        table = torch.randn(1, N, 6, D, device=device, generator=g) * 0.1
+        scale, shift = (c.squeeze(2) for c in table.chunk(6, dim=2)[:2])
+    dy = torch.randn(1, N, D, device=device, generator=g).to(torch.bfloat16)
+    return x, scale.detach(), shift.detach(), dy
+
+
+def saved_bytes(fn, x, scale, shift):
+    """(bytes of every tensor autograd saves, bytes of those that are new allocations), unique storages; the
+    modulation table is not counted (the model keeps it anyway), x is (the issue counts it: 2 bytes/element)."""
+    import torch
+
+    seen, total, new = set(), 0, 0
+    inputs = {t.untyped_storage().data_ptr() for t in (x, scale, shift)}
+    mod = {t.untyped_storage().data_ptr() for t in (scale, shift)}
+
+    def pack(t):
+        nonlocal total, new
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen and ptr not in mod:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+            new += 0 if ptr in inputs else t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x, scale, shift)
+    return total, new
+
+
+def impls(kind, compile_cache):
+    import torch
+
+    from ops.adaln import adaln_modulate, adaln_reference
+
+    out = {"eager": adaln_reference,
+           "triton": lambda x, s, h: adaln_modulate(x, s, h, backend="triton")}
+    if compile_cache is not None:
+        out["compile"] = compile_cache.setdefault(kind, torch.compile(adaln_reference, dynamic=False))
+    return out
+
+
+def run_table(args, bench, device, copy_bw, save):
+    import torch
+
+    from ops.adaln import adaln_backward, adaln_forward
+
+    compile_cache = None if args.no_compile else {}
+    rows = []
+    for kind in args.kinds:
+        for D in args.d:
+            for N in args.n:
+                x, scale, shift, dy = make_inputs(kind, N, D, device)
+                elems = N * D
+                ref = None
+                shape_rows = []
+                for name, fn in impls(kind, compile_cache).items():
+                    rec = {"kind": kind, "N": N, "D": D, "impl": name}
+                    shape_rows.append(rec)
+                    try:
+                        with torch.no_grad():
+                            y = fn(x, scale, shift)
+                            rec["fwd_ms"] = bench(lambda: fn(x, scale, shift))
+                        ref = y.float() if name == "eager" else ref
+                        rec["max_abs_err_vs_eager"] = (y.float() - ref).abs().max().item()
+                    except Exception as e:  # noqa: BLE001 - report, never hide
+                        rec["fwd_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    try:
+                        xg, sg, hg = (t.detach().requires_grad_() for t in (x, scale, shift))
+                        y = fn(xg, sg, hg)
+                        grads = torch.autograd.grad(y, (xg, sg, hg), dy, retain_graph=True)
+                        rec["bwd_ms"] = bench(lambda: torch.autograd.grad(y, (xg, sg, hg), dy, retain_graph=True))
+                        rec["saved_bytes"], rec["saved_new_bytes"] = saved_bytes(fn, xg, sg, hg)
+                        del y, grads
+                    except Exception as e:  # noqa: BLE001
+                        rec["bwd_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                # the backward kernels alone, fused partial sums against the paper's D-tile reduction
+                _, mean, rstd = adaln_forward(x, scale, shift)
+                for dmod in ("fused", "dtile"):
+                    rec = {"kind": kind, "N": N, "D": D, "impl": f"triton-{dmod} (launcher)"}
+                    rec["bwd_ms"] = bench(lambda: adaln_backward(dy, x, scale, mean, rstd, shift.shape, shift.dtype,
+                                                                 dmod=dmod))
+                    shape_rows.append(rec)
+                rows += shape_rows
+                for rec in shape_rows:
+                    for phase in ("fwd", "bwd"):
+                        ms = rec.get(f"{phase}_ms")
+                        if ms is not None:
+                            floor = FLOOR_BYTES[(kind, phase)] * elems
+                            rec[f"{phase}_GBps"] = floor / (ms * 1e-3) / 1e9
+                            rec[f"{phase}_pct_copy"] = 100 * floor / copy_bw / (ms * 1e-3)
+                    if "saved_bytes" in rec:
+                        rec["saved_B_per_elem"] = rec["saved_bytes"] / elems
+                        rec["saved_new_B_per_elem"] = rec["saved_new_bytes"] / elems
+                    print_row(rec)
+                save(rows)
+                del x, scale, shift, dy, mean, rstd
+                torch.cuda.empty_cache() if device.type == "cuda" else None
+    return rows
+
+
+def fmt(v, spec):
+    return format(v, spec) if isinstance(v, (int, float)) else "-"
+
+
+def print_row(r):
+    err = r.get("fwd_error") or r.get("bwd_error")
+    print(f"{r['kind']:6s} {r['N']:6d} {r['D']:5d} {r['impl']:24s} "
+          f"fwd {fmt(r.get('fwd_ms'), '8.4f')} ms {fmt(r.get('fwd_GBps'), '6.0f')} GB/s "
+          f"{fmt(r.get('fwd_pct_copy'), '5.1f')}% | bwd {fmt(r.get('bwd_ms'), '8.4f')} ms "
+          f"{fmt(r.get('bwd_GBps'), '6.0f')} GB/s {fmt(r.get('bwd_pct_copy'), '5.1f')}% | "
+          f"saved {fmt(r.get('saved_B_per_elem'), '.3f')} B/el" + (f" | FAILED {err}" if err else ""), flush=True)
+
+
+def sweep_phase1(kernel, D):
+    """Launch shapes to try first: rows × warps × grid (two-segment rows, no pipelining)."""
+    from ops.adaln import KernelConfig
+
+    if kernel == "dtile":
+        return [KernelConfig(r, w, p, b) for b in (64, 128, 256) for r in (16, 32, 64) for w in (4, 8)
+                for p in (4, 8) if r * b <= 8192]
+    block = 1 << (D - 1).bit_length()
+    rows = [r for r in (1, 2, 4, 8, 16) if r * block <= 16384]
+    pps = (0, 2, 4, 8) if kernel == "fwd" else (1, 2, 4, 8)
+    return [KernelConfig(r, w, p) for r in rows for w in (4, 8, 16) for p in pps]
+
+
+def sweep_phase2(best):
+    """Around the best of phase 1: one masked tile against two segments, and a pipelined loop."""
+    import dataclasses
+
+    return [dataclasses.replace(best, split=sp, num_stages=st) for sp in (True, False) for st in (1, 2, 3)
+            if (sp, st) != (best.split, best.num_stages)]
+
+
+def run_sweep(args, bench, device, copy_bw, save):
+    import torch
+
+    from ops.adaln import KernelConfig, adaln_backward, adaln_forward, default_config
+
+    rows = []
+    for kind in args.kinds:
+        for D in args.d:
+            for N in args.n:
+                x, scale, shift, dy = make_inputs(kind, N, D, device)
+                _, mean, rstd = adaln_forward(x, scale, shift)
+                floor_f, floor_b = (FLOOR_BYTES[(kind, p)] * N * D for p in ("fwd", "bwd"))
+
+                def time_cfg(kernel, cfg, tag):
+                    if kernel == "fwd":
+                        fn = lambda: adaln_forward(x, scale, shift, config=cfg)  # noqa: E731
+                    elif kernel == "bwd":
+                        fn = lambda: adaln_backward(dy, x, scale, mean, rstd, shift.shape,  # noqa: E731
+                                                    shift.dtype, config=cfg)
+                    else:
+                        fn = lambda: adaln_backward(dy, x, scale, mean, rstd, shift.shape,  # noqa: E731
+                                                    shift.dtype, dmod="dtile", dtile_config=cfg)
+                    try:
+                        ms = bench(fn)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  {kernel} {cfg} FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+                        return None
+                    pct = 100 * (floor_f if kernel == "fwd" else floor_b) / copy_bw / (ms * 1e-3)
+                    rec = {"kind": kind, "N": N, "D": D, "kernel": kernel, "tag": tag, "rows": cfg.rows,
+                           "num_warps": cfg.num_warps, "programs_per_sm": cfg.programs_per_sm,
+                           "block_d": cfg.block_d, "split": cfg.split, "num_stages": cfg.num_stages, "ms": ms,
+                           "pct_copy": pct}
+                    rows.append(rec)
+                    return rec
+
+                for kernel in ("fwd", "bwd", "dtile") if kind == "sample" else ("fwd", "bwd"):
+                    dflt = time_cfg(kernel, default_config(kernel, D, device), "default")
+                    recs = [time_cfg(kernel, c, "phase1") for c in sweep_phase1(kernel, D)]
+                    best = min((r for r in recs if r), key=lambda r: r["ms"])
+                    if kernel != "dtile":
+                        best_cfg = KernelConfig(best["rows"], best["num_warps"], best["programs_per_sm"])
+                        recs = [time_cfg(kernel, c, "phase2") for c in sweep_phase2(best_cfg)] + [best]
+                        best = min((r for r in recs if r), key=lambda r: r["ms"])
+                    print(f"{kind:6s} N={N} D={D} {kernel:5s} best {best['ms']:.4f} ms {best['pct_copy']:.1f}% "
+                          f"rows={best['rows']} warps={best['num_warps']} pps={best['programs_per_sm']} "
+                          f"bd={best['block_d']} split={best['split']} stages={best['num_stages']} | default "
+                          f"{fmt(dflt and dflt['ms'], '.4f')} ms {fmt(dflt and dflt['pct_copy'], '.1f')}%",
+                          flush=True)
+                    save(rows)
+                del x, scale, shift, dy, mean, rstd
+                torch.cuda.empty_cache() if device.type == "cuda" else None
+    return rows
+
+
+def main():
+    args = parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    import triton
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if hasattr(torch, "_dynamo"):
+        torch._dynamo.config.cache_size_limit = 256  # one graph per shape: dynamic=False, fair to compile
+        if hasattr(torch._dynamo.config, "recompile_limit"):
+            torch._dynamo.config.recompile_limit = 256
+    bench = timer(args.rep_ms)
+    copy_bw = copy_bandwidth(bench, device)
+    meta = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
+            "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "copy_GBps": copy_bw / 1e9, "floor_bytes_per_elem": {f"{k}-{p}": v for (k, p), v in FLOOR_BYTES.items()}}
+    print(f"{meta['gpu']} torch {meta['torch']} triton {meta['triton']} copy {copy_bw / 1e9:.0f} GB/s", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    name = os.path.join(args.out, args.name + ("_sweep" if args.sweep else ""))
+
+    def save(rows):  # after every shape: a run cut short keeps what it measured
+        with open(name + ".json", "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        with open(name + ".csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(rows)
+
+    (run_sweep if args.sweep else run_table)(args, bench, device, copy_bw, save)
+    print(f"wrote {name}.csv/.json")
+
+
+if __name__ == "__main__":
+    main()
