@@ -194,12 +194,12 @@ def sweep_phase1(kernel, D):
     from ops.adaln import KernelConfig
 
     if kernel == "dtile":
-        return [KernelConfig(r, w, p, b) for b in (64, 128, 256) for r in (16, 32, 64) for w in (4, 8)
-                for p in (4, 8) if r * b <= 8192]
+        return [KernelConfig(r, 4, p, b) for b in (64, 128, 256) for r in (32, 64) for p in (4, 8)]
     block = 1 << (D - 1).bit_length()
-    rows = [r for r in (1, 2, 4, 8, 16) if r * block <= 16384]
-    pps = (0, 2, 4, 8) if kernel == "fwd" else (1, 2, 4, 8)
-    return [KernelConfig(r, w, p) for r in rows for w in (4, 8, 16) for p in pps]
+    if kernel == "fwd":
+        return [KernelConfig(r, w, p) for r in (1, 2, 4, 8) for w in (4, 8, 16) for p in (0, 4)
+                if r * block <= 16384]
+    return [KernelConfig(r, w, p) for r in (1, 2, 4) for w in (4, 8, 16) for p in (1, 2, 4) if r * block <= 16384]
 
 
 def sweep_phase2(best):
