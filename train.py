@@ -11,7 +11,6 @@ import logging
 import os
 import signal
 import time
-from collections import deque
 
 import hydra
 import torch
@@ -19,29 +18,22 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.buckets import bucket_table
 from data.loader import Loader, open_corpus
-from models.build import build_model
+from models.build import build_parallel_model
 from models.flow_matching import FlowMatching
-from models.parallelize import checkpoint_policy, parallelize
+from models.parallelize import FSDPOptions, checkpoint_policy
 from scheduling.balance import advance, plan_step
-from scheduling.metrics import compute_cv, cv, idle_fraction, model_flops
 from scheduling.policy import ModelShape, resolve_schedule
 from training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from training.config import TrainConfig, load_config
-from training.dist import DistContext, init_distributed, maybe_launch, shutdown
+from training.dist import fsdp_options_from_env, init_distributed, maybe_launch, shutdown
 from training.metrics_log import MetricsLogger
 from training.optim import EMA, build_optimizer
+from training.busy import StepProfiler
 from training.step import autocast_for, train_step, validation_loss
+from training.step_metrics import StepMetrics
 
 log = logging.getLogger("train")
 WARMUP_STEPS = 3  # steps left out of throughput (compilation, allocator warm-up)
-
-
-def peak_memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def run(cfg: TrainConfig, config_yaml: str) -> dict:
@@ -55,14 +47,13 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
     ctx.barrier()
 
     buckets = bucket_table(cfg.data.buckets)
-    model = build_model(cfg.model, ctx.device)
+    model = build_parallel_model(cfg.model, ctx.rank, ctx.world_size, ctx.device, FSDPOptions(**fsdp_options_from_env()))
     shape = ModelShape(model.num_matmul_params(), cfg.model.num_layers, cfg.model.dim, cfg.model.text_len)
     schedule = resolve_schedule(cfg.scheduling, {n: b.tokens for n, b in buckets.items()}, shape,
                                 proxy_tflops=cfg.metrics.peak_tflops or 100.0)
     corpus = open_corpus(cfg.data, buckets, cfg.model.in_channels, cfg.model.text_dim, cfg.train.seed,
                          ctx.is_main, ctx.barrier)
     batch_sizes = [schedule.batch_sizes[n] for n in corpus.bucket_names]
-    parallelize(model, compile=cfg.model.compile, world_size=ctx.world_size)
     policy = checkpoint_policy(cfg.model.checkpointing)
     autocast = autocast_for(ctx.device, cfg.model.precision)
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.train.steps)
@@ -94,8 +85,10 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
         return save_checkpoint(cfg.run_dir, state["step"], model, optimizer, ema, meta, config_yaml, ctx,
                                cfg.checkpoint.keep_last)
 
-    step_times, tokens_since, samples_since, t_since, last = deque(maxlen=50), 0, 0, None, {}
-    plan = None
+    metrics = StepMetrics(ctx, shape, cfg.metrics.peak_tflops, WARMUP_STEPS)
+    profiler = StepProfiler(cfg.metrics.busy_every, cfg.metrics.profile_steps, os.path.join(cfg.run_dir, "traces"),
+                            ctx.rank)
+    last = {}
     if ctx.is_main and cfg.train.progress:
         from tqdm import tqdm
         bar = tqdm(total=cfg.train.steps, initial=state["step"], desc=cfg.name, dynamic_ncols=True)
@@ -115,39 +108,18 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
             loader.prefetch(plan_step(corpus.table, cfg.train.seed, nxt_epoch, nxt_pos, ctx.world_size,
                                       cfg.scheduling.strategy, cfg.train.micro_batches, batch_sizes,
                                       schedule.cost_fn)[0])
-        st = train_step(model, objective, loader.step(plan), plan.num_samples, ctx, optimizer, scheduler, ema,
-                        cfg.optim.grad_clip, cfg.train.seed, epoch, policy, autocast)
+        with profiler.context(state["step"] + 1):
+            st = train_step(model, objective, loader.step(plan), plan.num_samples, ctx, optimizer, scheduler, ema,
+                            cfg.optim.grad_clip, cfg.train.seed, epoch, policy, autocast)
         step_s = time.perf_counter() - t_step
         state.update(step=state["step"] + 1, epoch=nxt_epoch, pos=nxt_pos,
                      samples_seen=state["samples_seen"] + plan.num_samples)
         state["bad_in_a_row"] = state["bad_in_a_row"] + 1 if st.skipped else 0
         state["skipped_steps"] += int(st.skipped)
 
-        # every rank's timings → rank 0: time/*, time/*_max
-        timings = ctx.all_gather_floats([step_s, st.data_wait_s, st.fwd_s, st.bwd_s, st.optim_s, st.loss_sum])
-        step_times.append(float(timings[:, 0].max()))
-        if state["step"] == WARMUP_STEPS:
-            t_since, tokens_since, samples_since = time.perf_counter(), 0, 0
-        elif t_since is not None:
-            tokens_since += plan.tokens
-            samples_since += plan.num_samples
-        flops = sum(model_flops(mb.num_real, mb.S, cfg.model.text_len, shape.p_matmul, shape.layers, shape.dim)
-                    for r in plan.ranks for mb in r)
-        pred = plan.pred_ms()
-        m = {"samples_seen": state["samples_seen"], "epoch": epoch,
-             "train/loss": float(timings[:, 5].sum()) / max(1, plan.num_samples),
-             "train/grad_norm": st.grad_norm, "train/lr": scheduler.get_last_lr()[0],
+        m = {"samples_seen": state["samples_seen"], "epoch": epoch, "train/lr": scheduler.get_last_lr()[0],
              "train/skipped_steps": state["skipped_steps"],
-             "perf/tokens_per_s": tokens_since / (time.perf_counter() - t_since) if t_since and tokens_since else None,
-             "perf/samples_per_s": samples_since / (time.perf_counter() - t_since) if t_since and samples_since else None,
-             "perf/mfu": (flops / (step_times[-1] * ctx.world_size * cfg.metrics.peak_tflops * 1e12)
-                          if cfg.metrics.peak_tflops and ctx.device.type == "cuda" else None),
-             "balance/compute_cv_pred": compute_cv(pred), "balance/idle_fraction_pred": idle_fraction(pred),
-             "balance/step_time_cv": cv(step_times),
-             "batch/S": st.S, "batch/B": st.B, "batch/bucket": st.buckets,
-             "memory/peak_gib": ctx.all_reduce_max(peak_memory_gib(ctx.device))}
-        for i, k in enumerate(("step_s", "data_wait_s", "fwd_s", "bwd_s", "optim_s")):
-            m[f"time/{k}"], m[f"time/{k}_max"] = float(timings[0, i]), float(timings[:, i].max())
+             **metrics.row(state["step"], plan, st, step_s, profiler.finish(state["step"], plan.num_slots))}
         m.update({f"data/skipped_{r}": n for r, n in corpus.skipped.items()})
         if state["step"] % cfg.train.val_every == 0 or state["step"] == cfg.train.steps:
             m["val/loss"] = validation_loss(model, objective, val_batches, ctx, cfg.train.seed, autocast)

@@ -1,12 +1,16 @@
 """Model factory: ModelConfig → a model on one device (parallelism is applied from outside, models/parallelize.py)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from models.config import ModelConfig
+from models.parallelize import FSDPOptions, materialize_from_rank0, parallelize
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The full model on `device`: random (under the caller's torch seed) or from `cfg.pretrained`."""
     from models.wan import WanTransformer
 
     if cfg.pretrained:
@@ -21,6 +25,21 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.n
         return model.to(device=device, dtype=torch.float32)
     with torch.device(device):
         return WanTransformer(**cfg.diffusers_kwargs(), adaln_backend=cfg.adaln_backend)
+
+
+def build_parallel_model(cfg: ModelConfig, rank: int, world_size: int, device: torch.device,
+                         fsdp: FSDPOptions | None = None) -> torch.nn.Module:
+    """The model as training runs it: on one device, or sharded with FSDP2 from rank 0's full copy.
+
+    Under FSDP2 only rank 0 builds the full model in host memory (random under the caller's seed — the same init
+    a one-process run gets — or from cfg.pretrained); the others build on the meta device and receive their shards.
+    """
+    if world_size == 1:
+        return parallelize(build_model(cfg, device), compile=cfg.compile)
+    full_sd = build_model(cfg, "cpu").state_dict() if rank == 0 else {}
+    model = build_model(replace(cfg, pretrained=None), "meta")
+    parallelize(model, compile=cfg.compile, world_size=world_size, fsdp=fsdp)
+    return materialize_from_rank0(model, full_sd, device)
 
 
 def matmul_params(model: torch.nn.Module) -> int:

@@ -2,19 +2,36 @@
 
 The same code runs on gloo (CPU) and NCCL (GPU). The model itself only exposes
 `set_activation_checkpointing(bool)` (a per-step hook, not a wrapper, so state-dict keys never change) and its
-`blocks`; compile uses `block.compile()` for the same reason.
+`blocks`; compile uses `block.compile()` for the same reason. This is the only file that imports FSDP2.
 
-Checkpointing modes (model.checkpointing): none | full | auto — auto decides per micro-batch from the memory
-model of a calibration (B·S above the budget's no-recompute limit), and falls back to full without one.
+Checkpointing modes (model.checkpointing): none | full | auto — auto decides per micro-batch from a memory model
+(B·S above the largest token count that fits without recompute), and falls back to full without one.
+
+Precision: parameters stay fp32 (the master weights) and are all-gathered in fp32; matmuls run in bf16 under
+autocast, while the modulation tables, time embedder and norms compute in fp32 as diffusers keeps them
+(FSDP2's bf16 param policy would cast those too, so it is not used).
+
+Large models (`build_sharded`): every rank builds the model on the meta device and shards it; rank 0 alone holds
+a full copy (random init or the pretrained folder) in host memory and broadcasts it shard by shard
+(`set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)`), so 14B on 8 ranks never holds
+8 full copies.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class FSDPOptions:
+    """FSDP2 options; train.py fills them from accelerate's FSDP config when one is given (plain values)."""
+    reshard_after_forward: bool = True
+    offload_params: bool = False
 
 
 def checkpoint_policy(mode: str, no_recompute_tokens: Optional[float] = None) -> Callable[[int, int], bool]:
@@ -29,16 +46,25 @@ def checkpoint_policy(mode: str, no_recompute_tokens: Optional[float] = None) ->
 
 
 def parallelize(model: torch.nn.Module, *, compile: bool = False, world_size: int = 1,
-                mixed_precision: bool = False) -> torch.nn.Module:
+                fsdp: Optional[FSDPOptions] = None) -> torch.nn.Module:
     if compile:
         for block in model.blocks:
             block.compile()
     if world_size > 1:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
-        kw = {"mp_policy": mp} if mp is not None else {}
+        fsdp = fsdp or FSDPOptions()
+        kw = {"offload_policy": CPUOffloadPolicy()} if fsdp.offload_params else {}
         for block in model.blocks:
-            fully_shard(block, **kw)
-        fully_shard(model, **kw)
+            fully_shard(block, reshard_after_forward=fsdp.reshard_after_forward, **kw)
+        fully_shard(model, reshard_after_forward=fsdp.reshard_after_forward, **kw)
+    return model
+
+
+def materialize_from_rank0(model: torch.nn.Module, full_sd: dict, device: torch.device) -> torch.nn.Module:
+    """A model sharded on the meta device gets storage on `device` and rank 0's full state dict, shard by shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=device)
+    set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model

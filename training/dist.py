@@ -62,17 +62,25 @@ class DistContext:
 
 
 def init_distributed() -> DistContext:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
-    return DistContext(rank, world, local, device)
+    """accelerate's PartialState owns the process group and device placement (NCCL on GPUs, gloo on CPUs), whether
+    torchrun, `accelerate launch` or train.py's own launcher started us."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return DistContext(0, 1, 0, device)
+    from accelerate import PartialState
+
+    state = PartialState(cpu=not torch.cuda.is_available())
+    device = state.device if state.device.type == "cuda" else torch.device("cpu")
+    return DistContext(state.process_index, state.num_processes, state.local_process_index, device)
+
+
+def fsdp_options_from_env() -> dict:
+    """FSDP2 options from `accelerate launch --config_file` (it exports its FSDP config as FSDP_* variables)."""
+    flag = lambda name, default: os.environ.get(name, str(default)).lower() in ("1", "true", "yes")
+    return {"reshard_after_forward": flag("FSDP_RESHARD_AFTER_FORWARD", True),
+            "offload_params": flag("FSDP_OFFLOAD_PARAMS", False)}
 
 
 def maybe_launch(num_processes: int) -> None:

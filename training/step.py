@@ -50,25 +50,26 @@ def train_step(model, objective: FlowMatching, batches: Iterable[Batch], num_sam
     st = StepStats()
     scale = ctx.world_size / max(1, num_samples)
     loss_sum = torch.zeros((), device=ctx.device)
-    for batch in batches:
-        st.data_wait_s += batch.data_wait_s
-        st.S.append(batch.S), st.B.append(batch.B), st.buckets.append(batch.bucket)
-        t, noise = objective.draw(batch.keys, batch.latents.shape[1:], seed, epoch)
-        batch = batch.to(ctx.device)
-        t, noise = t.to(ctx.device), noise.to(ctx.device)
-        model.set_activation_checkpointing(checkpoint_policy(batch.B, batch.S))
-        _sync(ctx.device)
-        t0 = time.perf_counter()
-        with autocast():
-            per_sample = objective.per_sample_loss(model, batch.latents, batch.text, t, noise)
-        weighted = (per_sample * batch.loss_weight).sum()
-        _sync(ctx.device)
-        t1 = time.perf_counter()
-        (weighted * scale).backward()
-        _sync(ctx.device)
-        st.fwd_s += t1 - t0
-        st.bwd_s += time.perf_counter() - t1
-        loss_sum += weighted.detach()
+    for k, batch in enumerate(batches):
+        with torch.profiler.record_function(f"slot{k}"):  # busy time per slot is read from these ranges
+            st.data_wait_s += batch.data_wait_s
+            st.S.append(batch.S), st.B.append(batch.B), st.buckets.append(batch.bucket)
+            t, noise = objective.draw(batch.keys, batch.latents.shape[1:], seed, epoch)
+            batch = batch.to(ctx.device)
+            t, noise = t.to(ctx.device), noise.to(ctx.device)
+            model.set_activation_checkpointing(checkpoint_policy(batch.B, batch.S))
+            _sync(ctx.device)
+            t0 = time.perf_counter()
+            with autocast():
+                per_sample = objective.per_sample_loss(model, batch.latents, batch.text, t, noise)
+            weighted = (per_sample * batch.loss_weight).sum()
+            _sync(ctx.device)
+            t1 = time.perf_counter()
+            (weighted * scale).backward()
+            _sync(ctx.device)
+            st.fwd_s += t1 - t0
+            st.bwd_s += time.perf_counter() - t1
+            loss_sum += weighted.detach()
     t0 = time.perf_counter()
     st.loss_sum = float(loss_sum)
     params = [p for p in model.parameters() if p.requires_grad]

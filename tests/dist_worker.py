@@ -1,0 +1,87 @@
+"""Run under `torchrun --nproc_per_node 2` by tests/test_distributed.py: FSDP2 (gloo) with deliberately unequal
+work per rank. Checks nothing itself; writes rank 0's findings as JSON to argv[1]:
+  - the sharded gradients (full tensors) and the single-process gradients of the same samples and loss;
+  - measured busy seconds per (rank, slot) and their CV.
+"""
+import json
+import os
+import sys
+import zlib
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from data.batch import collate  # noqa: E402
+from models.build import build_model, build_parallel_model  # noqa: E402
+from models.config import ModelConfig  # noqa: E402
+from models.flow_matching import FlowMatching, ObjectiveConfig  # noqa: E402
+from scheduling.metrics import compute_cv, idle_fraction  # noqa: E402
+from training.busy import StepProfiler  # noqa: E402
+from training.dist import init_distributed  # noqa: E402
+from training.step import train_step  # noqa: E402
+
+CFG = ModelConfig(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=16,
+                  freq_dim=16, ffn_dim=64, num_layers=2, text_len=8)
+
+
+def micro_batch(B, F, H, W, weights, tag):
+    g = torch.Generator().manual_seed(zlib.crc32(tag.encode()))  # stable across processes
+    lat = [torch.randn(4, F, H, W, generator=g) for _ in range(B)]
+    txt = [torch.randn(5, 16, generator=g) for _ in range(B)]
+    keys = [f"{tag}-{i}" for i in range(B)]
+    return collate(lat, txt, keys, tag, F * H * W // 4, weights, CFG.text_len)
+
+
+# rank 0 carries far more work than rank 1; rank 1's last slot is padding (weight 0)
+PLAN = {0: [micro_batch(8, 5, 16, 16, [1.0] * 8, "big"), micro_batch(4, 5, 8, 16, [1.0] * 4, "mid")],
+        1: [micro_batch(1, 1, 4, 4, [1.0], "small"), micro_batch(1, 1, 4, 4, [0.0], "pad")]}
+NUM_REAL = 13
+
+
+class CaptureGrads(torch.optim.SGD):
+    """An optimizer whose step records the (global) gradients instead of applying them."""
+
+    def __init__(self, model):
+        super().__init__(model.parameters(), lr=0.0)
+        self.named = list(model.named_parameters())
+        self.grads = {}
+
+    def step(self, closure=None):
+        for n, p in self.named:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            self.grads[n] = g.detach().clone()
+
+
+def main(out_path):
+    torch.set_num_threads(1)
+    ctx = init_distributed()
+    torch.manual_seed(0)
+    model = build_parallel_model(CFG, ctx.rank, ctx.world_size, ctx.device)
+    objective = FlowMatching(ObjectiveConfig(t_sampling="uniform"))
+    opt = CaptureGrads(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    prof = StepProfiler(busy_every=1, profile_steps=None, trace_dir="", rank=ctx.rank)
+    with prof.context(1):
+        train_step(model, objective, iter(PLAN[ctx.rank]), NUM_REAL, ctx, opt, sched, None, 0.0, 0, 0,
+                   lambda B, S: False, torch.autocast if False else (lambda: torch.autocast("cpu", enabled=False)))
+    busy = ctx.all_gather_floats(prof.finish(1, 2)).numpy()
+    if ctx.rank == 0:
+        torch.manual_seed(0)
+        ref = build_model(CFG)  # the same init, one process, every sample in one loss
+        total = 0.0
+        for batches in PLAN.values():
+            for b in batches:
+                t, noise = objective.draw(b.keys, b.latents.shape[1:], 0, 0)
+                total = total + (objective.per_sample_loss(ref, b.latents, b.text, t, noise) * b.loss_weight).sum()
+        (total / NUM_REAL).backward()
+        diffs = {n: float((opt.grads[n] - p.grad).abs().max() / (p.grad.abs().max() + 1e-12))
+                 for n, p in ref.named_parameters()}
+        diff = max(diffs.values())
+        with open(out_path, "w") as f:
+            json.dump({"max_rel_grad_diff": diff, "busy": busy.tolist(), "busy_cv": compute_cv(busy),
+                       "idle_fraction": idle_fraction(busy), "num_params": len(opt.grads)}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,96 @@
+"""Measured busy time per micro-batch slot, from profiler traces (CONTRACTS §9: balance/busy_cv, idle_fraction).
+
+Under FSDP2 every rank waits inside every micro-batch (all-gathers before each block, reduce-scatters after), so
+wall-clock timings of a slot look the same on every rank. The busy time is what is left when the waits are taken
+out:
+    GPU: the union of the slot's kernel intervals, NCCL kernels excluded
+    CPU: the slot's wall time on the main thread minus the union of its communication ranges
+         (FSDP::all_gather / post_backward_reduce, c10d::*, gloo:*, waits)
+Each slot of a step runs inside `record_function("slot{k}")` (training/step.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+COMM = re.compile(r"^(FSDP::all_gather|FSDP::post_backward_reduce|FSDP::root_post_backward|c10d::|gloo:|nccl|"
+                  r"record_param_comms)|wait", re.IGNORECASE)
+SLOT = re.compile(r"^slot(\d+)$")
+
+
+def _union(intervals) -> float:
+    total, cur = 0.0, None
+    for a, b in sorted(intervals):
+        if cur is None or a > cur[1]:
+            if cur is not None:
+                total += cur[1] - cur[0]
+            cur = [a, b]
+        else:
+            cur[1] = max(cur[1], b)
+    return total + (cur[1] - cur[0] if cur is not None else 0.0)
+
+
+def busy_per_slot(events, num_slots: int) -> list[float]:
+    """Seconds of compute per slot from a profiler's events (`prof.events()`)."""
+    cpu_slots, gpu_slots = {}, {}
+    for e in events:
+        m = SLOT.match(e.name)
+        if m:
+            (gpu_slots if e.device_type == DeviceType.CUDA else cpu_slots)[int(m.group(1))] = e
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not SLOT.match(e.name)
+               and "nccl" not in e.name.lower()]
+    out = []
+    for k in range(num_slots):
+        if kernels and k in gpu_slots:
+            lo, hi = gpu_slots[k].time_range.start, gpu_slots[k].time_range.end
+            busy = _union((max(lo, e.time_range.start), min(hi, e.time_range.end)) for e in kernels
+                          if e.time_range.end > lo and e.time_range.start < hi)
+        elif k in cpu_slots:
+            s = cpu_slots[k]
+            lo, hi = s.time_range.start, s.time_range.end
+            waits = _union((max(lo, e.time_range.start), min(hi, e.time_range.end)) for e in events
+                           if e.thread == s.thread and e.device_type == DeviceType.CPU and COMM.search(e.name)
+                           and e.time_range.end > lo and e.time_range.start < hi)
+            busy = hi - lo - waits
+        else:
+            busy = 0.0
+        out.append(busy / 1e6)  # profiler times are in µs
+    return out
+
+
+class StepProfiler:
+    """Profiles the steps that need it: every `busy_every` steps (busy time) and the `profile_steps` range (trace)."""
+
+    def __init__(self, busy_every: int, profile_steps, trace_dir: str, rank: int):
+        self.busy_every, self.trace_dir, self.rank = busy_every, trace_dir, rank
+        self.trace_range = tuple(profile_steps) if profile_steps else None
+        self.prof = None
+
+    def wants(self, step: int) -> bool:
+        busy = self.busy_every > 0 and step % self.busy_every == 0
+        trace = self.trace_range is not None and self.trace_range[0] <= step <= self.trace_range[-1]
+        return busy or trace
+
+    def context(self, step: int):
+        if not self.wants(step):
+            self.prof = None
+            return contextlib.nullcontext()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self.prof = profile(activities=acts)
+        return self.prof
+
+    def finish(self, step: int, num_slots: int) -> list[float] | None:
+        """Busy seconds per slot of the step just profiled (None when it was not), and its trace if asked."""
+        if self.prof is None:
+            return None
+        if self.trace_range is not None and self.trace_range[0] <= step <= self.trace_range[-1]:
+            os.makedirs(self.trace_dir, exist_ok=True)
+            self.prof.export_chrome_trace(os.path.join(self.trace_dir, f"step{step}_rank{self.rank}.json"))
+        busy = busy_per_slot(self.prof.events(), num_slots)
+        self.prof = None
+        return busy
