@@ -18,7 +18,7 @@ from models.config import ModelConfig  # noqa: E402
 from models.flow_matching import FlowMatching, ObjectiveConfig  # noqa: E402
 from scheduling.metrics import compute_cv, idle_fraction  # noqa: E402
 from training.busy import StepProfiler  # noqa: E402
-from training.dist import init_distributed  # noqa: E402
+from training.dist import init_distributed, shutdown  # noqa: E402
 from training.step import train_step  # noqa: E402
 
 CFG = ModelConfig(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=16,
@@ -81,6 +81,8 @@ def main(out_path):
         with open(out_path, "w") as f:
             json.dump({"max_rel_grad_diff": diff, "busy": busy.tolist(), "busy_cv": compute_cv(busy),
                        "idle_fraction": idle_fraction(busy), "num_params": len(opt.grads)}, f)
+    ctx.barrier()  # rank 1 must not tear down gloo while rank 0 still works
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -40,7 +40,13 @@ def test_unequal_work_per_rank_gives_single_process_gradients_and_high_busy_cv(t
 def two_rank_run(tmp_path_factory):
     base = tmp_path_factory.mktemp("dist")
     run_dir, cache = str(base / "two"), str(base / "cache")
-    torchrun("train.py", *tiny_overrides(run_dir, cache, *STEPS, "metrics.busy_every=5", "optim.ema_decay=0.9"))
+    # train.py starts its own 2 processes (torch's launcher) when launch.num_processes asks for more than run
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = tiny_overrides(run_dir, cache, *STEPS, "metrics.busy_every=5", "optim.ema_decay=0.9",
+                          "launch.num_processes=2")
+    out = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return base, run_dir, cache
 
 
@@ -112,3 +118,15 @@ def test_export_of_a_sharded_checkpoint_loads_in_diffusers(two_rank_run, tmp_pat
                                                                return_dict=False)[0], atol=1e-5, rtol=1e-5)
     raw, ema = WanTransformer.from_pretrained(str(tmp_path / "export_emaFalse")), ours
     assert any(not torch.equal(p, q) for p, q in zip(raw.parameters(), ema.parameters()))  # EMA differs from raw
+
+
+def test_compare_runs_reports_both_runs(two_rank_run, tmp_path):
+    from scripts.compare_runs import main, read_rows, summarize
+
+    base, run_dir, _ = two_rank_run
+    rows = read_rows(run_dir)
+    s = summarize(rows)
+    assert s["val/loss"] == rows[-1]["val/loss"] and s["samples_seen"] == rows[-1]["samples_seen"]
+    assert s["memory/peak_gib"] == max(r["memory/peak_gib"] for r in rows if "memory/peak_gib" in r)
+    md = main([run_dir, str(base / "one"), "--labels", "two", "one", "--out", str(tmp_path)])
+    assert md.count("\n| ") == 2 and os.path.getsize(tmp_path / "compare.png") > 10_000
