@@ -144,3 +144,171 @@ def attention(q_BNHD: torch.Tensor, k_BLHD: torch.Tensor, v_BLHD: torch.Tensor) 
 def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x + y·gate summed in fp32 (gate is fp32), cast back to the residual stream's dtype."""
     return (x.float() + y.float() * gate).type_as(x)
+
+
+# ------------------------------------------------------------------------------------------------ added for MMDiT
+class SiLUProj(nn.Module):
+    """Linear then SiLU: diffusers' LinearActivation(activation="silu"), key `proj` (FeedForward "linear-silu")."""
+
+    def __init__(self, dim_in: int, dim_out: int):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(self.proj(x))
+
+
+class SiLUFeedForward(FeedForward):
+    """FeedForward with SiLU in place of GELU(tanh) (HunyuanVideo's token refiner); keys `net.0.proj`, `net.2`."""
+
+    def __init__(self, dim: int, inner_dim: int, dim_out: int | None = None):
+        nn.Module.__init__(self)
+        self.net = nn.ModuleList([SiLUProj(dim, inner_dim), nn.Identity(), nn.Linear(inner_dim, dim_out or dim)])
+
+
+def masked_attention(q_BNHD: torch.Tensor, k_BLHD: torch.Tensor, v_BLHD: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """attention() with an optional boolean mask broadcastable to (B, heads, N, L); True = may attend.
+
+    Without a mask SDPA may pick its flash kernel; with one it falls back to the memory-efficient kernel.
+    """
+    if mask is None:
+        return attention(q_BNHD, k_BLHD, v_BLHD)
+    o_BHND = F.scaled_dot_product_attention(q_BNHD.transpose(1, 2), k_BLHD.transpose(1, 2), v_BLHD.transpose(1, 2),
+                                            attn_mask=mask)
+    return o_BHND.transpose(1, 2).flatten(2).type_as(q_BNHD)
+
+
+DIFFUSERS_WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+DIFFUSERS_WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+DIFFUSERS_CONFIG_NAME = "config.json"
+
+
+class DiffusersFormat:
+    """Mixin: read and write diffusers-format folders (config.json + safetensors, sharded with an index).
+
+    The model sets `_diffusers_class_name` (written as `_class_name`) and `_keep_in_fp32_modules` (name parts whose
+    parameters stay fp32 when loading at a lower torch_dtype), keeps `self.config` (its constructor's diffusers
+    fields) and takes `adaln_backend` as a keyword. One implementation for every model here (WanTransformer keeps
+    its own copy of the same logic in models/wan.py for now).
+    """
+
+    _diffusers_class_name: str = ""
+    _keep_in_fp32_modules: list[str] = []
+
+    def _cast_params(self, dtype: torch.dtype) -> None:
+        """Cast floating parameters to dtype, except those under `_keep_in_fp32_modules`, which become fp32."""
+        for name, p in self.named_parameters():
+            keep = any(part in self._keep_in_fp32_modules for part in name.split("."))
+            target = torch.float32 if keep else dtype
+            if p.is_floating_point() and p.dtype != target:
+                p.data = p.data.to(target)
+
+    @classmethod
+    def _config_fields(cls) -> list[str]:
+        import inspect
+
+        params = inspect.signature(cls.__init__).parameters.values()
+        return [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD and p.name != "self"]
+
+    @classmethod
+    def from_pretrained(cls, local_dir: str, torch_dtype: torch.dtype | None = None, adaln_backend: str = "auto",
+                        subfolder: str | None = None):
+        """Load a diffusers-format folder (config.json + single or sharded safetensors), strictly.
+
+        torch_dtype=None gives fp32 everywhere; otherwise parameters are cast to it except the
+        `_keep_in_fp32_modules`, which stay fp32. Unknown config keys are reported and ignored.
+        """
+        import json
+        import os
+        import warnings
+
+        from safetensors.torch import load_file
+
+        folder = os.path.join(local_dir, subfolder) if subfolder else local_dir
+        with open(os.path.join(folder, DIFFUSERS_CONFIG_NAME)) as fh:
+            raw = json.load(fh)
+        known = set(cls._config_fields())
+        unknown = sorted(k for k in raw if not k.startswith("_") and k not in known)
+        if unknown:
+            warnings.warn(f"{folder}/{DIFFUSERS_CONFIG_NAME}: ignoring unknown config keys {unknown}")
+        config = {k: v for k, v in raw.items() if k in known}
+
+        if os.path.exists(os.path.join(folder, DIFFUSERS_WEIGHTS_NAME)):
+            files = [DIFFUSERS_WEIGHTS_NAME]
+        elif os.path.exists(os.path.join(folder, DIFFUSERS_WEIGHTS_INDEX_NAME)):
+            with open(os.path.join(folder, DIFFUSERS_WEIGHTS_INDEX_NAME)) as fh:
+                files = sorted(set(json.load(fh)["weight_map"].values()))
+        else:
+            raise FileNotFoundError(f"{folder} holds neither {DIFFUSERS_WEIGHTS_NAME} nor "
+                                    f"{DIFFUSERS_WEIGHTS_INDEX_NAME}")
+        state = {}
+        for name in files:
+            state.update(load_file(os.path.join(folder, name)))
+
+        # Meta construction skips a random init that the checkpoint would overwrite (minutes at 10B+).
+        with torch.device("meta"):
+            model = cls(**config, adaln_backend=adaln_backend)
+        model.load_state_dict(state, strict=True, assign=True)
+        del state  # the parameters now own the loaded tensors; casting frees each one as it goes
+        model._cast_params(torch_dtype or torch.float32)
+        return model
+
+    def save_pretrained(self, save_dir: str, max_shard_size: int | str | None = None) -> None:
+        """Write config.json + safetensors (sharded with an index when max_shard_size is set) as diffusers does."""
+        import json
+        import os
+
+        from safetensors.torch import save_file
+
+        os.makedirs(save_dir, exist_ok=True)
+        config = {"_class_name": self._diffusers_class_name, "_diffusers_version": diffusers_version(),
+                  **{k: list(v) if isinstance(v, tuple) else v for k, v in self.config.items()}}
+        with open(os.path.join(save_dir, DIFFUSERS_CONFIG_NAME), "w") as fh:
+            json.dump(config, fh, indent=2, sort_keys=True)
+
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        limit = parse_size(max_shard_size) if max_shard_size is not None else None
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for key, tensor in state.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            if limit is not None and shards[-1] and size + nbytes > limit:
+                shards.append({})
+                size = 0
+            shards[-1][key] = tensor
+            size += nbytes
+        if len(shards) == 1:
+            save_file(shards[0], os.path.join(save_dir, DIFFUSERS_WEIGHTS_NAME), metadata={"format": "pt"})
+            return
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(save_dir, name), metadata={"format": "pt"})
+            weight_map.update({key: name for key in shard})
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        with open(os.path.join(save_dir, DIFFUSERS_WEIGHTS_INDEX_NAME), "w") as fh:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
+
+
+def diffusers_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("diffusers")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.42.1"  # the version the models here were checked against
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string like '10KB', '5GB', '2GiB' (decimal units as huggingface_hub)."""
+    import re
+
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", size, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"max_shard_size must be an int or like '10GB', got {size!r}")
+    units = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    return int(float(match.group(1)) * units[(match.group(2) or "B").lower()])
