@@ -1,0 +1,251 @@
+"""Cost and memory models of one micro-batch, fitted to measured training steps (CONTRACTS §6).
+
+Time of forward + backward of a micro-batch of B samples of S tokens (text length L):
+    power      t = a + b·B·S^p                               the paper's form; nonlinear least squares
+    quadratic  t = a + b1·B·S + b2·B·S² [+ b3·B·S·L]         the FLOP shape: projections/MLP ∝ S, self-attention
+                                                             ∝ S², cross-attention ∝ S·L; non-negative LS
+               t = a + b1·B·(S+L) + b2·B·(S+L)²              joint attention (MMDiT): text joins the sequence
+    auto       whichever of the two has the lower leave-one-out relative error
+Every fit minimises relative residuals, Σ((t̂ − t)/t)² (weights 1/t): a 60 ms and a 1 s point count alike.
+The power form is fitted by variable projection: for fixed p the problem is a non-negative LS in (a, b), so p
+is found by a bounded 1-D search over the projected residual.
+
+Peak memory of a training step:
+    peak_bytes ≈ c0 + c1·B·S          c0: weights, gradients, optimizer state, workspace; c1: activations per token
+    m_mem = ⌊(budget − c0) / c1⌋      the token bound B·S ≤ m_mem of the dual-constraint and cost rules
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+from scipy.optimize import minimize_scalar, nnls
+
+FORMS = ("power", "quadratic")
+P_RANGE = (0.5, 3.0)  # the search interval of the power form's exponent
+
+
+def _as_arrays(*xs):
+    return [np.asarray(x, dtype=np.float64).reshape(-1) for x in xs]
+
+
+@dataclass
+class CostModel:
+    """Predicted forward+backward ms of a micro-batch; `params` by form (see the module docstring)."""
+    form: str
+    params: dict
+    rel_rmse: float = float("nan")       # in-sample relative RMS error
+    loo_rel_rmse: float = float("nan")   # leave-one-out relative RMS error
+    max_rel_err: float = float("nan")
+    n_points: int = 0
+    joint: bool = False                  # quadratic only: attention over S + L tokens
+    L: Optional[float] = None            # text length used when predict() is not given one
+    residuals: list = field(default_factory=list)  # in-sample relative residuals (t̂ − t)/t
+
+    def __post_init__(self):
+        if self.form not in FORMS:
+            raise ValueError(f"cost model form must be one of {FORMS}, got {self.form!r}")
+
+    def predict(self, B, S, L=None):
+        """ms for B samples of S tokens (scalars → float, arrays → array)."""
+        scalar = np.ndim(B) == 0 and np.ndim(S) == 0
+        B, S = np.asarray(B, dtype=np.float64), np.asarray(S, dtype=np.float64)
+        L = self.L if L is None else L
+        L = 0.0 if L is None else np.asarray(L, dtype=np.float64)
+        q = self.params
+        if self.form == "power":
+            t = q["a"] + q["b"] * B * S ** q["p"]
+        elif self.joint:
+            T = S + L
+            t = q["a"] + q["b1"] * B * T + q["b2"] * B * T * T
+        else:
+            t = q["a"] + q["b1"] * B * S + q["b2"] * B * S * S + q.get("b3", 0.0) * B * S * L
+        return float(t) if scalar else t
+
+    __call__ = predict
+
+    def scaled(self, factor: float) -> "CostModel":
+        """The same model with every term × factor (k timed blocks → the full depth)."""
+        q = {k: (v if k == "p" else v * factor) for k, v in self.params.items()}
+        return CostModel(self.form, q, self.rel_rmse, self.loo_rel_rmse, self.max_rel_err, self.n_points,
+                         self.joint, self.L, list(self.residuals))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        return cls(**d)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "CostModel":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    def describe(self) -> str:
+        q = self.params
+        if self.form == "power":
+            s = f"t = {q['a']:.4g} + {q['b']:.4g}·B·S^{q['p']:.4f}"
+        elif self.joint:
+            s = f"t = {q['a']:.4g} + {q['b1']:.4g}·B·(S+L) + {q['b2']:.4g}·B·(S+L)²"
+        else:
+            s = f"t = {q['a']:.4g} + {q['b1']:.4g}·B·S + {q['b2']:.4g}·B·S²"
+            if "b3" in q:
+                s += f" + {q['b3']:.4g}·B·S·L"
+        return f"{s} ms  (rel RMSE {100 * self.rel_rmse:.2f} %, leave-one-out {100 * self.loo_rel_rmse:.2f} %)"
+
+
+def _weighted_nnls(X: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, float]:
+    """min Σ((X·c − t)/t)² over c ≥ 0; columns scaled for conditioning. Returns (c, residual norm)."""
+    A = X / t[:, None]
+    scale = np.linalg.norm(A, axis=0)
+    scale[scale == 0] = 1.0
+    c, res = nnls(A / scale, np.ones_like(t), maxiter=50 * X.shape[1])
+    return c / scale, float(res)
+
+
+def _quadratic_features(B, S, L, joint):
+    if joint:
+        T = S + L
+        return np.stack([np.ones_like(B), B * T, B * T * T], axis=1), ("a", "b1", "b2")
+    cols, names = [np.ones_like(B), B * S, B * S * S], ["a", "b1", "b2"]
+    if L is not None:
+        cols.append(B * S * L)
+        names.append("b3")
+    return np.stack(cols, axis=1), tuple(names)
+
+
+def _fit_quadratic(B, S, t, L, joint) -> dict:
+    X, names = _quadratic_features(B, S, L, joint)
+    c, _ = _weighted_nnls(X, t)
+    return dict(zip(names, (float(v) for v in c)))
+
+
+def _fit_power(B, S, t) -> dict:
+    def project(p):
+        X = np.stack([np.ones_like(B), B * S ** p], axis=1)
+        c, res = _weighted_nnls(X, t)
+        return c, res
+
+    grid = np.linspace(*P_RANGE, 51)
+    errs = [project(p)[1] for p in grid]
+    i = int(np.argmin(errs))
+    lo, hi = grid[max(0, i - 1)], grid[min(len(grid) - 1, i + 1)]
+    p = float(minimize_scalar(lambda q: project(q)[1], bounds=(lo, hi), method="bounded",
+                              options={"xatol": 1e-7}).x)
+    c, _ = project(p)
+    return {"a": float(c[0]), "b": float(c[1]), "p": p}
+
+
+def _fit(form, B, S, t, L, joint) -> CostModel:
+    params = _fit_power(B, S, t) if form == "power" else _fit_quadratic(B, S, t, L, joint)
+    model = CostModel(form, params, joint=joint and form == "quadratic")
+    model.L = None  # arrays of L are used while fitting; a scalar default is set by the caller
+    return model
+
+
+def _predict_with(model: CostModel, B, S, L):
+    return model.predict(B, S, L if L is not None else 0.0)
+
+
+def fit_cost_model(B: Sequence[float], S: Sequence[float], t: Sequence[float], form: str = "auto",
+                   L: Optional[Sequence[float]] = None, joint: bool = False) -> CostModel:
+    """Fit t (ms) ≈ f(B, S[, L]) on relative residuals; form ∈ power | quadratic | auto (lower leave-one-out error).
+
+    L: text lengths per point (a cross-attention term b3·B·S·L, or joint attention over S + L when joint=True);
+    the returned model predicts with L = the mean of these unless predict() is given another.
+    """
+    if form not in FORMS + ("auto",):
+        raise ValueError(f"form must be one of {FORMS + ('auto',)}, got {form!r}")
+    B, S, t = _as_arrays(B, S, t)
+    Lv = None if L is None else _as_arrays(L)[0] * np.ones_like(B)
+    if not (len(B) == len(S) == len(t)) or len(t) == 0:
+        raise ValueError(f"B, S and t must be equally long and non-empty, got {len(B)}, {len(S)}, {len(t)}")
+    if np.any(t <= 0) or np.any(B < 1) or np.any(S < 1):
+        raise ValueError("every measured time must be > 0 and every B, S ≥ 1")
+    if joint and Lv is None:
+        raise ValueError("joint attention needs the text lengths L")
+    forms = FORMS if form == "auto" else (form,)
+    n_params = {"power": 3, "quadratic": 3 + (Lv is not None and not joint)}
+    fits = {}
+    for f in forms:
+        if len(t) < n_params[f]:
+            raise ValueError(f"{len(t)} points cannot fit the {f} form ({n_params[f]} parameters)")
+        model = _fit(f, B, S, t, Lv, joint)
+        rel = (_predict_with(model, B, S, Lv) - t) / t
+        model.residuals = [float(r) for r in rel]
+        model.rel_rmse = float(np.sqrt(np.mean(rel ** 2)))
+        model.max_rel_err = float(np.max(np.abs(rel)))
+        model.n_points = len(t)
+        model.loo_rel_rmse = _loo(f, B, S, t, Lv, joint) if len(t) > n_params[f] else float("nan")
+        model.L = None if Lv is None else float(np.mean(Lv))
+        fits[f] = model
+    if form != "auto":
+        return fits[form]
+    key = lambda f: fits[f].loo_rel_rmse if math.isfinite(fits[f].loo_rel_rmse) else fits[f].rel_rmse
+    return fits[min(forms, key=key)]
+
+
+def fit_both(B, S, t, L=None, joint=False) -> dict[str, CostModel]:
+    """Both forms, for the calibration file (auto keeps the better one; the other is kept for comparison)."""
+    return {f: fit_cost_model(B, S, t, form=f, L=L, joint=joint) for f in FORMS}
+
+
+def _loo(form, B, S, t, L, joint) -> float:
+    errs = []
+    for i in range(len(t)):
+        keep = np.arange(len(t)) != i
+        m = _fit(form, B[keep], S[keep], t[keep], None if L is None else L[keep], joint)
+        pred = _predict_with(m, B[i:i + 1], S[i:i + 1], None if L is None else L[i:i + 1])
+        errs.append(float((pred[0] - t[i]) / t[i]))
+    return float(np.sqrt(np.mean(np.square(errs))))
+
+
+# --------------------------------------------------------------------------------------------- memory model
+@dataclass
+class MemoryModel:
+    """peak_bytes ≈ c0 + c1·B·S of one training step (optimizer state included)."""
+    c0: float
+    c1: float
+    rel_rmse: float = float("nan")
+    n_points: int = 0
+    measured: bool = True  # False: an estimate, not a fit to measurements (the file says how)
+
+    def predict(self, B, S):
+        return self.c0 + self.c1 * np.asarray(B, dtype=np.float64) * np.asarray(S, dtype=np.float64)
+
+    def m_mem(self, budget_bytes: float) -> int:
+        """Largest token count B·S whose predicted peak stays within budget_bytes (0 when none does)."""
+        if self.c1 <= 0:
+            raise ValueError("the memory model has no per-token cost (c1 ≤ 0): it cannot bound B·S")
+        return max(0, math.floor((budget_bytes - self.c0) / self.c1 * (1 + 1e-12)))  # 1e-12: float round-off
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MemoryModel":
+        return cls(**d)
+
+
+def fit_memory_model(B: Sequence[float], S: Sequence[float], peak_bytes: Sequence[float]) -> MemoryModel:
+    """Least squares of peak ≈ c0 + c1·B·S on relative residuals, c0, c1 ≥ 0 (needs two distinct B·S)."""
+    B, S, y = _as_arrays(B, S, peak_bytes)
+    tokens = B * S
+    if len(np.unique(tokens)) < 2:
+        raise ValueError("the memory model needs points at two or more token counts B·S")
+    X = np.stack([np.ones_like(tokens), tokens], axis=1)
+    c, _ = _weighted_nnls(X, y)
+    rel = (X @ c - y) / y
+    return MemoryModel(float(c[0]), float(c[1]), float(np.sqrt(np.mean(rel ** 2))), len(y))
+
+
+def m_mem_from_budget(memory: MemoryModel, mem_budget_gib: float) -> int:
+    return memory.m_mem(mem_budget_gib * 2**30)
