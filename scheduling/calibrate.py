@@ -1,0 +1,251 @@
+"""Shape benchmarking: time real training steps over (bucket, B), fit the cost and memory models, write the file.
+
+    step_fn(bucket, B) -> StepResult(ms, optim_ms, peak_bytes)      built by the caller (scripts/calibrate.py)
+
+`ms` times forward + backward (what the cost model predicts), `optim_ms` the optimizer step apart, `peak_bytes`
+the step's peak device memory (optimizer state included); step_fn raises `Infeasible` on out-of-memory, after
+freeing what it allocated (CONTRACTS §6).
+
+The scan: buckets in ascending S; in each, B rises geometrically from 1 towards `top_tokens`/S, so that points
+span both S and B·S. A bucket stops at its first infeasible B, at a B·S at or above one already found
+infeasible, or where the memory model fitted to the points so far predicts more than `mem_budget_bytes`. At most
+`max_points` points are timed (the H200's budget: 12), spread over the buckets; with `n > max_points` buckets a
+spread of them by S is scanned. On several ranks every decision to run a point, and its outcome, is agreed
+through `agree(ok) -> all ranks ok` (an all-reduce), so that no rank enters a step the others skip.
+
+The calibration file (JSON) holds, per checkpointing mode, the points, both cost fits with their errors, the
+chosen (auto) cost model, the memory model and the optimizer ms; plus what was measured where and how, a k-block
+extrapolation when the scan timed k of the model's blocks (cost × layers/k: per-block cost is identical), and —
+written later by scripts/simulate_cluster.py — the settings the simulator chose ("chosen").
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Mapping, Optional
+
+import numpy as np
+
+from scheduling.cost_model import CostModel, MemoryModel, fit_both, fit_cost_model, fit_memory_model
+
+FORMAT = "adaptiveload-calibration/1"
+HBM_FRACTION = 0.9  # the memory budget when none is given: 90 % of the device's memory
+
+
+class Infeasible(Exception):
+    """The step does not fit (out of memory); raised by step_fn after freeing what it allocated."""
+
+
+@dataclass
+class StepResult:
+    ms: float                          # forward + backward
+    optim_ms: float = 0.0              # optimizer step (and zero_grad)
+    peak_bytes: Optional[float] = None  # peak device memory of the whole step; None where unknown (CPU)
+
+
+@dataclass
+class Point:
+    bucket: str
+    S: int
+    B: int
+    feasible: bool
+    ms: Optional[float] = None               # median of the timed runs
+    ms_runs: list = field(default_factory=list)
+    optim_ms: Optional[float] = None
+    peak_bytes: Optional[float] = None
+    why: str = ""                             # why a point was not timed
+
+
+def _ladder(S: int, quota: int, top_tokens: float) -> list[int]:
+    """Up to `quota` batch sizes from 1 rising geometrically to ⌊top_tokens / S⌋."""
+    top = max(1, int(top_tokens // S))
+    if quota <= 1 or top == 1:
+        return [1]
+    Bs = sorted({max(1, int(round(top ** (i / (quota - 1))))) for i in range(quota)})
+    return Bs
+
+
+def _quotas(tokens: Mapping[str, int], max_points: int) -> dict[str, int]:
+    names = sorted(tokens, key=lambda n: (tokens[n], n))
+    if len(names) > max_points:  # a spread by S, the shortest and the longest always in
+        pick = sorted({int(round(x)) for x in np.linspace(0, len(names) - 1, max_points)})
+        return {names[i]: 1 for i in pick}
+    q = {n: max_points // len(names) for n in names}
+    for n in names[:max_points % len(names)]:  # spare points to the cheap, short buckets
+        q[n] += 1
+    return q
+
+
+def scan(step_fn: Callable[[str, int], StepResult], tokens: Mapping[str, int], *, max_points: int = 12,
+         top_tokens: Optional[float] = None, mem_budget_bytes: Optional[float] = None, warmup: int = 1,
+         repeats: int = 2, agree: Optional[Callable[[bool], bool]] = None, time_budget_s: Optional[float] = None,
+         log: Callable[[str], None] = lambda s: None) -> list[Point]:
+    """Time step_fn over buckets (name → S) and B upward; returns every point tried, timed or not."""
+    if max_points < 1 or repeats < 1 or warmup < 0:
+        raise ValueError(f"max_points and repeats must be ≥ 1 and warmup ≥ 0, got {max_points}, {repeats}, {warmup}")
+    agree = agree or (lambda ok: ok)
+    top_tokens = top_tokens or 2 * max(tokens.values())
+    quotas = _quotas(tokens, max_points)
+    t_start = time.perf_counter()
+    points: list[Point] = []
+    infeasible_tokens = math.inf
+    for name in quotas:
+        S = int(tokens[name])
+        for B in _ladder(S, quotas[name], top_tokens):
+            timed = [p for p in points if p.feasible]
+            why = ""
+            if len(timed) >= max_points:
+                why = f"cap of {max_points} timed points reached"
+            elif time_budget_s is not None and time.perf_counter() - t_start > time_budget_s:
+                why = f"time budget of {time_budget_s:g} s spent"
+            elif B * S >= infeasible_tokens:
+                why = f"B·S = {B * S} ≥ {infeasible_tokens:g}, already infeasible"
+            elif mem_budget_bytes is not None:
+                mem = _memory_fit(timed)
+                if mem is not None and mem.predict(B, S) > mem_budget_bytes:
+                    why = (f"memory model predicts {mem.predict(B, S) / 2**30:.1f} GiB > budget "
+                           f"{mem_budget_bytes / 2**30:.1f} GiB")
+            if not agree(not why):
+                points.append(Point(name, S, B, False, why=why or "another rank predicts it infeasible"))
+                log(f"skip {name} S={S} B={B}: {points[-1].why}")
+                break
+            try:
+                for _ in range(warmup):
+                    step_fn(name, B)
+                runs = [step_fn(name, B) for _ in range(repeats)]
+                ok = True
+            except Infeasible as e:
+                ok, runs, err = False, [], str(e)
+            if not agree(ok):
+                infeasible_tokens = min(infeasible_tokens, B * S)
+                points.append(Point(name, S, B, False, why=f"out of memory{'' if ok else ': ' + err[:200]}"))
+                log(f"infeasible {name} S={S} B={B}")
+                break
+            peaks = [r.peak_bytes for r in runs if r.peak_bytes is not None]
+            p = Point(name, S, B, True, float(np.median([r.ms for r in runs])), [float(r.ms) for r in runs],
+                      float(np.median([r.optim_ms for r in runs])), float(max(peaks)) if peaks else None)
+            points.append(p)
+            log(f"{name:<14} S={S:>6} B={B:>4}  {p.ms:9.2f} ms  optim {p.optim_ms:7.2f} ms"
+                + (f"  peak {p.peak_bytes / 2**30:6.2f} GiB" if p.peak_bytes else ""))
+    return points
+
+
+def _memory_fit(points: list[Point]) -> Optional[MemoryModel]:
+    pts = [p for p in points if p.feasible and p.peak_bytes]
+    if len({p.B * p.S for p in pts}) < 2:
+        return None
+    return fit_memory_model([p.B for p in pts], [p.S for p in pts], [p.peak_bytes for p in pts])
+
+
+def fit_mode(points: list[Point], scale: float = 1.0, L: Optional[float] = None,
+             memory_valid: bool = True) -> dict:
+    """One checkpointing mode's record: points, both fits (× scale for a k-block scan), memory model, optim ms."""
+    timed = [p for p in points if p.feasible]
+    rec: dict = {"points": [asdict(p) for p in points]}
+    if len(timed) < 3:
+        raise ValueError(f"only {len(timed)} points were timed: a cost model needs at least 3 "
+                         "(raise the point cap, the memory budget, or add buckets)")
+    B, S, t = (np.array([getattr(p, k) for p in timed], dtype=np.float64) for k in ("B", "S", "ms"))
+    fits = fit_both(B, S, t)
+    best = fit_cost_model(B, S, t, form="auto")
+    for m in (*fits.values(), best):
+        m.L = L
+    rec["fits"] = {f: m.scaled(scale).to_dict() for f, m in fits.items()}
+    rec["cost_model"] = best.scaled(scale).to_dict()
+    rec["fit_errors"] = {f: {"rel_rmse": m.rel_rmse, "loo_rel_rmse": m.loo_rel_rmse, "max_rel_err": m.max_rel_err}
+                         for f, m in fits.items()}
+    mem = _memory_fit(timed)
+    rec["memory_model"] = mem.to_dict() if mem is not None and memory_valid else None
+    if mem is not None and not memory_valid:
+        rec["memory_model_k_blocks"] = mem.to_dict()  # peak of the k-block model: not the full model's
+    rec["optim_ms"] = float(np.median([p.optim_ms for p in timed])) * scale
+    return rec
+
+
+# ------------------------------------------------------------------------------------------------- the file
+@dataclass
+class Calibration:
+    data: dict
+    path: Optional[str] = None
+
+    @classmethod
+    def load(cls, path: str) -> "Calibration":
+        if not os.path.exists(path):
+            raise ValueError(f"scheduling.calibration={path}: no such file (scripts/calibrate.py writes one)")
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("format") != FORMAT:
+            raise ValueError(f"scheduling.calibration={path}: format {data.get('format')!r}, expected {FORMAT!r}")
+        return cls(data, path)
+
+    def save(self, path: Optional[str] = None) -> str:
+        path = path or self.path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f, indent=1)
+        os.replace(tmp, path)
+        self.path = path
+        return path
+
+    @property
+    def modes(self) -> list[str]:
+        return list(self.data["modes"])
+
+    def mode_name(self, checkpointing: Optional[str]) -> str:
+        """The record for model.checkpointing (auto → full when only full was measured; None → the only one)."""
+        modes = self.modes
+        if checkpointing in modes:
+            return checkpointing
+        if checkpointing is None and len(modes) == 1:
+            return modes[0]
+        if checkpointing in (None, "auto") and "full" in modes:
+            return "full"
+        raise ValueError(f"scheduling.calibration={self.path} holds checkpointing modes {modes}, not "
+                         f"model.checkpointing={checkpointing}: calibrate with that mode")
+
+    def cost_model(self, mode: str, form: Optional[str] = None) -> CostModel:
+        rec = self.data["modes"][mode]
+        return CostModel.from_dict(rec["fits"][form] if form else rec["cost_model"])
+
+    def memory_model(self, mode: str) -> Optional[MemoryModel]:
+        d = self.data["modes"][mode].get("memory_model")
+        return MemoryModel.from_dict(d) if d else None
+
+    def optim_ms(self, mode: str) -> float:
+        return float(self.data["modes"][mode].get("optim_ms") or 0.0)
+
+    @property
+    def hbm_bytes(self) -> Optional[float]:
+        return self.data.get("hbm_bytes")
+
+    def default_m_mem(self, mode: str) -> Optional[int]:
+        """m_mem from the memory model at 90 % of the device's memory, when both are known."""
+        mem = self.memory_model(mode)
+        if mem is None or not self.hbm_bytes:
+            return None
+        return mem.m_mem(HBM_FRACTION * self.hbm_bytes)
+
+    def chosen(self, strategy: str, world_size: Optional[int] = None) -> dict:
+        """The simulator's best settings for `strategy` at the nearest simulated world size ({} if none)."""
+        chosen = self.data.get("chosen") or {}
+        by_r = chosen.get("by_world_size") or {}
+        out = {}
+        if by_r:
+            ref = world_size or chosen.get("reference_world_size") or int(min(by_r, key=int))
+            R = min(by_r, key=lambda r: (abs(math.log(int(r) / ref)), int(r)))
+            out = dict(by_r[R].get(strategy, {}))
+        if chosen.get("m_mem") is not None:
+            out.setdefault("m_mem", chosen["m_mem"])
+        return out
+
+
+def new_calibration(modes: dict, *, model: dict, source: str, device: str, date: str, command: str,
+                    hbm_bytes: Optional[float] = None, extrapolation: Optional[dict] = None,
+                    notes: Optional[list] = None, world_size: int = 1) -> Calibration:
+    return Calibration({"format": FORMAT, "source": source, "device": device, "date": date, "command": command,
+                        "world_size": world_size, "model": model, "hbm_bytes": hbm_bytes,
+                        "extrapolation": extrapolation, "notes": notes or [], "modes": modes})

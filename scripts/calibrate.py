@@ -1,0 +1,190 @@
+"""Calibrate the scheduler for a training config: time real training steps over (bucket, B), fit, write the file.
+
+    python scripts/calibrate.py conf=wan21_1p3b                      writes scheduling.calibration (or
+                                                                     results/calibration_<name>.json)
+    python scripts/calibrate.py conf=wan21_1p3b +calibrate.blocks=4 +calibrate.max_points=12 +calibrate.time_budget_s=420
+    torchrun --nproc_per_node 8 scripts/calibrate.py conf=wan21_8gpu  the live FSDP set-up; feasibility agreed by
+                                                                     all-reduce, rank 0 writes the file
+
+Options (`+calibrate.KEY=VALUE`): max_points (12), blocks (time k of the model's blocks and extrapolate ×
+layers/k; the file says so), warmup (1), repeats (2), top_tokens (largest B·S aimed at; default 2·S_max),
+time_budget_s, buckets (a list of names; default all), out (the file; default scheduling.calibration).
+
+The step: the config's model (models.build.build_model), precision (autocast), checkpointing mode (model.checkpointing;
+`auto` scans both `none` and `full`), compile and FSDP; flow matching on synthetic inputs of each bucket's latent
+shape; forward + backward timed as `ms`, the AdamW step apart as `optim_ms`; the peak of the whole step; an
+out-of-memory frees what the step held and reports the point infeasible (scheduling/calibrate.py runs the scan).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from data.buckets import bucket_table  # noqa: E402
+from models.build import build_model  # noqa: E402
+from models.flow_matching import FlowMatching  # noqa: E402
+from models.parallelize import parallelize  # noqa: E402
+from scheduling.calibrate import (HBM_FRACTION, Calibration, Infeasible, StepResult, fit_mode,  # noqa: E402
+                                  new_calibration, scan)
+from training.dist import init_distributed  # noqa: E402
+from training.optim import build_optimizer  # noqa: E402
+from training.step import autocast_for  # noqa: E402
+
+DEFAULTS = dict(max_points=12, blocks=None, warmup=1, repeats=2, top_tokens=None, time_budget_s=None,
+                buckets=None, out=None)
+CPU_M_MEM_FACTOR = 8  # CPU: no device memory to bound; m_mem = 8·S_max so every rule has a bound
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_step_fn(model, objective, optimizer, buckets, model_cfg, device, autocast, checkpointing: bool):
+    """step_fn(bucket, B) → StepResult: one real training step on synthetic inputs (CONTRACTS §6)."""
+    cuda = device.type == "cuda"
+
+    def step_fn(name: str, B: int) -> StepResult:
+        shape = buckets[name].latent_shape(model_cfg.in_channels)
+        oom = None
+        x0 = text = t = noise = loss = None
+        try:
+            x0 = torch.randn(B, *shape, device=device)
+            text = torch.randn(B, model_cfg.text_len, model_cfg.text_dim, device=device)
+            t, noise = torch.rand(B, device=device), torch.randn_like(x0)
+            model.set_activation_checkpointing(checkpointing)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            _sync(device)
+            t0 = time.perf_counter()
+            with autocast():
+                loss = objective.per_sample_loss(model, x0, text, t, noise).mean()
+            loss.backward()
+            _sync(device)
+            t1 = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            _sync(device)
+            t2 = time.perf_counter()
+        except torch.OutOfMemoryError as e:
+            oom = str(e).splitlines()[0]
+        if oom is not None:  # outside the except block, so the traceback no longer pins the step's tensors
+            x0 = text = t = noise = loss = None
+            optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            raise Infeasible(oom)
+        peak = float(torch.cuda.max_memory_allocated(device)) if cuda else None
+        return StepResult((t1 - t0) * 1e3, (t2 - t1) * 1e3, peak)
+
+    return step_fn
+
+
+def _agree(ctx):
+    if not ctx.distributed:
+        return None
+    import torch.distributed as dist
+
+    def agree(ok: bool) -> bool:
+        flag = torch.tensor([1.0 if ok else 0.0], device=ctx.comm_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item() > 0)
+
+    return agree
+
+
+def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print) -> Calibration:
+    """Scan, fit and write the calibration of `cfg` (a TrainConfig); returns it (rank 0 writes the file)."""
+    opts = {**DEFAULTS, **(opts or {})}
+    unknown = set(opts) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown calibrate option(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    ctx = init_distributed()
+    torch.manual_seed(cfg.train.seed)
+    table = bucket_table(cfg.data.buckets)
+    names = list(opts["buckets"] or table)
+    missing = [n for n in names if n not in table]
+    if missing:
+        raise ValueError(f"calibrate.buckets names {missing}, not in data.buckets ({list(table)})")
+    tokens = {n: table[n].tokens for n in names}
+    layers = cfg.model.num_layers
+    k = int(opts["blocks"] or layers)
+    if not 1 <= k <= layers:
+        raise ValueError(f"calibrate.blocks must lie in [1, model.num_layers={layers}], got {k}")
+    model = build_model(dataclasses.replace(cfg.model, num_layers=k), ctx.device)
+    parallelize(model, compile=cfg.model.compile, world_size=ctx.world_size)
+    optimizer, _ = build_optimizer(model, cfg.optim, 1000)
+    autocast = autocast_for(ctx.device, cfg.model.precision)
+    objective = FlowMatching(cfg.objective)
+    cuda = ctx.device.type == "cuda"
+    hbm = float(torch.cuda.get_device_properties(ctx.device).total_memory) if cuda else None
+    budget = (cfg.scheduling.mem_budget_gib * 2**30 if cfg.scheduling.mem_budget_gib
+              else HBM_FRACTION * hbm if hbm else None)
+    modes = ["none", "full"] if cfg.model.checkpointing == "auto" else [cfg.model.checkpointing]
+    t_start = time.perf_counter()
+    records = {}
+    for mode in modes:
+        step_fn = make_step_fn(model, objective, optimizer, table, cfg.model, ctx.device, autocast, mode == "full")
+        say = log if ctx.is_main else (lambda s: None)
+        say(f"checkpointing={mode}: scanning {len(tokens)} buckets, at most {opts['max_points']} timed points")
+        points = scan(step_fn, tokens, max_points=int(opts["max_points"]), top_tokens=opts["top_tokens"],
+                      mem_budget_bytes=budget, warmup=int(opts["warmup"]), repeats=int(opts["repeats"]),
+                      agree=_agree(ctx), time_budget_s=opts["time_budget_s"], log=say)
+        records[mode] = fit_mode(points, scale=layers / k, memory_valid=(k == layers))
+    elapsed = time.perf_counter() - t_start
+    device = (torch.cuda.get_device_name(ctx.device) if cuda
+              else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)")
+    m = cfg.model
+    notes = [f"scan took {elapsed:.0f} s on {ctx.world_size} rank(s)"]
+    if k < layers:
+        notes.append(f"timed {k} of {layers} blocks; cost models and optim_ms extrapolated ×{layers / k:g} "
+                     "(per-block cost is identical; the non-block part is over-counted by the same factor); "
+                     "memory model of the k-block model only (memory_model_k_blocks), not used")
+    cal = new_calibration(
+        records, model={"name": m.name, "dim": m.dim, "num_layers": layers, "num_attention_heads": m.num_attention_heads,
+                        "ffn_dim": m.ffn_dim, "text_len": m.text_len, "precision": m.precision,
+                        "compile": m.compile, "adaln_backend": m.adaln_backend},
+        source="measured", device=device, date=datetime.date.today().isoformat(), command=command,
+        hbm_bytes=hbm, extrapolation={"blocks_timed": k, "num_layers": layers, "scale": layers / k} if k < layers else None,
+        notes=notes, world_size=ctx.world_size)
+    if not cuda:
+        cal.data["chosen"] = {"m_mem": CPU_M_MEM_FACTOR * max(tokens.values()),
+                              "why": f"CPU: no device memory to bound; m_mem = {CPU_M_MEM_FACTOR}·S_max"}
+    out = opts["out"] or cfg.scheduling.calibration or os.path.join("results", f"calibration_{cfg.name}.json")
+    if ctx.is_main:
+        cal.save(out)
+        for mode, rec in records.items():
+            errs = ", ".join(f"{f} {100 * e['rel_rmse']:.2f} % (leave-one-out {100 * e['loo_rel_rmse']:.2f} %)"
+                             for f, e in rec["fit_errors"].items())
+            log(f"{mode}: relative RMS error {errs}; chosen {rec['cost_model']['form']}")
+        log(f"wrote {out} ({elapsed:.0f} s)")
+    ctx.barrier()
+    return cal
+
+
+if __name__ == "__main__":
+    import hydra
+    from omegaconf import OmegaConf
+
+    from training.config import load_config
+
+    @hydra.main(config_path="../conf", config_name="train", version_base=None)
+    def _main(dcfg) -> None:
+        raw = OmegaConf.to_container(dcfg, resolve=True)
+        raw.pop("hydra", None)
+        opts = raw.pop("calibrate", None) or {}
+        calibrate_config(load_config(raw), opts, command="python " + " ".join(sys.argv[:1] + [
+            a for a in sys.argv[1:] if not a.startswith("hydra")]))
+
+    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
+    _main()

@@ -1,0 +1,92 @@
+"""scheduling/calibrate.py's scan (B upward, out-of-memory, memory-fit stop, cap, agreement) and the CPU tiny run."""
+import json
+import time
+
+import numpy as np
+import pytest
+
+from scheduling.calibrate import Calibration, Infeasible, Point, StepResult, fit_mode, scan
+from scheduling.config import SchedulingConfig
+from scheduling.policy import ModelShape, resolve_schedule
+
+C0, C1 = 10 * 2**30, 200 * 2**10  # the fake device: 10 GiB + 200 KiB per token
+TOKENS = {"img": 1000, "short": 4000, "long": 16000}
+
+
+def fake_step(oom_tokens=None, calls=None, tokens=TOKENS):
+    def step_fn(bucket, B):
+        S = tokens[bucket]
+        if calls is not None:
+            calls.append((bucket, B))
+        if oom_tokens is not None and B * S >= oom_tokens:
+            raise Infeasible("CUDA out of memory (fake)")
+        return StepResult(2.0 + 1e-3 * B * S + 1e-7 * B * S * S, 1.0, C0 + C1 * B * S)
+    return step_fn
+
+
+def test_b_rises_per_bucket_and_out_of_memory_stops_the_bucket_and_longer_ones():
+    calls = []
+    pts = scan(fake_step(oom_tokens=40_000, calls=calls), TOKENS, max_points=9, top_tokens=64_000, warmup=1,
+               repeats=2)
+    for name in TOKENS:
+        Bs = [p.B for p in pts if p.bucket == name]
+        assert Bs == sorted(Bs)  # B upward
+    assert all(p.B * p.S < 40_000 for p in pts if p.feasible)
+    bad = [p for p in pts if not p.feasible]
+    assert bad[0].why.startswith("out of memory") and bad[0].B * bad[0].S >= 40_000
+    assert all(B * TOKENS[b] < 40_000 or (b, B) == (bad[0].bucket, bad[0].B) for b, B in calls)  # never retried
+    assert len(calls) == 3 * sum(p.feasible for p in pts) + 1  # warmup + 2 repeats each; the OOM once
+    assert any("already infeasible" in p.why for p in bad[1:])
+
+
+def test_the_memory_fit_stops_a_bucket_before_it_runs_out():
+    calls = []
+    budget = C0 + C1 * 30_000
+    pts = scan(fake_step(calls=calls), TOKENS, max_points=9, top_tokens=64_000, mem_budget_bytes=budget)
+    assert all(B * TOKENS[b] <= 30_000 for b, B in calls)  # no point the fit predicts infeasible ran
+    assert any(p.why.startswith("memory model predicts") for p in pts)
+
+
+def test_the_point_cap_and_agreement_across_ranks():
+    many = {f"b{i}": 1000 * (i + 1) for i in range(20)}
+    pts = scan(fake_step(tokens=many), many, max_points=12, repeats=1, warmup=0)
+    assert sum(p.feasible for p in pts) == 12  # 20 buckets, 12 points: a spread of them by S
+    assert {"b0", "b19"} <= {p.bucket for p in pts}
+    votes = iter([True, True, False] + [True] * 100)  # the other rank says no to the second point
+    pts = scan(fake_step(), TOKENS, max_points=6, repeats=1, warmup=0, agree=lambda ok: ok and next(votes))
+    assert not pts[1].feasible and "another rank" in pts[1].why and pts[2].bucket == "short"
+
+
+def test_k_block_scan_extrapolates_the_cost_and_drops_the_memory_model():
+    pts = [Point("b", S, B, True, 1 + 1e-3 * B * S + 1e-7 * B * S * S, [], 1.0, C0 + C1 * B * S)
+           for B, S in [(1, 1000), (4, 1000), (1, 4000), (2, 4000), (1, 16000), (2, 16000)]]
+    rec = fit_mode(pts, scale=7.5, memory_valid=False)
+    from scheduling.cost_model import CostModel
+    assert CostModel.from_dict(rec["cost_model"]).predict(3, 5000) == pytest.approx(
+        7.5 * (1 + 1e-3 * 15000 + 1e-7 * 3 * 5000 ** 2), rel=1e-3)
+    assert rec["memory_model"] is None and rec["memory_model_k_blocks"]["c1"] == pytest.approx(C1)
+    assert rec["optim_ms"] == 7.5
+
+
+def test_cpu_tiny_model_calibration_end_to_end(tmp_path):
+    from scripts.calibrate import calibrate_config
+    from tests.helpers import compose_config
+
+    out = str(tmp_path / "cal.json")
+    cfg = compose_config([f"scheduling.calibration={out}"])
+    t0 = time.perf_counter()
+    cal = calibrate_config(cfg, {"max_points": 8, "repeats": 2}, command="test", log=lambda s: None)
+    assert time.perf_counter() - t0 < 30
+    d = json.load(open(out))
+    rec = d["modes"]["none"]  # the tiny config's checkpointing mode
+    timed = [p for p in rec["points"] if p["feasible"]]
+    assert len(timed) == 8 and all(p["ms"] > 0 and p["optim_ms"] > 0 for p in timed)
+    assert {p["bucket"] for p in timed} == set(cfg.data.buckets)
+    assert set(rec["fit_errors"]) == {"power", "quadratic"} and rec["cost_model"]["form"] in ("power", "quadratic")
+    assert all(np.isfinite(e["rel_rmse"]) for e in rec["fit_errors"].values())
+    assert d["model"]["dim"] == cfg.model.dim and d["device"].startswith("CPU") and d["chosen"]["m_mem"] == 960
+    sched = resolve_schedule(SchedulingConfig("balanced", calibration=out),
+                             {"img_64": 16, "vid_64x96_17f": 120},
+                             ModelShape(1, cfg.model.num_layers, cfg.model.dim, cfg.model.text_len))
+    assert sched.sources["cost"].startswith("calibration:none") and sched.values["m_mem"] == 960
+    assert Calibration.load(out).mode_name("none") == "none"
