@@ -1,15 +1,24 @@
 """From the scheduling config to what the planner needs: a batch size per bucket and a cost function.
 
-Explicit config values beat the calibration file; `Schedule.sources` records where each value came from, and the
-run logs it. Without a calibration the predicted cost of a micro-batch is its model FLOPs (scheduling/metrics.py)
-at `proxy_tflops`: enough for relative balance metrics, not for absolute times.
+Every knob is resolved in this order, and `Schedule.sources` records which source won it (the run logs it):
+    1. the config (an explicit value: command line, preset or group file)
+    2. the calibration file (scheduling.calibration): its memory model at scheduling.mem_budget_gib gives m_mem;
+       the settings the cluster simulator chose ("chosen", at the nearest simulated world size); the power fit's p
+    3. a default that always works: m_mem from the memory model at 90 % of the device's memory; m_tokens = the
+       longest bucket's S, m_comp = S_max^p, target_microbatch_ms = the predicted ms of the longest bucket at B = 1
+       (each: the longest bucket runs one sample per micro-batch)
+The cost function is the calibration's cost model for model.checkpointing (for `auto`, with both `none` and `full`
+measured: `none`'s model where its memory model fits the budget, `full`'s elsewhere). Without a calibration it is
+the model's FLOPs (scheduling/metrics.py) at `proxy_tflops`: enough for relative balance metrics, not for absolute
+times. Settings that cannot work are refused with a ValueError naming the field.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
-from scheduling.batching import dual_constraint_batch_size, equal_token_batch_size
+from scheduling.batching import batch_sizes
+from scheduling.calibrate import HBM_FRACTION, Calibration
 from scheduling.config import SchedulingConfig
 from scheduling.metrics import model_flops
 
@@ -28,13 +37,17 @@ class Schedule:
     strategy: str
     batch_sizes: dict  # bucket name → B
     cost_fn: Callable[[int, int], float]
-    sources: dict = field(default_factory=dict)  # knob → "config" | "calibration" | "flops"
+    sources: dict = field(default_factory=dict)  # knob → where its value came from
+    values: dict = field(default_factory=dict)   # knob → the value used (m_mem, m_tokens, m_comp, p, target ms)
+    window: int = 1
+    no_recompute_tokens: Optional[float] = None  # model.checkpointing=auto: recompute above this B·S
+    notes: list = field(default_factory=list)    # warnings for the log (e.g. a bucket over the target ms)
 
     def table(self, tokens: Mapping[str, int]) -> str:
         rows = [f"{'bucket':<16}{'S':>8}{'B':>6}{'B·S':>10}{'pred ms':>10}"]
         for name, S in tokens.items():
             B = self.batch_sizes[name]
-            rows.append(f"{name:<16}{S:>8}{B:>6}{B * S:>10}{self.cost_fn(B, S):>10.3g}")
+            rows.append(f"{name:<16}{S:>8}{B:>6}{B * S:>10}{self.cost_fn(B, S):>10.2f}")
         return "\n".join(rows)
 
 
@@ -42,18 +55,104 @@ def flops_cost_fn(shape: ModelShape, proxy_tflops: float = 100.0) -> Callable[[i
     return lambda B, S: model_flops(B, S, shape.text_len, shape.p_matmul, shape.layers, shape.dim) / (proxy_tflops * 1e9)
 
 
+def _check_model(cal: Calibration, shape: ModelShape) -> None:
+    m = cal.data.get("model", {})
+    theirs = {"dim": m.get("dim"), "layers": m.get("num_layers"), "text_len": m.get("text_len")}
+    ours = {"dim": shape.dim, "layers": shape.layers, "text_len": shape.text_len}
+    diff = {k: (ours[k], v) for k, v in theirs.items() if v is not None and v != ours[k]}
+    if diff:
+        raise ValueError(f"scheduling.calibration={cal.path} was measured on another model ("
+                         + ", ".join(f"{k} {b} there, {a} here" for k, (a, b) in diff.items())
+                         + "): run scripts/calibrate.py with this model's config")
+
+
 def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: ModelShape,
-                     proxy_tflops: float = 100.0) -> Schedule:
-    """tokens: bucket name → S, in bucket order."""
-    if cfg.calibration is not None or cfg.strategy in ("cost", "balanced"):
-        raise ValueError("scheduling.calibration and the cost/balanced strategies need the cost model of "
-                         "scheduling/cost_model.py, which is not built yet: use equal_token or dual_constraint")
-    cost_fn = flops_cost_fn(shape, proxy_tflops)
-    if cfg.strategy == "equal_token":
-        sizes = {n: equal_token_batch_size(S, cfg.m_tokens) for n, S in tokens.items()}
-        sources = {"m_tokens": "config"}
+                     proxy_tflops: float = 100.0, checkpointing: Optional[str] = None,
+                     world_size: Optional[int] = None) -> Schedule:
+    """tokens: bucket name → S, in bucket order; checkpointing: model.checkpointing (picks the calibration's
+    record); world_size: picks the simulator's choice made for the nearest cluster size."""
+    S_max = max(tokens.values())
+    src: dict = {}
+    val: dict = {}
+    notes: list = []
+    no_recompute = None
+    cal = Calibration.load(cfg.calibration) if cfg.calibration else None
+    chosen: dict = {}
+    if cal is None:
+        cost_fn = flops_cost_fn(shape, proxy_tflops)
+        src["cost"] = f"flops@{proxy_tflops:g}TFLOP/s"
+        cost_model = power = memory = None
     else:
-        sizes = {n: dual_constraint_batch_size(S, cfg.m_mem, cfg.m_comp, cfg.p) for n, S in tokens.items()}
-        sources = {"m_mem": "config", "m_comp": "config", "p": "config"}
-    sources["cost"] = f"flops@{proxy_tflops:g}TFLOP/s"
-    return Schedule(cfg.strategy, sizes, cost_fn, sources)
+        _check_model(cal, shape)
+        mode = cal.mode_name(checkpointing)
+        cost_model, memory = cal.cost_model(mode), cal.memory_model(mode)
+        power = cal.cost_model(mode, "power")
+        cost_fn = cost_model.predict
+        src["cost"] = f"calibration:{mode}:{cost_model.form}"
+        chosen = cal.chosen(cfg.strategy, world_size)
+        if checkpointing == "auto" and {"none", "full"} <= set(cal.modes) and cal.memory_model("none"):
+            none_cost, none_mem = cal.cost_model("none"), cal.memory_model("none")
+            budget = (cfg.mem_budget_gib * 2**30 if cfg.mem_budget_gib
+                      else HBM_FRACTION * cal.hbm_bytes if cal.hbm_bytes else None)
+            if budget is not None:
+                no_recompute = float(none_mem.m_mem(budget))
+                cost_fn = lambda B, S: (none_cost.predict(B, S) if B * S <= no_recompute else cost_model.predict(B, S))
+                src["cost"] = f"calibration:auto(none ≤ {no_recompute:.0f} tokens < full)"
+
+    # m_mem: config > mem_budget_gib × memory model > chosen > memory model at 90 % of HBM
+    if cfg.m_mem is not None:
+        val["m_mem"], src["m_mem"] = cfg.m_mem, "config"
+    elif cfg.mem_budget_gib is not None:
+        if memory is None:
+            raise ValueError("scheduling.mem_budget_gib needs a measured memory model: set scheduling.calibration "
+                             "to a file with one (scripts/calibrate.py on the GPU) or set scheduling.m_mem")
+        val["m_mem"] = memory.m_mem(cfg.mem_budget_gib * 2**30)
+        src["m_mem"] = f"mem_budget_gib={cfg.mem_budget_gib:g}(config) × memory model(calibration)"
+        if val["m_mem"] < S_max:
+            raise ValueError(f"scheduling.mem_budget_gib={cfg.mem_budget_gib:g} leaves room for "
+                             f"{val['m_mem']} tokens (the memory model: {memory.c0 / 2**30:.1f} GiB + "
+                             f"{memory.c1 / 2**10:.1f} KiB per token), below the longest bucket's S={S_max}: "
+                             "raise the budget, turn on model.checkpointing, or drop the bucket")
+    elif chosen.get("m_mem") is not None:
+        val["m_mem"], src["m_mem"] = chosen["m_mem"], "calibration:chosen"
+    elif cal is not None and cal.default_m_mem(mode) is not None:
+        val["m_mem"], src["m_mem"] = cal.default_m_mem(mode), f"calibration:memory model at {HBM_FRACTION:.0%} of HBM"
+    m_mem = val.get("m_mem")
+
+    def pick(name: str, default, default_why: str):
+        v = getattr(cfg, name)
+        if v is not None:
+            val[name], src[name] = v, "config"
+        elif chosen.get(name) is not None:
+            val[name], src[name] = chosen[name], "calibration:chosen"
+        elif default is not None:
+            val[name], src[name] = default, default_why
+        return val.get(name)
+
+    s = cfg.strategy
+    if s == "equal_token":
+        m_tokens = pick("m_tokens", S_max if cal is not None else None, "default: longest bucket's S")
+        if m_mem is not None and m_tokens is not None and m_tokens > m_mem:
+            raise ValueError(f"scheduling.m_tokens={m_tokens:g} exceeds the memory bound m_mem={m_mem:g} "
+                             f"({src['m_mem']}): lower it")
+        sizes = batch_sizes(s, list(tokens.values()), m_tokens=m_tokens)
+    elif s == "dual_constraint":
+        p = pick("p", power.params["p"] if power is not None else None, "calibration:power fit")
+        m_comp = pick("m_comp", S_max ** p if p is not None and cal is not None else None,
+                      "default: longest bucket's S^p")
+        sizes = batch_sizes(s, list(tokens.values()), m_mem=m_mem, m_comp=m_comp, p=p)
+    else:
+        if cost_model is None:
+            raise ValueError(f"scheduling.strategy={s} predicts step times from a cost model: set "
+                             "scheduling.calibration (scripts/calibrate.py writes one)")
+        target = pick("target_microbatch_ms", cost_fn(1, S_max), "default: longest bucket at B=1")
+        sizes = batch_sizes(s, list(tokens.values()), m_mem=m_mem, cost_model=cost_fn, target_ms=target)
+        over = [n for n, S in tokens.items() if cost_fn(1, S) > target]
+        if over:
+            notes.append(f"scheduling.target_microbatch_ms={target:g}: buckets {over} exceed it at B=1 and run "
+                         "one sample per micro-batch")
+    if cfg.window > 1:
+        src["window"] = "config"
+        if s != "balanced":
+            notes.append(f"scheduling.window={cfg.window} only affects the balanced strategy")
+    return Schedule(s, dict(zip(tokens, sizes)), cost_fn, src, val, cfg.window, no_recompute, notes)

@@ -1,0 +1,243 @@
+"""scheduling/: batch-size rules, the balanced planner and its window, the policy (sources, refusals), conf groups."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from scheduling.balance import SampleTable, advance, deal_balanced, plan_step
+from scheduling.batching import (batch_sizes, cost_batch_size, dual_constraint_batch_size,
+                                 equal_token_batch_size)
+from scheduling.calibrate import Calibration
+from scheduling.config import SchedulingConfig
+from scheduling.cost_model import CostModel
+from scheduling.metrics import compute_cv, idle_fraction
+from scheduling.policy import ModelShape, resolve_schedule
+from scheduling.simulate import DEFAULT_MIX, Mix, issue4_h200_calibration
+
+QUAD = CostModel("quadratic", {"a": 15.7, "b1": 0.0238, "b2": 1.44e-6})  # ≈ the H200 fit, full depth
+WAN13 = ModelShape(p_matmul=1_250_623_488, layers=30, dim=1536, text_len=512)
+
+
+# ------------------------------------------------------------------------------------------------ batching
+def test_rules_match_their_formulas_on_random_inputs():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        S = int(rng.integers(1, 80_000))
+        m_tokens = int(rng.integers(1, 400_000))
+        assert equal_token_batch_size(S, m_tokens) == max(1, m_tokens // S)
+        m_mem = float(rng.integers(S, 500_000))
+        m_comp, p = float(rng.uniform(1e3, 1e8)), float(rng.uniform(0.5, 2.5))
+        want = max(1, min(math.floor(m_mem / S), math.floor(m_comp / S ** p)))
+        assert dual_constraint_batch_size(S, m_mem, m_comp, p) == want
+        target = float(rng.uniform(10, 20_000))
+        brute = [B for B in range(1, int(m_mem // S) + 1) if QUAD.predict(B, S) <= target]
+        assert cost_batch_size(S, QUAD, target, m_mem) == (max(brute) if brute else 1)
+
+
+@pytest.mark.parametrize("call, field", [
+    (lambda: dual_constraint_batch_size(75600, 50_000, 1e7, 1.3), "scheduling.m_mem"),  # S > m_mem
+    (lambda: dual_constraint_batch_size(1000, 50_000, 1e7, 0.0), "scheduling.p"),
+    (lambda: dual_constraint_batch_size(1000, 50_000, -1.0, 1.0), "scheduling.m_comp"),
+    (lambda: equal_token_batch_size(1000, -5), "scheduling.m_tokens"),
+    (lambda: cost_batch_size(1000, QUAD, 0.0, 1e6), "scheduling.target_microbatch_ms"),
+    (lambda: cost_batch_size(80_000, QUAD, 1e4, 75_600), "scheduling.m_mem"),
+    (lambda: batch_sizes("cost", [1000], m_mem=1e6, cost_model=QUAD), "scheduling.target_microbatch_ms"),
+    (lambda: batch_sizes("dual_constraint", [1000], m_mem=1e6, p=1.2), "scheduling.m_comp"),
+    (lambda: batch_sizes("fast", [1000]), "scheduling.strategy"),
+])
+def test_impossible_settings_are_refused_naming_the_field(call, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        call()
+
+
+def test_cost_rule_edges():
+    assert cost_batch_size(75600, QUAD, 1.0, 1e6) == 1          # even B=1 is over the target: one sample
+    assert cost_batch_size(1560, QUAD, 1e9, 10 * 1560) == 10    # the memory bound caps B
+    t = QUAD.predict(1, 75600)
+    assert batch_sizes("cost", [1560, 75600], m_mem=4e5, cost_model=QUAD, target_ms=t)[1] == 1
+
+
+# ------------------------------------------------------------------------------------------------- planner
+def mix_table(n=6000, seed=0):
+    return Mix.of(DEFAULT_MIX).table(n, seed)
+
+
+def run_epoch(samples, world, M, sizes, strategy="balanced", window=1, start=0, epoch=0, stop_after=None):
+    pos, plans = start, []
+    while True:
+        plan, nxt = plan_step(samples, 3, epoch, pos, world, strategy, M, sizes, QUAD.predict, window=window)
+        plans.append(plan)
+        e, pos = advance(epoch, nxt, samples)
+        if e != epoch or (stop_after and len(plans) == stop_after):
+            return plans, pos
+
+
+def real_ids(plans):
+    return [i for p in plans for r in p.ranks for mb in r for i, w in zip(mb.ids, mb.weights) if w > 0]
+
+
+SIZES = batch_sizes("cost", Mix.of(DEFAULT_MIX).S, m_mem=4e5, cost_model=QUAD, target_ms=QUAD.predict(1, 75600))
+
+
+@pytest.mark.parametrize("world, M, window", [(8, 4, 1), (3, 2, 1), (8, 4, 3), (5, 3, 2)])
+def test_balanced_plans_cover_every_entry_once_with_equal_slots(world, M, window):
+    samples = mix_table(3000)
+    plans, _ = run_epoch(samples, world, M, SIZES, window=window)
+    for plan in plans:
+        assert len({len(r) for r in plan.ranks}) == 1 and plan.num_slots <= M
+        for r in plan.ranks:
+            for mb in r:
+                assert mb.B <= SIZES[mb.bucket] and len({int(samples.bucket[i]) for i in mb.ids}) == 1
+    assert all(p.num_slots == M for p in plans[:-window])  # only the epoch's end may be short
+    assert sorted(real_ids(plans)) == sorted(samples.ids.tolist())
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_plans_are_identical_on_every_rank(window):
+    a = run_epoch(mix_table(), 8, 4, SIZES, window=window, stop_after=5)[0]
+    b = run_epoch(mix_table(), 8, 4, SIZES, window=window, stop_after=5)[0]  # another process's own table
+    assert a == b
+
+
+def test_resume_on_another_world_size_neither_repeats_nor_skips():
+    samples = mix_table(3000)
+    first, pos = run_epoch(samples, 8, 4, SIZES, stop_after=3)
+    rest, _ = run_epoch(samples, 5, 2, SIZES, start=pos)  # resumed on 5 ranks, M = 2
+    assert sorted(real_ids(first + rest)) == sorted(samples.ids.tolist())
+
+
+def test_windowed_resume_same_world_size_anywhere_and_another_at_a_window_boundary():
+    samples = mix_table(3000)
+    straight, _ = run_epoch(samples, 4, 4, SIZES, window=3)
+    first, pos = run_epoch(samples, 4, 4, SIZES, window=3, stop_after=4)  # mid-window (4 = 3 + 1)
+    rest, _ = run_epoch(samples, 4, 4, SIZES, window=3, start=pos)
+    assert first + rest == straight
+    first, pos = run_epoch(samples, 4, 4, SIZES, window=3, stop_after=6)  # a window boundary
+    rest, _ = run_epoch(samples, 5, 2, SIZES, window=2, start=pos)  # another R and window: 96 micro-batches done,
+    # not a multiple of the new window (20), so the new run first plans unwindowed up to its next window boundary
+    assert sorted(real_ids(first + rest)) == sorted(samples.ids.tolist())
+
+
+def test_balanced_compute_cv_pred_within_2_percent_on_a_mix():
+    samples = mix_table(20_000)
+    plans, _ = run_epoch(samples, 8, 4, SIZES, stop_after=60)
+    cv = np.mean([compute_cv(p.pred_ms()) for p in plans])
+    idle = np.mean([idle_fraction(p.pred_ms(), p.real()) for p in plans])
+    stream, _ = run_epoch(samples, 8, 4, SIZES, strategy="cost", stop_after=60)  # same B, stream order
+    cv_cost = np.mean([compute_cv(p.pred_ms()) for p in stream])
+    idle_cost = np.mean([idle_fraction(p.pred_ms(), p.real()) for p in stream])
+    assert cv <= 0.02 and idle <= 0.03, (cv, idle)
+    assert cv < cv_cost and idle < idle_cost  # dealing beats the same micro-batches in stream order
+    eq = batch_sizes("equal_token", Mix.of(DEFAULT_MIX).S, m_tokens=75600)
+    eq_plans, _ = run_epoch(samples, 8, 4, eq, strategy="equal_token", stop_after=60)
+    assert np.mean([compute_cv(p.pred_ms()) for p in eq_plans]) > 0.15  # the metric can fail
+
+
+def test_deal_balanced_is_sorted_groups_then_lpt():
+    pred = np.array([1.0, 9.0, 5.0, 8.0, 2.0, 4.0, 7.0])
+    idx = deal_balanced(pred, 3, 3, pad_ms=0.5)
+    slots = [sorted(pred[i] for i in idx[:, k] if i >= 0) for k in range(3)]
+    assert slots == [[7.0, 8.0, 9.0], [2.0, 4.0, 5.0], [1.0]]
+    totals = [sum(pred[i] if i >= 0 else 0.5 for i in row) for row in idx]
+    assert idx[np.argmax(pred[idx[:, 0]]), 1] == 4  # the rank that took 9 gets the 2 in the next slot (LPT)
+    assert max(totals) - min(totals) <= 2.0 + 1e-9
+
+
+def test_padding_counts_as_idle():
+    t = np.array([[4.0, 1.0], [4.0, 1.0]])
+    assert idle_fraction(t) == 0.0
+    assert idle_fraction(t, np.array([[True, True], [True, False]])) == pytest.approx(1 / 10)
+
+
+# --------------------------------------------------------------------------------------------------- policy
+@pytest.fixture()
+def h200(tmp_path):
+    cal = issue4_h200_calibration()
+    cal.data["chosen"] = {"m_mem": 300_000, "reference_world_size": 8, "by_world_size": {
+        "8": {"equal_token": {"m_tokens": 113_400}, "cost": {"target_microbatch_ms": 12_000.0},
+              "balanced": {"target_microbatch_ms": 10_500.0}, "dual_constraint": {"m_comp": 4e6, "p": 1.3}},
+        "64": {"balanced": {"target_microbatch_ms": 11_000.0}}}}
+    return cal.save(str(tmp_path / "cal.json"))
+
+
+WAN_TOKENS = {n: S for n, S, _ in DEFAULT_MIX}
+
+
+def test_explicit_config_beats_the_calibration_and_sources_say_so(h200):
+    s = resolve_schedule(SchedulingConfig("balanced", calibration=h200), WAN_TOKENS, WAN13)
+    assert s.values["target_microbatch_ms"] == 10_500.0 and s.sources["target_microbatch_ms"] == "calibration:chosen"
+    assert s.values["m_mem"] == 300_000 and s.sources["m_mem"] == "calibration:chosen"
+    assert s.sources["cost"] == "calibration:full:quadratic"
+    assert s.batch_sizes == dict(zip(WAN_TOKENS, batch_sizes("balanced", list(WAN_TOKENS.values()), m_mem=300_000,
+                                                             cost_model=s.cost_fn, target_ms=10_500.0)))
+    s64 = resolve_schedule(SchedulingConfig("balanced", calibration=h200), WAN_TOKENS, WAN13, world_size=48)
+    assert s64.values["target_microbatch_ms"] == 11_000.0  # the simulator's choice nearest 48 ranks
+    s = resolve_schedule(SchedulingConfig("balanced", calibration=h200, target_microbatch_ms=9000.0, m_mem=200_000),
+                         WAN_TOKENS, WAN13)
+    assert (s.values["target_microbatch_ms"], s.sources["target_microbatch_ms"]) == (9000.0, "config")
+    assert (s.values["m_mem"], s.sources["m_mem"]) == (200_000, "config")
+    s = resolve_schedule(SchedulingConfig("cost", calibration=h200, mem_budget_gib=80.0), WAN_TOKENS, WAN13)
+    mem = Calibration.load(h200).memory_model("full")
+    assert s.values["m_mem"] == mem.m_mem(80 * 2**30) and "mem_budget_gib" in s.sources["m_mem"]
+    s = resolve_schedule(SchedulingConfig("dual_constraint", calibration=h200), WAN_TOKENS, WAN13)
+    assert s.values["m_comp"] == 4e6 and s.values["p"] == 1.3 and s.sources["p"] == "calibration:chosen"
+
+
+def test_defaults_without_simulator_choices(tmp_path):
+    path = issue4_h200_calibration().save(str(tmp_path / "c.json"))
+    s = resolve_schedule(SchedulingConfig("dual_constraint", calibration=path), WAN_TOKENS, WAN13)
+    p = Calibration.load(path).cost_model("full", "power").params["p"]
+    assert s.values["p"] == pytest.approx(p) and s.sources["p"] == "calibration:power fit"
+    assert s.batch_sizes["v720_81f"] == 1 and "90%" in s.sources["m_mem"]
+    s = resolve_schedule(SchedulingConfig("cost", calibration=path), WAN_TOKENS, WAN13)
+    assert s.values["target_microbatch_ms"] == pytest.approx(s.cost_fn(1, 75600)) and s.batch_sizes["v720_81f"] == 1
+
+
+@pytest.mark.parametrize("cfg, field", [
+    (dict(strategy="balanced", mem_budget_gib=20.0), "scheduling.mem_budget_gib"),  # below weights + optimizer
+    (dict(strategy="equal_token", m_tokens=500_000, m_mem=400_000), "scheduling.m_tokens"),
+    (dict(strategy="cost", m_mem=50_000), "scheduling.m_mem"),                       # the 75600-token bucket
+    (dict(strategy="balanced", calibration="/no/such/file.json"), "scheduling.calibration"),
+])
+def test_policy_refuses_impossible_settings(h200, cfg, field):
+    cfg.setdefault("calibration", h200)
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        resolve_schedule(SchedulingConfig(**cfg), WAN_TOKENS, WAN13)
+
+
+def test_policy_refuses_a_calibration_of_another_model_or_mode(h200):
+    tiny = ModelShape(p_matmul=10_000, layers=2, dim=64, text_len=32)
+    with pytest.raises(ValueError, match="another model"):
+        resolve_schedule(SchedulingConfig("balanced", calibration=h200), WAN_TOKENS, tiny)
+    with pytest.raises(ValueError, match="model.checkpointing=none"):
+        resolve_schedule(SchedulingConfig("balanced", calibration=h200), WAN_TOKENS, WAN13, checkpointing="none")
+    with pytest.raises(ValueError, match="scheduling.calibration"):
+        resolve_schedule(SchedulingConfig("cost"), WAN_TOKENS, WAN13)
+
+
+def test_auto_checkpointing_uses_the_no_recompute_cost_where_memory_allows(tmp_path):
+    cal = issue4_h200_calibration()
+    none = json.loads(json.dumps(cal.data["modes"]["full"]))
+    none["cost_model"]["params"] = {k: v * 0.75 for k, v in none["cost_model"]["params"].items()}
+    none["memory_model"]["c1"] *= 4  # no recompute: more activation memory per token
+    cal.data["modes"]["none"] = none
+    path = cal.save(str(tmp_path / "auto.json"))
+    s = resolve_schedule(SchedulingConfig("cost", calibration=path), WAN_TOKENS, WAN13, checkpointing="auto")
+    full, fast = cal.cost_model("full"), CostModel.from_dict(none["cost_model"])
+    small, big = (1, 1560), (1, int(s.no_recompute_tokens) + 1)
+    assert s.cost_fn(*small) == pytest.approx(fast.predict(*small))
+    assert s.cost_fn(*big) == pytest.approx(full.predict(*big))
+
+
+def test_conf_groups_compose_and_resolve_on_the_tiny_model():
+    from tests.helpers import compose_config
+
+    for group in ("equal_token", "dual_constraint", "cost", "balanced"):
+        cfg = compose_config([f"scheduling={group}", "scheduling.window=2"])
+        tokens = {"img_64": 16, "img_64x96": 24, "vid_64_9f": 48, "vid_64x96_17f": 120}
+        s = resolve_schedule(cfg.scheduling, tokens, ModelShape(10_000, cfg.model.num_layers, cfg.model.dim,
+                                                                cfg.model.text_len), checkpointing="none")
+        assert s.strategy == group and min(s.batch_sizes.values()) >= 1 and s.window == 2
+        if group != "equal_token":
+            assert s.sources["cost"].startswith("calibration:none")
