@@ -1,0 +1,206 @@
+"""Cluster simulator: R ranks, M micro-batches per rank per step, the real planner, a calibrated cost model.
+
+For each strategy the planner (scheduling/balance.py, the same code training runs) plans K steps over an epoch
+whose sample mix equals the corpus (shares are of samples; each bucket's batches are filled from the sample
+stream). A micro-batch's time is the cost model's prediction × (1 + ε), ε drawn from the calibration's relative
+residuals (bootstrap); FSDP synchronises every slot, so
+
+    step time   = Σ_k max_r t_rk + optim_ms / R        (the optimizer step is sharded over the R ranks)
+    compute CV  = CV over ranks of Σ_k t_rk, averaged over steps
+    idle        = 1 − Σ t_rk / (R · Σ_steps Σ_k max_r t_rk)      (all steps together; padding slots idle)
+    tokens/s    = real latent tokens / Σ step time;  samples/s likewise
+
+Protocol (issue 4): M = 4; m_mem from the memory model at 90 % of HBM (optimizer state included); each strategy at
+its best setting over a sweep — m_tokens for equal_token (also reported at m_tokens = S_max, the usual choice),
+m_comp for dual_constraint (p from the power fit), target_microbatch_ms for cost and balanced.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from scheduling.balance import SampleTable, plan_step
+from scheduling.batching import batch_sizes as rule_batch_sizes
+from scheduling.metrics import compute_cv, step_time
+
+# Issue 4's default mix: (name, S for Wan's VAE and 1×2×2 patches, share of samples)
+DEFAULT_MIX = (("i480", 1560, 0.25), ("i720", 3600, 0.10), ("v480_17f", 7800, 0.15), ("v480_33f", 14040, 0.15),
+               ("v480_49f", 20280, 0.12), ("v480_81f", 32760, 0.15), ("v720_81f", 75600, 0.08))
+SWEEP = {"equal_token": (0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0),      # × S_max
+         "dual_constraint": (0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0),  # × S_max^p
+         "cost": (1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0),  # × predicted ms of S_max at B=1
+         "balanced": (1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0)}
+KNOB = {"equal_token": "m_tokens", "dual_constraint": "m_comp", "cost": "target_microbatch_ms",
+        "balanced": "target_microbatch_ms"}
+
+
+@dataclass(frozen=True)
+class Mix:
+    names: tuple[str, ...]
+    S: tuple[int, ...]
+    share: tuple[float, ...]
+
+    @classmethod
+    def of(cls, rows: Sequence[tuple[str, int, float]]) -> "Mix":
+        names, S, share = zip(*rows)
+        total = float(sum(share))
+        if total <= 0 or min(share) < 0:
+            raise ValueError(f"mix shares must be ≥ 0 and sum > 0, got {share}")
+        return cls(tuple(names), tuple(int(s) for s in S), tuple(float(x) / total for x in share))
+
+    @property
+    def S_max(self) -> int:
+        return max(self.S)
+
+    @property
+    def mean_tokens(self) -> float:
+        return float(np.dot(self.S, self.share))
+
+    def table(self, n: int, seed: int = 0) -> SampleTable:
+        """n samples whose bucket counts equal the shares (largest remainders), in a seeded order."""
+        raw = np.asarray(self.share) * n
+        counts = np.floor(raw).astype(np.int64)
+        counts[np.argsort(-(raw - counts))[:n - counts.sum()]] += 1
+        bucket = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+        bucket = np.random.default_rng([seed, 3]).permutation(bucket)
+        return SampleTable(np.arange(n, dtype=np.int64), bucket, np.asarray(self.S, dtype=np.int64)[bucket])
+
+
+@dataclass
+class SimResult:
+    strategy: str
+    setting: dict
+    R: int
+    M: int
+    window: int
+    steps: int
+    samples: int
+    tokens: int
+    time_s: float
+    tokens_per_s: float
+    samples_per_s: float
+    compute_cv: float
+    idle_fraction: float
+    compute_cv_pred: float
+    step_time_cv: float
+    batch_sizes: list = field(default_factory=list)
+
+    def row(self) -> dict:
+        return asdict(self)
+
+
+def samples_per_step(mix: Mix, sizes: Sequence[int], R: int, M: int) -> float:
+    """Expected samples in a step: R·M micro-batches, a bucket's share of micro-batches ∝ share / B."""
+    mbs_per_sample = float(sum(s / B for s, B in zip(mix.share, sizes)))
+    return R * M / mbs_per_sample
+
+
+def simulate(cost_fn: Callable[[int, int], float], mix: Mix, strategy: str, sizes: Sequence[int], R: int,
+             M: int = 4, steps: int = 50, seed: int = 0, residuals: Optional[Sequence[float]] = None,
+             optim_ms: float = 0.0, window: int = 1, setting: Optional[dict] = None) -> SimResult:
+    """K = `steps` steps of the planner on the mix; per-micro-batch noise bootstrapped from `residuals`."""
+    n = int(math.ceil(samples_per_step(mix, sizes, R, M) * steps * 1.1)) + R * M * max(sizes)
+    table = mix.table(n, seed)
+    rng = np.random.default_rng([seed, 17])
+    res = np.asarray(residuals if residuals is not None and len(residuals) else [0.0], dtype=np.float64)
+    res = res - res.mean()  # model error, not bias: the fit's mean residual is not a slowdown
+    pos, total_t, busy, sync, tokens, samples, cvs, cvs_pred, step_ts = 0, 0.0, 0.0, 0.0, 0, 0, [], [], []
+    for _ in range(steps):
+        plan, pos = plan_step(table, seed, 0, pos, R, strategy, M, sizes, cost_fn, window=window)
+        pred = plan.pred_ms()
+        t = pred * (1.0 + rng.choice(res, size=pred.shape))
+        slot_max = step_time(t)
+        step_t = slot_max + optim_ms / R
+        total_t += step_t
+        busy += t[plan.real()].sum()
+        sync += R * slot_max
+        tokens += plan.tokens
+        samples += plan.num_samples
+        cvs.append(compute_cv(t))
+        cvs_pred.append(compute_cv(pred))
+        step_ts.append(step_t)
+        if pos >= len(table):
+            raise AssertionError("the simulated epoch ran out: samples_per_step underestimates")
+    secs = total_t / 1e3
+    step_ts = np.asarray(step_ts)
+    return SimResult(strategy, dict(setting or {}), R, M, window, steps, samples, tokens, secs, tokens / secs,
+                     samples / secs, float(np.mean(cvs)), float(1 - busy / sync), float(np.mean(cvs_pred)),
+                     float(step_ts.std() / step_ts.mean()), [int(b) for b in sizes])
+
+
+def settings_for(strategy: str, mix: Mix, cost_fn, p: Optional[float], m_mem: float,
+                 factors: Optional[Sequence[float]] = None) -> list[dict]:
+    """The sweep of the strategy's knob (see SWEEP), as rule arguments (+ the factor); values over m_mem dropped."""
+    factors = SWEEP[strategy] if factors is None else factors
+    S_max = mix.S_max
+    if strategy == "equal_token":
+        return [{"m_tokens": int(f * S_max), "factor": f} for f in factors if f * S_max <= m_mem]
+    if strategy == "dual_constraint":
+        return [{"m_comp": float(f * S_max ** p), "p": float(p), "m_mem": float(m_mem), "factor": f}
+                for f in factors]
+    base = float(cost_fn(1, S_max))
+    return [{"target_microbatch_ms": float(f * base), "m_mem": float(m_mem), "factor": f} for f in factors]
+
+
+def sizes_for(strategy: str, mix: Mix, setting: dict, cost_fn) -> list[int]:
+    s = dict(setting)
+    return rule_batch_sizes(strategy, mix.S, m_tokens=s.get("m_tokens"), m_mem=s.get("m_mem"),
+                            m_comp=s.get("m_comp"), p=s.get("p"), cost_model=cost_fn,
+                            target_ms=s.get("target_microbatch_ms"))
+
+
+def sweep(cost_fn, mix: Mix, strategy: str, R: int, *, p: Optional[float], m_mem: float, M: int = 4,
+          steps: int = 50, seed: int = 0, residuals=None, optim_ms: float = 0.0, window: int = 1,
+          factors: Optional[Sequence[float]] = None) -> tuple[SimResult, list[SimResult]]:
+    """Every setting of the strategy's sweep at R ranks; returns (best by tokens/s, all)."""
+    runs = []
+    for setting in settings_for(strategy, mix, cost_fn, p, m_mem, factors):
+        sizes = sizes_for(strategy, mix, setting, cost_fn)
+        runs.append(simulate(cost_fn, mix, strategy, sizes, R, M, steps, seed, residuals, optim_ms, window,
+                             setting))
+    if not runs:
+        raise ValueError(f"no {strategy} setting of the sweep fits m_mem={m_mem:g}")
+    return max(runs, key=lambda r: r.tokens_per_s), runs
+
+
+# ------------------------------------------------------------------------------ the default input, until measured
+# Issue 4's H200 measurements: 4 Wan-1.3B blocks, bf16, checkpointed, forward + backward; (B, S, ms).
+H200_ISSUE4_POINTS = ((16, 1024, 58.1), (64, 1024, 224.6), (8, 2048, 60.7), (32, 2048, 235.8), (4, 4096, 66.8),
+                      (16, 4096, 259.5), (2, 8192, 78.9), (8, 8192, 311.9), (1, 16384, 105.0), (4, 16384, 417.5),
+                      (2, 32768, 624.2), (1, 65536, 1041.6))
+WAN_1P3B = {"name": "wan", "dim": 1536, "num_layers": 30, "num_attention_heads": 12, "ffn_dim": 8960,
+            "text_len": 512, "precision": "bf16", "compile": False, "adaln_backend": "auto", "params": 1418996800}
+H200_HBM_BYTES = 139.8 * 2**30
+
+
+def issue4_h200_calibration():
+    """A calibration fitted to issue 4's 12 H200 points, extrapolated 4 → 30 blocks, with an estimated memory model.
+
+    Memory (not measured): c0 = 16 bytes per parameter (fp32 weights, gradients, two AdamW moments) + 2 GiB
+    workspace; c1 = the fp32 block input each checkpointed block keeps (layers·D·4 bytes per token) + one block's
+    activations recomputed in bf16 during its backward ((14·D + 3·ffn)·2 bytes per token).
+    """
+    from scheduling.calibrate import Point, fit_mode, new_calibration
+    from scheduling.cost_model import MemoryModel
+
+    m = WAN_1P3B
+    pts = [Point(f"S{S}", S, B, True, ms, [ms], 0.0, None) for B, S, ms in H200_ISSUE4_POINTS]
+    rec = fit_mode(pts, scale=m["num_layers"] / 4)
+    rec["optim_ms"] = None
+    c1 = m["num_layers"] * m["dim"] * 4 + (14 * m["dim"] + 3 * m["ffn_dim"]) * 2
+    rec["memory_model"] = MemoryModel(16.0 * m["params"] + 2 * 2**30, float(c1), measured=False).to_dict()
+    notes = ["fitted to the 12 (B, S, ms) points measured on the H200 and listed in issue 4 (4 Wan-1.3B blocks, "
+             "bf16, full activation checkpointing, forward + backward); the same machine's measured data, until "
+             "scripts/calibrate.py writes results/calibration_h200.json",
+             "cost × 30/4: per-block cost is identical (the non-block part is over-counted by the same factor)",
+             "memory model estimated, not measured: c0 = 16 B/parameter + 2 GiB, c1 = layers·D·4 + (14·D + 3·ffn)·2 "
+             "bytes per token (checkpointed block inputs in fp32 + one block recomputed in bf16)",
+             "optimizer ms unknown: the simulator adds no optimizer time"]
+    return new_calibration({"full": rec}, model={k: v for k, v in m.items() if k != "params"},
+                           source="issue 4's H200 points", device="NVIDIA H200 (issue 4's measurements)",
+                           date="2026-11-29", command="scheduling.simulate.issue4_h200_calibration()",
+                           hbm_bytes=H200_HBM_BYTES, extrapolation={"blocks_timed": 4, "num_layers": 30, "scale": 7.5},
+                           notes=notes)
