@@ -23,14 +23,17 @@ tile of features and walk down the sequence, re-reading x and dy: ≈ 10 bytes p
 
 backend: "torch" (the reference), "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "auto" (Triton on CUDA tensors
 of a supported dtype and D, the reference otherwise). The Triton path runs through the custom op
-`torch.ops.adaptiveload.adaln_fwd/adaln_bwd` (fake implementations registered), so it traces under torch.compile,
-recomputes under activation checkpointing and needs nothing special under FSDP2.
+`torch.ops.adaptiveload.adaln_fwd/adaln_bwd` (fake implementations registered) inside torch.compile graphs, and
+through an autograd.Function over the same launchers in eager mode (less host time per call); either recomputes
+under activation checkpointing and needs nothing special under FSDP2.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
+import math
 import os
 from dataclasses import dataclass
 
@@ -254,26 +257,45 @@ def _next_pow2(n: int) -> int:
 class KernelConfig:
     """Launch shape of one kernel. rows: rows per tile; programs_per_sm: the persistent grid's programs per SM
     (over all samples; each program owns a contiguous span of tiles), 0 = one tile per program; block_d: features per
-    program (the D-tile kernel only; 0 = all of D); split: a row as two unmasked power-of-two segments (else one
-    masked tile); num_stages: software-pipelining depth of the loop over a program's tiles."""
+    program (the D-tile kernel only; 0 = all of D); split: a row as two unmasked power-of-two segments, or one
+    masked tile (None: split when the smaller segment still gets 16-byte vectors); num_stages: software-pipelining
+    depth of the loop over a program's tiles."""
     rows: int
     num_warps: int
     programs_per_sm: int
     block_d: int = 0
-    split: bool = True
+    split: bool | None = None
     num_stages: int = 1
 
 
-def default_config(kind: str, D: int, device: torch.device) -> KernelConfig:
-    """Launch shapes per kernel ("fwd", "bwd", "dtile"), tuned on the H200 (results/adaln_notes.md)."""
+# Launch shapes measured best on the H200 (results/adaln_notes.md), keyed by (kernel, per-token modulation, D);
+# another D takes the nearest entry with rows scaled to keep the tile's size.
+TUNED = {
+    ("fwd", False, 1536): KernelConfig(8, 4, 4, num_stages=3),
+    ("fwd", False, 5120): KernelConfig(2, 4, 4, num_stages=3),
+    ("fwd", True, 1536): KernelConfig(1, 4, 0),
+    ("fwd", True, 5120): KernelConfig(1, 4, 0),
+    ("bwd", False, 1536): KernelConfig(1, 8, 4, split=False),
+    ("bwd", False, 5120): KernelConfig(1, 4, 2, split=True, num_stages=3),
+    ("bwd", True, 1536): KernelConfig(1, 8, 4, split=False, num_stages=2),
+    ("bwd", True, 5120): KernelConfig(1, 8, 2, split=True, num_stages=2),
+    ("dtile", False, 1536): KernelConfig(64, 4, 4, block_d=64),
+    ("dtile", False, 5120): KernelConfig(32, 4, 8, block_d=256),
+}
+
+
+def default_config(kind: str, D: int, device: torch.device, per_token: bool = False) -> KernelConfig:
+    """Launch shape for a kernel ("fwd", "bwd", "dtile") at width D."""
     if device.type != "cuda":  # the interpreter pays ~1 ms per program and per loop step: few, wide programs
         return KernelConfig(rows=4, num_warps=4, programs_per_sm=2, block_d=64 if kind == "dtile" else 0)
-    block_d = _next_pow2(D)
-    if kind == "dtile":
-        return KernelConfig(rows=32, num_warps=4, programs_per_sm=4, block_d=min(128, block_d))
-    rows = max(1, min(16, 4096 // block_d))
-    num_warps = max(4, min(16, rows * block_d // 512))
-    return KernelConfig(rows=rows, num_warps=num_warps, programs_per_sm=0 if kind == "fwd" else 4)
+    per_token = per_token and kind != "dtile"
+    keys = [k for k in TUNED if k[0] == kind and k[1] == per_token]
+    key = min(keys, key=lambda k: abs(math.log2(k[2] / D)))
+    cfg = TUNED[key]
+    if kind == "dtile" or key[2] == D:
+        return cfg
+    rows = max(1, min(64, cfg.rows * _next_pow2(key[2]) // _next_pow2(D)))
+    return dataclasses.replace(cfg, rows=rows, split=None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -317,12 +339,21 @@ def _check(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> None:
         raise RuntimeError("adaln: backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before first use")
 
 
-def _segments(D: int, split: bool) -> tuple[int, int]:
+def _segments(D: int, cfg: KernelConfig, elem_bytes: int) -> tuple[int, int]:
     """(BLOCK_A, BLOCK_B): see the kernels' header. An empty segment b is one masked lane."""
-    if not split:
-        return _next_pow2(D), 1
     block_a = 1 << (D.bit_length() - 1)
-    return block_a, _next_pow2(D - block_a) if D > block_a else 1
+    block_b = _next_pow2(D - block_a) if D > block_a else 1
+    split = cfg.split
+    if split is None:  # a thread's share of the small segment should fill a 16-byte load
+        split = block_b == 1 or cfg.rows * block_b * elem_bytes >= 16 * 32 * cfg.num_warps
+    return (block_a, block_b) if split else (_next_pow2(D), 1)
+
+
+def _on_device(device: torch.device):
+    """Launch on the tensors' GPU; entering a device context costs more than the small launches it guards."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def _rows_last(t: torch.Tensor) -> torch.Tensor:
@@ -338,15 +369,15 @@ def adaln_forward(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps
     y = torch.empty((B, N, D), dtype=x.dtype, device=x.device)
     mean = torch.empty((B, N), dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
-    cfg = config or default_config("fwd", D, x.device)
+    s_tok, ssb, ssn, ssd = _mod_layout(scale, B, N)
+    h_tok, shb, shn, shd = _mod_layout(shift, B, N)
+    cfg = config or default_config("fwd", D, x.device, s_tok or h_tok)
     P, tiles_per_prog = _span(_cdiv(N, cfg.rows), B, cfg, x.device)
     if P * B == 0 or D == 0:
         return y, mean, rstd
-    s_tok, ssb, ssn, ssd = _mod_layout(scale, B, N)
-    h_tok, shb, shn, shd = _mod_layout(shift, B, N)
     fwd, _, _ = _kernels(_interpreting())
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        block_a, block_b = _segments(D, cfg.split)
+    with _on_device(x.device):
+        block_a, block_b = _segments(D, cfg, x.element_size())
         fwd[(P, B)](x, scale, shift, y, mean, rstd, N, tiles_per_prog, eps,
                     x.stride(0), x.stride(1), ssb, ssn, ssd, shb, shn, shd,
                     D=D, BLOCK_A=block_a, BLOCK_B=block_b, ROWS=cfg.rows, SCALE_PER_TOKEN=s_tok,
@@ -367,7 +398,7 @@ def adaln_backward(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean:
     dev = x.device
     s_tok, ssb, ssn, ssd = _mod_layout(scale, B, N)
     h_tok = shift_shape[1] == N and N > 1
-    cfg = config or default_config("bwd", D, dev)
+    cfg = config or default_config("bwd", D, dev, s_tok or h_tok)
     P, tiles_per_prog = _span(_cdiv(N, cfg.rows), B, cfg, dev)
     acc = dmod == "fused"
 
@@ -383,8 +414,8 @@ def adaln_backward(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean:
     dh_buf, dh_final = grad_buffer(h_tok, shift_shape, shift_dtype)
     if P * B > 0 and D > 0:
         _, bwd, dtile = _kernels(_interpreting())
-        with torch.cuda.device(dev) if x.is_cuda else contextlib.nullcontext():
-            block_a, block_b = _segments(D, cfg.split)
+        with _on_device(dev):
+            block_a, block_b = _segments(D, cfg, x.element_size())
             bwd[(P, B)](dy, x, scale, mean, rstd, dx, ds_buf, dh_buf, N, tiles_per_prog, P,
                         dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), ssb, ssn, ssd,
                         N * D if s_tok else 0, N * D if h_tok else 0,
@@ -422,6 +453,7 @@ def _adaln_fwd_op(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
 
 @_adaln_fwd_op.register_fake
 def _adaln_fwd_fake(x, scale, shift, eps):
+    _check(x, scale, shift)  # at trace time, so that a compiled graph reports bad inputs as eager does
     B, N, D = x.shape
     stats = x.new_empty((B, N), dtype=torch.float32)
     return x.new_empty((B, N, D)), stats, torch.empty_like(stats)
@@ -454,6 +486,23 @@ def _adaln_backward(ctx, dy, _dmean, _drstd):
 _adaln_fwd_op.register_autograd(_adaln_backward, setup_context=_adaln_setup_context)
 
 
+class _AdaLNFunction(torch.autograd.Function):
+    """The eager path: the same launchers and saved tensors without the custom op's dispatcher round trips, which
+    cost a few times more host time per call than the launches themselves (what small N is bound by)."""
+
+    @staticmethod
+    def forward(ctx, x, scale, shift, eps):
+        y, mean, rstd = adaln_forward(x, scale, shift, eps)
+        _adaln_setup_context(ctx, (x, scale, shift, eps), (y, mean, rstd))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, scale, mean, rstd = ctx.saved_tensors
+        dx, dscale, dshift = adaln_backward(dy, x, scale, mean, rstd, ctx.shift_shape, ctx.shift_dtype)
+        return dx, dscale, dshift, None
+
+
 # ------------------------------------------------------------------------------------------------------ functional
 def triton_supported(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> bool:
     """Whether backend="auto" takes the Triton path for these inputs."""
@@ -470,5 +519,6 @@ def adaln_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, ep
     if backend == "torch":
         return adaln_reference(x, scale, shift, eps)
     _require_triton()
-    _check(x, scale, shift)
-    return torch.ops.adaptiveload.adaln_fwd(x, scale, shift, float(eps))[0]
+    if torch.compiler.is_compiling():  # graphs hold the custom op: its fake impl traces, Inductor leaves it whole
+        return torch.ops.adaptiveload.adaln_fwd(x, scale, shift, float(eps))[0]
+    return _AdaLNFunction.apply(x, scale, shift, float(eps))

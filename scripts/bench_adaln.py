@@ -34,6 +34,8 @@ def parse_args():
     p.add_argument("--kinds", nargs="+", default=["sample", "token"], choices=["sample", "token"])
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
     p.add_argument("--sweep", action="store_true", help="time the kernels over launch shapes instead")
+    p.add_argument("--kernels", nargs="+", default=["fwd", "bwd", "dtile"], help="--sweep: which kernels")
+    p.add_argument("--tuned", help="a --sweep JSON: take its fastest launch shapes (ops.adaln.TUNED) for this run")
     p.add_argument("--rep-ms", type=float, default=100.0)
     return p.parse_args()
 
@@ -105,6 +107,11 @@ def saved_bytes(fn, x, scale, shift):
     return total, new
 
 
+def rel_err(a, ref):
+    """‖a − ref‖ / ‖ref‖: a sanity figure beside the timings (the tests hold the real checks)."""
+    return ((a.float() - ref).norm() / ref.norm()).item()
+
+
 def impls(kind, compile_cache):
     import torch
 
@@ -129,7 +136,7 @@ def run_table(args, bench, device, copy_bw, save):
             for N in args.n:
                 x, scale, shift, dy = make_inputs(kind, N, D, device)
                 elems = N * D
-                ref = None
+                ref = ref_grads = None
                 shape_rows = []
                 for name, fn in impls(kind, compile_cache).items():
                     rec = {"kind": kind, "N": N, "D": D, "impl": name}
@@ -139,13 +146,15 @@ def run_table(args, bench, device, copy_bw, save):
                             y = fn(x, scale, shift)
                             rec["fwd_ms"] = bench(lambda: fn(x, scale, shift))
                         ref = y.float() if name == "eager" else ref
-                        rec["max_abs_err_vs_eager"] = (y.float() - ref).abs().max().item()
+                        rec["fwd_rel_err_vs_eager"] = rel_err(y, ref)
                     except Exception as e:  # noqa: BLE001 - report, never hide
                         rec["fwd_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     try:
                         xg, sg, hg = (t.detach().requires_grad_() for t in (x, scale, shift))
                         y = fn(xg, sg, hg)
                         grads = torch.autograd.grad(y, (xg, sg, hg), dy, retain_graph=True)
+                        ref_grads = [g.float() for g in grads] if name == "eager" else ref_grads
+                        rec["bwd_rel_err_vs_eager"] = max(rel_err(g, r) for g, r in zip(grads, ref_grads))
                         rec["bwd_ms"] = bench(lambda: torch.autograd.grad(y, (xg, sg, hg), dy, retain_graph=True))
                         rec["saved_bytes"], rec["saved_new_bytes"] = saved_bytes(fn, xg, sg, hg)
                         del y, grads
@@ -189,25 +198,42 @@ def print_row(r):
           f"saved {fmt(r.get('saved_B_per_elem'), '.3f')} B/el" + (f" | FAILED {err}" if err else ""), flush=True)
 
 
-def sweep_phase1(kernel, D):
-    """Launch shapes to try first: rows × warps × grid (two-segment rows, no pipelining)."""
+def sweep_phase1(kernel, kind, D):
+    """Launch shapes to try first: rows × warps × grid (split chosen by the vector rule)."""
     from ops.adaln import KernelConfig
 
+    block = 1 << (D - 1).bit_length()
+    fits = [r for r in (1, 2, 4, 8, 16) if r * block <= 16384]
     if kernel == "dtile":
         return [KernelConfig(r, 4, p, b) for b in (64, 128, 256) for r in (32, 64) for p in (4, 8)]
-    block = 1 << (D - 1).bit_length()
+    if kernel == "fwd" and kind == "token":
+        return [KernelConfig(r, w, p, num_stages=st) for r in (1, 2) for w in (4, 8) for p, st in ((0, 1), (4, 3))]
     if kernel == "fwd":
-        return [KernelConfig(r, w, p) for r in (1, 2, 4, 8) for w in (4, 8, 16) for p in (0, 4)
-                if r * block <= 16384]
-    return [KernelConfig(r, w, p) for r in (1, 2, 4) for w in (4, 8, 16) for p in (1, 2, 4) if r * block <= 16384]
+        return [KernelConfig(r, w, p, num_stages=3) for r in fits for w in (4, 8) for p in (2, 4, 8)]
+    if kind == "token":
+        return [KernelConfig(1, w, p, num_stages=2) for w in (4, 8, 16) for p in (1, 2, 4)]
+    return [KernelConfig(r, w, p) for r in fits[:3] for w in (4, 8, 16) for p in (1, 2, 3, 4, 6)]
 
 
 def sweep_phase2(best):
-    """Around the best of phase 1: one masked tile against two segments, and a pipelined loop."""
+    """Around the best of phase 1: one masked tile against two segments, and the pipelining depth."""
     import dataclasses
 
     return [dataclasses.replace(best, split=sp, num_stages=st) for sp in (True, False) for st in (1, 2, 3)
             if (sp, st) != (best.split, best.num_stages)]
+
+
+def load_tuned(path):
+    """{(kernel, per_token, D): KernelConfig} from a sweep's JSON: the fastest launch shape per kernel and shape."""
+    from ops.adaln import KernelConfig
+
+    best = {}
+    for r in json.load(open(path))["rows"]:
+        key = (r["kernel"], r["kind"] == "token", r["D"])
+        if key not in best or r["ms"] < best[key]["ms"]:
+            best[key] = r
+    return {k: KernelConfig(r["rows"], r["num_warps"], r["programs_per_sm"], r["block_d"], r["split"],
+                            r["num_stages"]) for k, r in best.items()}
 
 
 def run_sweep(args, bench, device, copy_bw, save):
@@ -245,12 +271,13 @@ def run_sweep(args, bench, device, copy_bw, save):
                     rows.append(rec)
                     return rec
 
-                for kernel in ("fwd", "bwd", "dtile") if kind == "sample" else ("fwd", "bwd"):
-                    dflt = time_cfg(kernel, default_config(kernel, D, device), "default")
-                    recs = [time_cfg(kernel, c, "phase1") for c in sweep_phase1(kernel, D)]
+                for kernel in args.kernels if kind == "sample" else [k for k in args.kernels if k != "dtile"]:
+                    dflt = time_cfg(kernel, default_config(kernel, D, device, kind == "token"), "default")
+                    recs = [time_cfg(kernel, c, "phase1") for c in sweep_phase1(kernel, kind, D)]
                     best = min((r for r in recs if r), key=lambda r: r["ms"])
                     if kernel != "dtile":
-                        best_cfg = KernelConfig(best["rows"], best["num_warps"], best["programs_per_sm"])
+                        best_cfg = KernelConfig(best["rows"], best["num_warps"], best["programs_per_sm"],
+                                                split=best["split"], num_stages=best["num_stages"])
                         recs = [time_cfg(kernel, c, "phase2") for c in sweep_phase2(best_cfg)] + [best]
                         best = min((r for r in recs if r), key=lambda r: r["ms"])
                     print(f"{kind:6s} N={N} D={D} {kernel:5s} best {best['ms']:.4f} ms {best['pct_copy']:.1f}% "
@@ -277,12 +304,17 @@ def main():
         torch._dynamo.config.cache_size_limit = 256  # one graph per shape: dynamic=False, fair to compile
         if hasattr(torch._dynamo.config, "recompile_limit"):
             torch._dynamo.config.recompile_limit = 256
+    from ops import adaln
+
+    if args.tuned:
+        adaln.TUNED.update(load_tuned(args.tuned))
     bench = timer(args.rep_ms)
     copy_bw = copy_bandwidth(bench, device)
     meta = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
             "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
             "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-            "copy_GBps": copy_bw / 1e9, "floor_bytes_per_elem": {f"{k}-{p}": v for (k, p), v in FLOOR_BYTES.items()}}
+            "copy_GBps": copy_bw / 1e9, "floor_bytes_per_elem": {f"{k}-{p}": v for (k, p), v in FLOOR_BYTES.items()},
+            "launch_shapes": {f"{k}-{'token' if t else 'sample'}-{d}": repr(c) for (k, t, d), c in adaln.TUNED.items()}}
     print(f"{meta['gpu']} torch {meta['torch']} triton {meta['triton']} copy {copy_bw / 1e9:.0f} GB/s", flush=True)
     os.makedirs(args.out, exist_ok=True)
     name = os.path.join(args.out, args.name + ("_sweep" if args.sweep else ""))
