@@ -8,7 +8,8 @@ Time of forward + backward of a micro-batch of B samples of S tokens (text lengt
     auto       whichever of the two has the lower leave-one-out relative error
 Every fit minimises relative residuals, Σ((t̂ − t)/t)² (weights 1/t): a 60 ms and a 1 s point count alike.
 The power form is fitted by variable projection: for fixed p the problem is a non-negative LS in (a, b), so p
-is found by a bounded 1-D search over the projected residual.
+is found by a grid and a golden-section search over the projected residual. Plain numpy throughout (the GPU
+image has no scipy): with ≤ 4 coefficients, exact NNLS is the best of the supports' least-squares solutions.
 
 Peak memory of a training step:
     peak_bytes ≈ c0 + c1·B·S          c0: weights, gradients, optimizer state, workspace; c1: activations per token
@@ -16,13 +17,13 @@ Peak memory of a training step:
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
-from scipy.optimize import minimize_scalar, nnls
 
 FORMS = ("power", "quadratic")
 P_RANGE = (0.5, 3.0)  # the search interval of the power form's exponent
@@ -102,13 +103,48 @@ class CostModel:
         return f"{s} ms  (rel RMSE {100 * self.rel_rmse:.2f} %, leave-one-out {100 * self.loo_rel_rmse:.2f} %)"
 
 
+def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Exact non-negative least squares for a handful of columns: the best of the least-squares solutions on every
+    support whose coefficients come out ≥ 0 (2^k small solves; no scipy, which the GPU image lacks)."""
+    k = A.shape[1]
+    best, best_res = np.zeros(k), float(np.sum(y * y))
+    for size in range(1, k + 1):
+        for cols in itertools.combinations(range(k), size):
+            c, *_ = np.linalg.lstsq(A[:, cols], y, rcond=None)
+            if np.all(c >= 0):
+                res = float(np.sum((A[:, cols] @ c - y) ** 2))
+                if res < best_res:
+                    best, best_res = np.zeros(k), res
+                    best[list(cols)] = c
+    return best
+
+
 def _weighted_nnls(X: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, float]:
     """min Σ((X·c − t)/t)² over c ≥ 0; columns scaled for conditioning. Returns (c, residual norm)."""
     A = X / t[:, None]
     scale = np.linalg.norm(A, axis=0)
     scale[scale == 0] = 1.0
-    c, res = nnls(A / scale, np.ones_like(t), maxiter=50 * X.shape[1])
-    return c / scale, float(res)
+    c = _nnls(A / scale, np.ones_like(t))
+    res = float(np.linalg.norm((A / scale) @ c - 1.0))
+    return c / scale, res
+
+
+def _golden(f, lo: float, hi: float, tol: float = 1e-7) -> float:
+    """Minimum of a unimodal f on [lo, hi] by golden-section search."""
+    g = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = f(c), f(d)
+    while b - a > tol:
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = f(d)
+    return (a + b) / 2
 
 
 def _quadratic_features(B, S, L, joint):
@@ -138,10 +174,9 @@ def _fit_power(B, S, t) -> dict:
     errs = [project(p)[1] for p in grid]
     i = int(np.argmin(errs))
     lo, hi = grid[max(0, i - 1)], grid[min(len(grid) - 1, i + 1)]
-    p = float(minimize_scalar(lambda q: project(q)[1], bounds=(lo, hi), method="bounded",
-                              options={"xatol": 1e-7}).x)
+    p = _golden(lambda q: project(q)[1], lo, hi)
     c, _ = project(p)
-    return {"a": float(c[0]), "b": float(c[1]), "p": p}
+    return {"a": float(c[0]), "b": float(c[1]), "p": float(p)}
 
 
 def _fit(form, B, S, t, L, joint) -> CostModel:
