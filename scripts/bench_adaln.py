@@ -212,7 +212,8 @@ def sweep_phase1(kernel, kind, D):
         return [KernelConfig(r, w, p, num_stages=3) for r in fits for w in (4, 8) for p in (2, 4, 8)]
     if kind == "token":
         return [KernelConfig(1, w, p, num_stages=2) for w in (4, 8, 16) for p in (1, 2, 4)]
-    return [KernelConfig(r, w, p) for r in fits[:3] for w in (4, 8, 16) for p in (1, 2, 3, 4, 6)]
+    return [KernelConfig(r, w, p, num_stages=st) for r in fits[:2] for w in (4, 8, 16) for p in (1, 2, 4)
+            for st in (1, 3)]
 
 
 def sweep_phase2(best):
