@@ -46,11 +46,12 @@ def checkpoint_policy(mode: str, no_recompute_tokens: Optional[float] = None) ->
 
 
 def parallelize(model: torch.nn.Module, *, compile: bool = False, world_size: int = 1,
-                fsdp: Optional[FSDPOptions] = None) -> torch.nn.Module:
+                fsdp: Optional[FSDPOptions] = None, shard: Optional[bool] = None) -> torch.nn.Module:
+    """shard: apply FSDP2 (default: when world_size > 1; a test may shard over a one-process group)."""
     if compile:
         for block in model.blocks:
             block.compile()
-    if world_size > 1:
+    if world_size > 1 if shard is None else shard:
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
         fsdp = fsdp or FSDPOptions()
