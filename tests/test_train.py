@@ -90,3 +90,40 @@ def test_sigterm_leaves_a_resumable_checkpoint(tmp_path, cache):
     run_training(tiny_overrides(run_dir, cache, f"train.steps={step + 2}", "resume=auto"))
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows[-2:]] == [step + 1, step + 2]
+
+
+def test_nan_losses_skip_the_update_then_stop_the_run(tmp_path, cache, monkeypatch):
+    import torch
+
+    from models.flow_matching import FlowMatching
+
+    calls = {"n": 0}
+    real = FlowMatching.per_sample_loss
+
+    def poisoned(model, x0, text, t, noise):
+        loss = real(model, x0, text, t, noise)
+        if torch.is_grad_enabled():
+            calls["n"] += 1
+            if calls["n"] > 4:  # training micro-batches 5.. (steps 3..) turn NaN; validation stays clean
+                return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(FlowMatching, "per_sample_loss", staticmethod(poisoned))
+    run_dir = str(tmp_path / "nan")
+    with pytest.raises(RuntimeError, match="train.max_bad_steps=3"):
+        run_training(tiny_overrides(run_dir, cache, "train.steps=20", "train.max_bad_steps=3", "checkpoint.every=0",
+                                    "train.val_every=1"))
+    rows = {r["step"]: r for r in read_metrics(run_dir)}
+    assert max(rows) == 5 and [rows[s]["train/skipped_steps"] for s in range(1, 6)] == [0, 0, 1, 2, 3]
+    # steps 3-5 left the weights as step 2 made them
+    val = [rows[s]["val/loss"] for s in range(1, 6)]
+    assert val[1] == val[2] == val[3] == val[4] != val[0]
+    assert [s for s, _ in list_checkpoints(run_dir)] == [5]  # kept for inspection
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path, cache):
+    run_dir = str(tmp_path / "keep")
+    run_training(tiny_overrides(run_dir, cache, "train.steps=8", "checkpoint.every=2", "checkpoint.keep_last=2",
+                                "train.val_every=8"))
+    assert [s for s, _ in list_checkpoints(run_dir)] == [6, 8]
+    assert not [d for d in os.listdir(run_dir) if d.endswith(".tmp")]
