@@ -4,8 +4,12 @@ Files in a corpus folder:
     corpus.json      what the corpus holds (kind, latent channels, text dim, bucket table it was made for)
     index.jsonl      one record per sample: key, shard (relative path), members {ext: [offset, size]} inside the
                      tar, kind (image | video | latent), frames/height/width (raw) or latent [C, F, H, W],
-                     bucket, S, L_text, split (train | val)
-    empty_text.pt    the empty prompt's text embedding [L, C_text], for caption dropout and guidance
+                     bucket, S, L_text, split (train | val); raw records also media/caption (which members),
+                     fps, and have L_text null (known once the caption is tokenised) and bucket null when no
+                     bucket of the indexing table fits (data/raw.py re-buckets on load)
+    empty_text.pt    the empty prompt's text embedding [L, C_text], for caption dropout and guidance (latent corpora;
+                     a raw corpus gets it from the text encoder in use)
+    skipped.jsonl    raw corpora: every sample the indexer skipped, with its reason
     *.tar            WebDataset shards
 
 The planner never sees records, only the (id, bucket, S) arrays of `SampleTable`.
@@ -16,14 +20,17 @@ import io
 import json
 import os
 import tarfile
+import threading
 from dataclasses import dataclass, field
-from functools import lru_cache
+from collections import OrderedDict
+from typing import Optional
 
 import numpy as np
 
 INDEX_FILE = "index.jsonl"
 CORPUS_FILE = "corpus.json"
 EMPTY_TEXT_FILE = "empty_text.pt"
+EMPTY_POOLED_FILE = "empty_pooled.pt"  # only where the text encoder has a pooled output
 FORMAT = "adaptiveload-index/1"
 
 
@@ -66,31 +73,118 @@ class SampleIndex:
         return read_range(os.path.join(self.root, r["shard"]), offset, size)
 
 
-@lru_cache(maxsize=256)
+class _FdCache(OrderedDict):
+    """One thread's open shard descriptors, least recently used first; evicted ones are closed by their owner only."""
+    size = 64
+
+    def get_fd(self, path: str) -> int:
+        fd = self.pop(path, None)
+        if fd is None:
+            fd = os.open(path, os.O_RDONLY)
+            while len(self) >= self.size:
+                os.close(self.popitem(last=False)[1])
+        self[path] = fd
+        return fd
+
+    def __del__(self):
+        for fd in self.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+_local = threading.local()
+
+
 def _fd(path: str) -> int:
-    return os.open(path, os.O_RDONLY)
+    # per thread, so that no thread closes a descriptor another is reading (a corpus has more shards than fds)
+    cache = getattr(_local, "fds", None)
+    if cache is None:
+        cache = _local.fds = _FdCache()
+    return cache.get_fd(path)
 
 
 def read_range(path: str, offset: int, size: int) -> bytes:
-    """`size` bytes at `offset`: one pread on a cached descriptor (safe across loader threads, no stale buffer)."""
+    """`size` bytes at `offset`: one pread on this thread's cached descriptor (no shared file position or buffer)."""
     data = os.pread(_fd(path), size, offset)
     if len(data) != size:
         raise IOError(f"{path}: short read at offset {offset} ({len(data)} of {size} bytes): truncated shard?")
     return data
 
 
-def tar_members(path: str) -> dict[str, dict[str, tuple[int, int]]]:
-    """{key: {ext: (data offset, size)}} for a WebDataset tar, from its headers alone (no member is read)."""
-    out: dict[str, dict[str, tuple[int, int]]] = {}
-    with tarfile.open(path, "r:") as tar:
-        for m in tar:
+@dataclass
+class TarScan:
+    """What the headers of one tar say: members by key, and the keys they already show to be broken."""
+    members: dict[str, dict[str, tuple[int, int]]]  # {key: {ext: (data offset, size)}}
+    broken: dict[str, str]                          # {key: reason}: corrupt_member | truncated_shard
+    error: Optional[str] = None                     # the whole shard is unreadable (not a tar, no permission)
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """WebDataset naming: the key is the path up to the first dot of the base name, the extension the rest."""
+    base = os.path.basename(name)
+    key, _, ext = base.partition(".")
+    return os.path.join(os.path.dirname(name), key), ext
+
+
+def _header_name(path: str, offset: int) -> Optional[str]:
+    """The name field of a (possibly corrupt) tar header block, when it is readable text."""
+    try:
+        raw = os.pread(_fd(path), 100, offset).split(b"\0", 1)[0].decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return raw if raw and raw.isprintable() else None
+
+
+def scan_tar(path: str) -> TarScan:
+    """Members of a WebDataset tar from its headers alone (no member is read), resynchronising after a corrupt header.
+
+    A header that fails its checksum is skipped block by block until the next valid one (tarfile's ignore_zeros);
+    the bytes skipped between the end of one member and the next header are the corrupt member, named by the key its
+    damaged header still shows. A shard cut short marks the members it cuts, and the last key, truncated_shard.
+    """
+    members: dict[str, dict[str, tuple[int, int]]] = {}
+    broken: dict[str, str] = {}
+    try:
+        size = os.path.getsize(path)
+        tar = tarfile.open(path, "r:", ignore_zeros=True)
+    except (tarfile.TarError, OSError) as e:
+        return TarScan({}, {}, f"{type(e).__name__}: {e}")
+    end, last_key, truncated = 0, None, False
+    with tar:
+        it = iter(tar)
+        while True:
+            try:
+                m = next(it)
+            except StopIteration:
+                break
+            except (tarfile.TarError, OSError):  # "unexpected end of data": the shard was cut
+                truncated = True
+                break
+            if m.offset > end:  # bytes no valid header accounts for: a damaged member header
+                name = _header_name(path, end)
+                key = split_name(name)[0] if name else f"<corrupt member at byte {end}>"
+                broken[key] = "corrupt_member"
+            end = m.offset_data + -(-m.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
             if not m.isfile():
                 continue
-            base = os.path.basename(m.name)
-            key, _, ext = base.partition(".")
-            key = os.path.join(os.path.dirname(m.name), key)
-            out.setdefault(key, {})[ext] = (m.offset_data, m.size)
-    return out
+            key, ext = split_name(m.name)
+            if m.offset_data + m.size > size:
+                broken[key], truncated = "truncated_shard", True
+            members.setdefault(key, {})[ext] = (m.offset_data, m.size)
+            last_key = key
+    if truncated and last_key is not None:
+        broken.setdefault(last_key, "truncated_shard")
+    return TarScan(members, broken)
+
+
+def tar_members(path: str) -> dict[str, dict[str, tuple[int, int]]]:
+    """{key: {ext: (data offset, size)}} for a WebDataset tar, from its headers alone (no member is read)."""
+    scan = scan_tar(path)
+    if scan.error:
+        raise tarfile.ReadError(f"{path}: {scan.error}")
+    return scan.members
 
 
 def npy_bytes(a: np.ndarray) -> bytes:
