@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from data.encoders import EncoderConfig
+from data.raw import RawConfig
+
 
 @dataclass
 class SyntheticConfig:
@@ -30,9 +33,12 @@ class SyntheticConfig:
 @dataclass
 class DataConfig:
     buckets: dict = field(default_factory=dict)  # name → {frames, height, width}
-    index: Optional[str] = None                  # a corpus folder holding index.jsonl; None: the synthetic corpus
-    urls: Optional[Any] = None                   # raw WebDataset shards (the raw-video pipeline)
-    sources: Optional[list] = None               # [{index: folder, weight: w}, ...]: weighted mix of corpora
+    index: Optional[str] = None                  # a corpus folder holding index.jsonl (latent or raw); with urls:
+                                                 # where their index goes (default: beside the shards)
+    urls: Optional[Any] = None                   # raw WebDataset shards: brace pattern, glob, list file, or a list
+    sources: Optional[list] = None               # [{index: folder | urls: pattern, weight: w}, ...]: weighted mix
+    raw: RawConfig = field(default_factory=RawConfig)            # raw samples → bucket-sized pixels
+    encoders: EncoderConfig = field(default_factory=EncoderConfig)  # VAE + text encoder for raw corpora
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     cache_dir: str = ".cache"
     num_workers: int = 0                         # background threads decoding the planned micro-batches ahead
@@ -51,10 +57,15 @@ class DataConfig:
             raise ValueError(f"data.val_samples must be ≥ 1, got {self.val_samples}")
         if self.sources is not None:
             for i, s in enumerate(self.sources):
-                if not isinstance(s, dict) or "index" not in s:
-                    raise ValueError(f"data.sources[{i}] must be {{index: <corpus folder>, weight: <w>}}, got {s!r}")
+                if not isinstance(s, dict) or not ({"index", "urls"} & set(s)) or set(s) - {"index", "urls", "weight"}:
+                    raise ValueError(f"data.sources[{i}] must be {{index: <corpus folder>, weight: <w>}} or "
+                                     f"{{urls: <shards>, weight: <w>}} (index then says where their index goes), "
+                                     f"got {s!r}")
                 if float(s.get("weight", 1.0)) <= 0:
                     raise ValueError(f"data.sources[{i}].weight must be > 0, got {s.get('weight')}")
         if self.urls is not None:
-            raise ValueError("data.urls (raw image/video shards) needs the raw-video pipeline, which is not built "
-                             "yet: precompute latents and point data.index at them")
+            if self.sources is not None:
+                raise ValueError("set data.urls or data.sources, not both: a source takes {urls: ..., weight: ...}")
+            if not (isinstance(self.urls, str) and self.urls) and not (
+                    isinstance(self.urls, (list, tuple)) and self.urls and all(isinstance(u, str) for u in self.urls)):
+                raise ValueError(f"data.urls must be a shard pattern, a list file or a list of them, got {self.urls!r}")
