@@ -271,11 +271,11 @@ class KernelConfig:
 # Launch shapes measured best on the H200 (results/adaln_notes.md), keyed by (kernel, per-token modulation, D);
 # another D takes the nearest entry with rows scaled to keep the tile's size.
 TUNED = {
-    ("fwd", False, 1536): KernelConfig(8, 4, 4, num_stages=3),
-    ("fwd", False, 5120): KernelConfig(2, 4, 4, num_stages=3),
+    ("fwd", False, 1536): KernelConfig(2, 4, 4, num_stages=3),
+    ("fwd", False, 5120): KernelConfig(2, 4, 8, num_stages=3),
     ("fwd", True, 1536): KernelConfig(1, 4, 0),
     ("fwd", True, 5120): KernelConfig(1, 4, 0),
-    ("bwd", False, 1536): KernelConfig(1, 8, 4, split=False),
+    ("bwd", False, 1536): KernelConfig(1, 4, 4, split=False, num_stages=3),
     ("bwd", False, 5120): KernelConfig(1, 4, 2, split=True, num_stages=3),
     ("bwd", True, 1536): KernelConfig(1, 8, 4, split=False, num_stages=2),
     ("bwd", True, 5120): KernelConfig(1, 8, 2, split=True, num_stages=2),
