@@ -1,11 +1,51 @@
-"""Typed configuration of the model (the `model:` group). Field names follow diffusers' WanTransformer3DModel."""
+"""Typed configuration of the model (the `model:` group). Field names follow diffusers' WanTransformer3DModel.
+
+Fine-tuning knobs live here too: `pretrained` (a local diffusers folder), `freeze` (parameters left out of training,
+by regex on their names) and `lora` (a peft LoRA adapter; models/lora.py applies it, and with it only the adapter
+trains).
+"""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
 ADALN_BACKENDS = ("auto", "triton", "torch")
 CHECKPOINTING = ("none", "full", "auto")
+# Every Linear inside a Wan block (what musubi-tuner and DiffSynth adapt by default): peft target_modules suffixes.
+LORA_BLOCK_LINEARS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
+
+
+@dataclass
+class LoRAConfig:
+    """`model.lora`: rank 0 disables it. W x + (alpha / rank)·B A x on every Linear whose name ends in a target.
+
+    A starts Kaiming-uniform and B at zero (peft's default), so an adapted model starts equal to its base.
+    """
+    rank: int = 0
+    alpha: Optional[float] = None   # null: alpha = rank (scale 1)
+    targets: list = field(default_factory=lambda: list(LORA_BLOCK_LINEARS))  # module-name suffixes (peft)
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if self.rank < 0:
+            raise ValueError(f"model.lora.rank must be ≥ 0 (0 disables LoRA), got {self.rank}")
+        if self.alpha is not None and not self.alpha > 0:
+            raise ValueError(f"model.lora.alpha must be > 0 or null (= rank), got {self.alpha}")
+        self.targets = [str(t) for t in self.targets]
+        if self.rank and not self.targets:
+            raise ValueError("model.lora.targets is empty: name the Linear modules to adapt, e.g. [to_q, to_k, "
+                             "to_v, to_out.0]")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"model.lora.dropout must lie in [0, 1), got {self.dropout}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return (self.alpha or self.rank) / self.rank if self.rank else 0.0
 
 
 @dataclass
@@ -30,6 +70,8 @@ class ModelConfig:
     checkpointing: str = "none"
     compile: bool = False
     pretrained: Optional[str] = None      # a local diffusers-format folder (config.json + safetensors)
+    freeze: list = field(default_factory=list)  # regexes (re.search) of parameter names that do not train
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self):
         if self.name != "wan":
@@ -49,6 +91,14 @@ class ModelConfig:
                 raise ValueError(f"model.{name} must be ≥ 1, got {getattr(self, name)}")
         if self.freq_dim % 2:
             raise ValueError(f"model.freq_dim must be even (sin/cos halves), got {self.freq_dim}")
+        if isinstance(self.lora, dict):  # built directly rather than through training/config.py
+            self.lora = LoRAConfig(**self.lora)
+        self.freeze = [str(p) for p in self.freeze]
+        for pattern in self.freeze:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"model.freeze has an invalid regex {pattern!r}: {e}") from None
 
     @property
     def dim(self) -> int:

@@ -2,11 +2,16 @@
 
 AdamW over fp32 master weights; LR: linear warm-up over `warmup_steps`, then constant, cosine or linear decay to
 `min_lr_ratio`·lr at `train.steps`. EMA: θ_ema ← d·θ_ema + (1 − d)·θ after each update, kept in fp32.
+
+Parameter groups (`optim.groups`, for fine-tuning): each named group takes the trainable parameters whose names
+match its regex (`re.search`, first group in name order wins) and trains them at its own `lr` (and optional
+`weight_decay`); the schedule's factor scales every group alike. Parameters no group claims use `optim.lr`.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -23,6 +28,7 @@ class OptimConfig:
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0       # max global grad norm; 0 disables clipping (the norm is still logged)
     ema_decay: Optional[float] = None
+    groups: dict = field(default_factory=dict)  # name → {match: regex, lr: float, weight_decay: float (optional)}
 
     def __post_init__(self):
         if not self.lr > 0:
@@ -42,6 +48,23 @@ class OptimConfig:
             raise ValueError(f"optim.grad_clip must be ≥ 0 (0 disables), got {self.grad_clip}")
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             raise ValueError(f"optim.ema_decay must lie in (0, 1) or be null, got {self.ema_decay}")
+        for name, g in self.groups.items():
+            where = f"optim.groups.{name}"
+            if not isinstance(g, dict) or "match" not in g or "lr" not in g:
+                raise ValueError(f"{where} must be a mapping with `match` (a regex on parameter names) and `lr`, "
+                                 f"got {g!r}")
+            unknown = sorted(set(g) - {"match", "lr", "weight_decay"})
+            if unknown:
+                raise ValueError(f"{where} has unknown key(s) {unknown}; known: match, lr, weight_decay")
+            try:
+                re.compile(g["match"])
+            except (re.error, TypeError) as e:
+                raise ValueError(f"{where}.match is not a valid regex: {g['match']!r} ({e})") from None
+            if isinstance(g["lr"], bool) or not isinstance(g["lr"], (int, float)) or not g["lr"] > 0:
+                raise ValueError(f"{where}.lr must be a number > 0, got {g['lr']!r}")
+            wd = g.get("weight_decay")
+            if wd is not None and (isinstance(wd, bool) or not isinstance(wd, (int, float)) or wd < 0):
+                raise ValueError(f"{where}.weight_decay must be a number ≥ 0, got {wd!r}")
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -54,13 +77,35 @@ def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
 
 
+def param_groups(model: torch.nn.Module, cfg: OptimConfig) -> list[dict]:
+    """AdamW groups: optim.lr with and without decay first (train/lr logs group 0), then each named group, split
+    the same way; empty groups are dropped (DCP's optimizer state dict allows at most one).
+    No weight decay on norms, biases and the modulation tables (1-D parameters and scale_shift_table)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    claimed: dict[str, list] = {name: [] for name in cfg.groups}
+    rest = []
+    for n, p in named:
+        owner = next((g for g, spec in cfg.groups.items() if re.search(spec["match"], n)), None)
+        (claimed[owner] if owner is not None else rest).append((n, p))
+
+    def split(pairs, lr, wd, tag):
+        decay = [p for n, p in pairs if p.ndim >= 2 and "scale_shift" not in n]
+        ids = {id(p) for p in decay}
+        return [{"params": decay, "lr": lr, "weight_decay": wd, "name": tag},
+                {"params": [p for _, p in pairs if id(p) not in ids], "lr": lr, "weight_decay": 0.0,
+                 "name": tag + "/no_decay"}]
+
+    groups = split(rest, cfg.lr, cfg.weight_decay, "default")
+    for name, spec in cfg.groups.items():
+        if not claimed[name]:
+            raise ValueError(f"optim.groups.{name}.match={spec['match']!r} matches no trainable parameter")
+        groups += split(claimed[name], float(spec["lr"]), float(spec.get("weight_decay", cfg.weight_decay)), name)
+    return [g for g in groups if g["params"]]
+
+
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int):
     params = [p for p in model.parameters() if p.requires_grad]
-    # no weight decay on norms, biases and the modulation tables: 1-D parameters and scale_shift_table
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2 and "scale_shift" not in n]
-    ids = {id(p) for p in decay}
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if id(p) not in ids], "weight_decay": 0.0}]
+    groups = param_groups(model, cfg)
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                             foreach=not any(p.device.type == "meta" for p in params))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg, total_steps))
