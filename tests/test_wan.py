@@ -188,6 +188,29 @@ def test_adaln_backend_torch_equals_auto_and_is_checked():
         WanTransformer(**TINY, adaln_backend="fused")
 
 
+@pytest.mark.parametrize("per_token", [False, True])
+def test_fused_adaln_model_equals_reference_model(per_token, monkeypatch):
+    """The Triton AdaLN (the interpreter on CPU) in every norm1/norm3/head: same output and parameter gradients."""
+    import ops.adaln as adaln
+
+    calls = []
+    real_apply = adaln._AdaLNFunction.apply
+    monkeypatch.setattr(adaln._AdaLNFunction, "apply", lambda *a: calls.append(1) or real_apply(*a))
+    if not adaln._HAS_TRITON:
+        pytest.skip("triton is not installed")
+    _, model = make_pair(TINY)
+    x, t, ctx = inputs(TINY, frames=3, per_token=per_token)
+    outs, grads = {}, {}
+    for backend in ("torch", "triton"):
+        model.adaln_backend = backend
+        outs[backend] = model(x, t, ctx)
+        grads[backend] = loss_and_grads(model, outs[backend])
+    assert len(calls) == 2 * TINY["num_layers"] + 1  # the fused op ran for norm1, norm3 and the head
+    torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-5, rtol=1e-5)
+    for n, g in grads["torch"].items():
+        torch.testing.assert_close(grads["triton"][n], g, atol=1e-5, rtol=1e-4, msg=n)
+
+
 def test_autocast_bf16_keeps_time_embedder_fp32():
     _, model = make_pair(TINY)
     x, t, ctx = inputs(TINY, frames=3)
