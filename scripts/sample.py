@@ -180,17 +180,22 @@ def load_checkpoint_model(path: str, cfg, ema: bool = False) -> torch.nn.Module:
     from models.lora import apply_finetune
 
     stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
-    key = "ema" if ema else "model"
     has_base = "model.patch_embedding.weight" in stored
     if not has_base and not cfg.model.pretrained:
         raise ValueError(f"{path} holds no base weights and its config names no model.pretrained folder")
     model = apply_finetune(build_model(cfg.model if not has_base else replace(cfg.model, pretrained=None)), cfg.model)
-    wanted = {n: p.detach() for n, p in model.named_parameters() if f"{key}.{n}" in stored}
-    if ema and not wanted:
-        raise ValueError(f"{path} holds no EMA weights (train with optim.ema_decay set)")
+    params = dict(model.named_parameters())
+    state = {"model": {n: p.detach() for n, p in params.items() if f"model.{n}" in stored}}  # loads in place
+    if ema:  # EMA covers the trainable parameters only (the adapter, under LoRA): overlay it on the raw weights
+        state["ema"] = {n: torch.empty_like(p) for n, p in params.items() if f"ema.{n}" in stored}
+        if not state["ema"]:
+            raise ValueError(f"{path} holds no EMA weights (train with optim.ema_decay set)")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns that it runs without a process group
-        dcp.load({key: wanted}, checkpoint_id=path)  # in place, into the parameters
+        dcp.load(state, checkpoint_id=path)
+    with torch.no_grad():
+        for n, t in state.get("ema", {}).items():
+            params[n].copy_(t)
     return model
 
 

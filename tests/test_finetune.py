@@ -18,7 +18,7 @@ from models.lora import LORA_WEIGHT_NAME, apply_finetune, has_lora, load_lora, l
 from models.sampler import SampleConfig, decode_latents, sample_latents, sampling_times
 from models.wan import WanTransformer
 from tests.helpers import compose_config, compose_raw, tiny_overrides
-from training.optim import OptimConfig, build_optimizer
+from training.optim import EMA, OptimConfig, build_optimizer
 
 TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
             text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2)
@@ -231,7 +231,9 @@ def test_validation_sampler_and_cli_sample_a_lora_checkpoint(tmp_path):
                 p.normal_(0, 0.05)
     ctx = DistContext()
     opt, _ = build_optimizer(model, cfg.optim, 1)
-    save_checkpoint(cfg.run_dir, 1, model, opt, None, {}, OmegaConf.to_yaml(OmegaConf.create(compose_raw(overrides))),
+    ema = EMA(model, 0.5)  # shadows the adapter only (the trainable parameters)
+    ema.shadow = {n: t + 1 for n, t in ema.shadow.items()}
+    save_checkpoint(cfg.run_dir, 1, model, opt, ema, {}, OmegaConf.to_yaml(OmegaConf.create(compose_raw(overrides))),
                     ctx, 1)
     # the loop's hook: held-out texts, the smallest video bucket, the tiny VAE of data.encoders
     corpus = open_corpus(cfg.data, bucket_table(cfg.data.buckets), cfg.model.in_channels, cfg.model.text_dim, 0)
@@ -245,6 +247,8 @@ def test_validation_sampler_and_cli_sample_a_lora_checkpoint(tmp_path):
     x, t, text = torch.randn(1, 4, 3, 8, 8), torch.tensor([500.0]), torch.randn(1, 6, cfg.model.text_dim)
     with torch.no_grad():
         assert has_lora(loaded) and torch.equal(loaded(x, t, text), model.eval()(x, t, text))
+    with_ema = dict(load_source(cfg.run_dir, ema=True)[0].named_parameters())
+    assert all(torch.equal(with_ema[n], ema.shadow[n] if n in ema.shadow else p) for n, p in model.named_parameters())
     # the command line, from the run folder, with a caption through the tiny text encoder
     main([cfg.run_dir, "--out", str(tmp_path / "cli"), "--steps", "2", "--seeds", "3", "--prompt", "a red fox",
           "--device", "cpu"])
