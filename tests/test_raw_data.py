@@ -140,6 +140,12 @@ def test_make_index_plan_load_gives_batches_of_the_right_shapes(clean):
             assert L > 0 and batch.text[j, :L].abs().sum() > 0 and batch.text[j, L:].abs().sum() == 0
     val = Loader(corpus, TEXT_LEN, 0.5, seed=0, rank=0).val_batches()
     assert sum(b.B for b in val) == 2
+    # weighted raw sources over shard subsets of one corpus: source s gives round(w_s · N) entries per epoch
+    mixed = open_corpus(data_cfg(sources=[{"urls": os.path.join(clean, "shard-0000[01].tar"), "weight": 0.3},
+                                          {"urls": os.path.join(clean, "shard-0000[23].tar"), "weight": 0.7}]),
+                        TINY, C, D, seed=0)
+    from_second = sum(mixed.key(i).startswith("1/") for i in mixed.table.ids)
+    assert len(mixed.table) == 22 and from_second == round(0.7 * 22)
 
 
 def test_each_rank_reads_exactly_its_planned_samples_and_workers_change_nothing(clean):
