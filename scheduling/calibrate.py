@@ -141,14 +141,21 @@ def _memory_fit(points: list[Point]) -> Optional[MemoryModel]:
 
 
 def fit_mode(points: list[Point], scale: float = 1.0, L: Optional[float] = None,
-             memory_valid: bool = True) -> dict:
-    """One checkpointing mode's record: points, both fits (× scale for a k-block scan), memory model, optim ms."""
+             memory_valid: bool = True, min_tokens: Optional[float] = None) -> dict:
+    """One checkpointing mode's record: points, both fits (× scale for a k-block scan), memory model, optim ms.
+
+    min_tokens: points with B·S below it are kept in the file but left out of the cost fit — on a GPU a small
+    micro-batch is launch-bound (the GPU waits on Python's kernel launches: the H200 takes ~0.4 s for 30 Wan-1.3B
+    blocks at any B·S under ~10k tokens), a regime no training micro-batch is planned in. The file reports the
+    fitted model's error on every timed point as well.
+    """
     timed = [p for p in points if p.feasible]
     rec: dict = {"points": [asdict(p) for p in points]}
-    if len(timed) < 3:
-        raise ValueError(f"only {len(timed)} points were timed: a cost model needs at least 3 "
+    fitted = [p for p in timed if min_tokens is None or p.B * p.S >= min_tokens]
+    if len(fitted) < 3:
+        raise ValueError(f"only {len(fitted)} points were timed (and fitted): a cost model needs at least 3 "
                          "(raise the point cap, the memory budget, or add buckets)")
-    B, S, t = (np.array([getattr(p, k) for p in timed], dtype=np.float64) for k in ("B", "S", "ms"))
+    B, S, t = (np.array([getattr(p, k) for p in fitted], dtype=np.float64) for k in ("B", "S", "ms"))
     fits = fit_both(B, S, t)
     best = fit_cost_model(B, S, t, form="auto")
     for m in (*fits.values(), best):
@@ -157,6 +164,10 @@ def fit_mode(points: list[Point], scale: float = 1.0, L: Optional[float] = None,
     rec["cost_model"] = best.scaled(scale).to_dict()
     rec["fit_errors"] = {f: {"rel_rmse": m.rel_rmse, "loo_rel_rmse": m.loo_rel_rmse, "max_rel_err": m.max_rel_err}
                          for f, m in fits.items()}
+    rec["fit_min_tokens"] = min_tokens
+    rec["fit_points"] = len(fitted)
+    Ba, Sa, ta = (np.array([getattr(p, k) for p in timed], dtype=np.float64) for k in ("B", "S", "ms"))
+    rec["rel_err_every_point"] = {f: [float(e) for e in (m.predict(Ba, Sa) - ta) / ta] for f, m in fits.items()}
     mem = _memory_fit(timed)
     rec["memory_model"] = mem.to_dict() if mem is not None and memory_valid else None
     if mem is not None and not memory_valid:
@@ -241,6 +252,22 @@ class Calibration:
         if chosen.get("m_mem") is not None:
             out.setdefault("m_mem", chosen["m_mem"])
         return out
+
+
+def refit(cal: Calibration, min_tokens: Optional[float]) -> Calibration:
+    """The same measured points fitted again (e.g. with another min_tokens); no device needed."""
+    ext = cal.data.get("extrapolation") or {}
+    scale = float(ext.get("scale", 1.0))
+    for mode, rec in list(cal.data["modes"].items()):
+        points = [Point(**p) for p in rec["points"]]
+        new = fit_mode(points, scale=scale, memory_valid=rec.get("memory_model") is not None, min_tokens=min_tokens)
+        for k in ("memory_model", "memory_model_k_blocks"):  # measured memory stays as the scan fitted it
+            if k in rec:
+                new[k] = rec[k]
+        if rec.get("optim_ms") is None:
+            new["optim_ms"] = None
+        cal.data["modes"][mode] = new
+    return cal
 
 
 def new_calibration(modes: dict, *, model: dict, source: str, device: str, date: str, command: str,

@@ -8,7 +8,9 @@
 
 Options (`+calibrate.KEY=VALUE`): max_points (12), blocks (time k of the model's blocks and extrapolate ×
 layers/k; the file says so), warmup (1), repeats (2), top_tokens (largest B·S aimed at; default 2·S_max),
-time_budget_s, buckets (a list of names; default all), out (the file; default scheduling.calibration).
+time_budget_s, buckets (a list of names; default all), out (the file; default scheduling.calibration),
+fit_min_tokens (points with B·S below it stay in the file but out of the cost fit: launch-bound on a GPU),
+refit (a calibration file: fit its measured points again with fit_min_tokens, no device; writes out or itself).
 
 The step: the config's model (models.build.build_model), precision (autocast), checkpointing mode (model.checkpointing;
 `auto` scans both `none` and `full`), compile and FSDP; flow matching on synthetic inputs of each bucket's latent
@@ -34,13 +36,13 @@ from models.build import build_model  # noqa: E402
 from models.flow_matching import FlowMatching  # noqa: E402
 from models.parallelize import parallelize  # noqa: E402
 from scheduling.calibrate import (HBM_FRACTION, Calibration, Infeasible, StepResult, fit_mode,  # noqa: E402
-                                  new_calibration, scan)
+                                  new_calibration, refit, scan)
 from training.dist import init_distributed  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
 from training.step import autocast_for  # noqa: E402
 
 DEFAULTS = dict(max_points=12, blocks=None, warmup=1, repeats=2, top_tokens=None, time_budget_s=None,
-                buckets=None, out=None)
+                buckets=None, out=None, fit_min_tokens=None, refit=None)
 CPU_M_MEM_FACTOR = 8  # CPU: no device memory to bound; m_mem = 8·S_max so every rule has a bound
 
 
@@ -140,7 +142,8 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
         points = scan(step_fn, tokens, max_points=int(opts["max_points"]), top_tokens=opts["top_tokens"],
                       mem_budget_bytes=budget, warmup=int(opts["warmup"]), repeats=int(opts["repeats"]),
                       agree=_agree(ctx), time_budget_s=opts["time_budget_s"], log=say)
-        records[mode] = fit_mode(points, scale=layers / k, memory_valid=(k == layers))
+        records[mode] = fit_mode(points, scale=layers / k, memory_valid=(k == layers),
+                                 min_tokens=opts["fit_min_tokens"])
     elapsed = time.perf_counter() - t_start
     device = (torch.cuda.get_device_name(ctx.device) if cuda
               else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)")
@@ -172,6 +175,18 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
     return cal
 
 
+def refit_file(path: str, min_tokens, command: str, out=None, log=print) -> Calibration:
+    """Fit a calibration's measured points again (no device): `+calibrate.refit=FILE +calibrate.fit_min_tokens=N`."""
+    cal = refit(Calibration.load(path), min_tokens)
+    cal.data["notes"].append(f"refitted with fit_min_tokens={min_tokens} by: {command}")
+    cal.save(out or path)
+    for mode, rec in cal.data["modes"].items():
+        errs = ", ".join(f"{f} {100 * e['rel_rmse']:.2f} % (leave-one-out {100 * e['loo_rel_rmse']:.2f} %)"
+                         for f, e in rec["fit_errors"].items())
+        log(f"{mode}: {rec['fit_points']} points fitted; relative RMS error {errs}; chosen {rec['cost_model']['form']}")
+    return cal
+
+
 if __name__ == "__main__":
     import hydra
     from omegaconf import OmegaConf
@@ -183,8 +198,11 @@ if __name__ == "__main__":
         raw = OmegaConf.to_container(dcfg, resolve=True)
         raw.pop("hydra", None)
         opts = raw.pop("calibrate", None) or {}
-        calibrate_config(load_config(raw), opts, command="python " + " ".join(sys.argv[:1] + [
-            a for a in sys.argv[1:] if not a.startswith("hydra")]))
+        command = "python " + " ".join(sys.argv[:1] + [a for a in sys.argv[1:] if not a.startswith("hydra")])
+        if opts.get("refit"):
+            refit_file(opts["refit"], opts.get("fit_min_tokens"), command, opts.get("out"))
+            return
+        calibrate_config(load_config(raw), opts, command=command)
 
     sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled"]
     _main()

@@ -90,3 +90,32 @@ def test_cpu_tiny_model_calibration_end_to_end(tmp_path):
                              ModelShape(1, cfg.model.num_layers, cfg.model.dim, cfg.model.text_len))
     assert sched.sources["cost"].startswith("calibration:none") and sched.values["m_mem"] == 960
     assert Calibration.load(out).mode_name("none") == "none"
+
+
+def test_launch_bound_points_stay_in_the_file_but_out_of_the_fit(tmp_path):
+    from scheduling.calibrate import new_calibration, refit
+
+    quad = lambda B, S: 30 + 0.03 * B * S + 1.5e-6 * B * S * S
+    pts = [Point("b", S, B, True, quad(B, S), [], 1.0, C0 + C1 * B * S)
+           for B, S in [(4, 4000), (1, 16000), (2, 16000), (1, 32000), (3, 32000), (1, 75000)]]
+    pts.append(Point("img", 1500, 1, True, 400.0, [], 1.0, C0))  # the GPU waits on kernel launches
+    rec = fit_mode(pts, min_tokens=10_000)
+    assert rec["fit_points"] == 6 and rec["fit_errors"]["quadratic"]["rel_rmse"] < 1e-6
+    assert len(rec["rel_err_every_point"]["quadratic"]) == 7
+    assert rec["rel_err_every_point"]["quadratic"][-1] == pytest.approx((quad(1, 1500) - 400) / 400, rel=1e-6)
+    assert fit_mode(pts)["fit_errors"]["quadratic"]["rel_rmse"] > 0.05  # with it, the fit is worse everywhere
+    cal = new_calibration({"full": fit_mode(pts)}, model={}, source="t", device="t", date="t", command="t")
+    assert refit(cal, 10_000).data["modes"]["full"]["fit_points"] == 6
+
+
+def test_the_committed_h200_calibration():
+    cal = Calibration.load("results/calibration_h200.json")
+    rec = cal.data["modes"]["full"]
+    assert cal.data["source"] == "measured" and cal.data["device"] == "NVIDIA H200"
+    assert rec["cost_model"]["form"] == "quadratic" and rec["fit_errors"]["quadratic"]["rel_rmse"] < 0.01
+    assert rec["fit_errors"]["power"]["rel_rmse"] > 0.10 and sum(p["feasible"] for p in rec["points"]) <= 12
+    wan = {"i480": 1560, "v480_33f": 14040, "v720_81f": 75600}
+    s = resolve_schedule(SchedulingConfig("balanced", calibration="results/calibration_h200.json"), wan,
+                         ModelShape(1, 30, 1536, 512), checkpointing="full", world_size=8)
+    assert s.sources["target_microbatch_ms"] == "calibration:chosen" and s.batch_sizes["v720_81f"] >= 1
+    assert s.values["m_mem"] == cal.memory_model("full").m_mem(0.9 * cal.hbm_bytes)
