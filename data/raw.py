@@ -105,8 +105,7 @@ def expand_urls(urls: Union[str, Sequence[str]], where: str = "data.urls") -> li
             raise ValueError(f"{where}: {pattern!r} matches no file (brace patterns like shard-{{000..009}}.tar, "
                              f"globs and list files are accepted)")
         out.extend(matched)
-    seen = set()
-    return [os.path.abspath(p) for p in out if not (p in seen or seen.add(p))]
+    return list(dict.fromkeys(os.path.abspath(p) for p in out))  # in order, each shard once
 
 
 def common_dir(paths: Sequence[str]) -> str:

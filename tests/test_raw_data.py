@@ -3,18 +3,16 @@
 The corpora are generated here (tiny mp4/jpg samples, ~1 s to write) into pytest's tmp folders; the encoders are
 the tiny VAE and UMT5 built from config, so everything runs on the CPU in seconds.
 """
-import io
 import json
 import logging
 import os
-import shutil
 import tarfile
 
 import numpy as np
 import pytest
 import torch
 
-from data.buckets import Bucket, bucket_table
+from data.buckets import bucket_table
 from data.config import DataConfig
 from data.decode import clip_indices, decode_image, decode_video, probe_video, to_model_range, usable_frames
 from data.encoders import EncoderConfig
