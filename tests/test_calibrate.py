@@ -108,7 +108,10 @@ def test_launch_bound_points_stay_in_the_file_but_out_of_the_fit(tmp_path):
     assert refit(cal, 10_000).data["modes"]["full"]["fit_points"] == 6
 
 
-def test_the_committed_h200_calibration():
+def test_the_committed_h200_calibration(monkeypatch):
+    from tests.helpers import ROOT
+
+    monkeypatch.chdir(ROOT)
     cal = Calibration.load("results/calibration_h200.json")
     rec = cal.data["modes"]["full"]
     assert cal.data["source"] == "measured" and cal.data["device"] == "NVIDIA H200"

@@ -230,8 +230,10 @@ def test_auto_checkpointing_uses_the_no_recompute_cost_where_memory_allows(tmp_p
     assert s.cost_fn(*big) == pytest.approx(full.predict(*big))
 
 
-def test_conf_groups_compose_and_resolve_on_the_tiny_model():
-    from tests.helpers import compose_config
+def test_conf_groups_compose_and_resolve_on_the_tiny_model(monkeypatch):
+    from tests.helpers import ROOT, compose_config
+
+    monkeypatch.chdir(ROOT)  # the groups name results/calibration_cpu_tiny.json relative to the repository
 
     for group in ("equal_token", "dual_constraint", "cost", "balanced"):
         cfg = compose_config([f"scheduling={group}", "scheduling.window=2"])
