@@ -303,3 +303,58 @@ def test_convert_wan_round_trips_and_loads(tmp_path):
     assert all(torch.equal(ref.state_dict()[k], v) for k, v in conv.items())
     with pytest.raises(ValueError, match="not part of the original"):
         original_to_diffusers({**orig, "blocks.0.extra.weight": torch.zeros(1)})
+
+
+# ------------------------------------------------------------------------------------------- through train.py
+def _train_py_has_the_hooks() -> bool:
+    import dataclasses
+
+    from training.config import LoopConfig
+
+    return "sample_every" in {f.name for f in dataclasses.fields(LoopConfig)}
+
+
+@pytest.mark.skipif(not _train_py_has_the_hooks(), reason="train.py's LoRA/sampling integration has not landed yet")
+def test_lora_run_through_train_py_resumes_samples_and_exports(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from scripts.export import export
+    from scripts.sample import load_source
+    from tests.helpers import run_training
+    from training.metrics_log import read_metrics
+
+    import shutil
+
+    cache = tmp_path / "cache"
+    base_cfg = compose_config(tiny_overrides(tmp_path / "x", cache))
+    pre = diffusers_model(base_cfg.model.diffusers_kwargs())
+    pre.save_pretrained(tmp_path / "pre")
+    common = ("conf=tiny_lora", f"model.pretrained={tmp_path / 'pre'}", "train.steps=6", "train.val_every=3",
+              "train.sample_every=3", "checkpoint.every=3", "checkpoint.keep_last=3", "sample.steps=2")
+    straight = str(tmp_path / "straight")
+    run_training(tiny_overrides(straight, cache, *common))
+    resumed = str(tmp_path / "resumed")
+    os.makedirs(resumed)
+    shutil.copytree(os.path.join(straight, "step_3"), os.path.join(resumed, "step_3"))
+    run_training(tiny_overrides(resumed, cache, *common, "resume=auto"))
+    # Checkpoints hold the adapter only and the resumed run re-reads the base from model.pretrained: equal losses
+    # after resuming also prove that training never moved the base.
+    a, b = ({r["step"]: r for r in read_metrics(d) if "train/loss" in r} for d in (straight, resumed))
+    assert [a[s]["train/loss"] for s in (4, 5, 6)] == [b[s]["train/loss"] for s in (4, 5, 6)]
+    stored = set(dcp.FileSystemReader(os.path.join(straight, "step_6")).read_metadata().state_dict_metadata)
+    assert not any(k.startswith("model.") and ".lora_" not in k for k in stored)
+    model, _ = load_source(straight)  # the base under peft's names is the pretrained one
+    theirs = pre.state_dict()
+    for n, p in model.named_parameters():
+        if ".lora_" not in n:
+            assert torch.equal(p, theirs[n.replace(".base_layer", "")]), n
+    # samples on disk and in the JSONL; step_N/lora is what diffusers loads
+    videos = [r for r in read_metrics(straight) if "samples/p0_s0" in r]
+    assert [r["step"] for r in videos] == [3, 6] and all(os.path.exists(r["samples/p0_s0"]) for r in videos)
+    pre.load_lora_adapter(os.path.join(straight, "step_6", "lora"), weight_name=LORA_WEIGHT_NAME)
+    x, t, ctx = torch.randn(1, 4, 3, 8, 8), torch.tensor([400.0]), torch.randn(1, 6, base_cfg.model.text_dim)
+    with torch.no_grad():
+        ours = model(x, t, ctx)
+        assert (ref_out(pre, x, t, ctx) - ours).abs().max() <= 1e-5
+        full = WanTransformer3DModel.from_pretrained(export(straight, str(tmp_path / "merged"))).eval()
+        assert (ref_out(full, x, t, ctx) - ours).abs().max() <= 1e-5
