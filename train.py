@@ -50,11 +50,12 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
     model = build_parallel_model(cfg.model, ctx.rank, ctx.world_size, ctx.device, FSDPOptions(**fsdp_options_from_env()))
     shape = ModelShape(model.num_matmul_params(), cfg.model.num_layers, cfg.model.dim, cfg.model.text_len)
     schedule = resolve_schedule(cfg.scheduling, {n: b.tokens for n, b in buckets.items()}, shape,
-                                proxy_tflops=cfg.metrics.peak_tflops or 100.0)
+                                proxy_tflops=cfg.metrics.peak_tflops or 100.0,
+                                checkpointing=cfg.model.checkpointing, world_size=ctx.world_size)
     corpus = open_corpus(cfg.data, buckets, cfg.model.in_channels, cfg.model.text_dim, cfg.train.seed,
                          ctx.is_main, ctx.barrier)
     batch_sizes = [schedule.batch_sizes[n] for n in corpus.bucket_names]
-    policy = checkpoint_policy(cfg.model.checkpointing)
+    policy = checkpoint_policy(cfg.model.checkpointing, schedule.no_recompute_tokens)
     autocast = autocast_for(ctx.device, cfg.model.precision)
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.train.steps)
     ema = EMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
@@ -71,7 +72,9 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
     if ctx.is_main:
         log.info("%s from %s\n%s", f"resumed at step {state['step']}" if ckpt else "starting",
                  ckpt or "scratch", schedule.table({n: buckets[n].tokens for n in corpus.bucket_names}))
-        log.info("scheduling values: %s", schedule.sources)
+        log.info("scheduling values %s, from %s", schedule.values, schedule.sources)
+        for note in schedule.notes:
+            log.warning("scheduling: %s", note)
     loader = Loader(corpus, cfg.model.text_len, cfg.data.caption_dropout, cfg.train.seed, ctx.rank,
                     cfg.data.num_workers)
     val_batches = loader.val_batches()
@@ -84,6 +87,10 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
         meta = {k: state[k] for k in state} | {"lr_scheduler": scheduler.state_dict()}
         return save_checkpoint(cfg.run_dir, state["step"], model, optimizer, ema, meta, config_yaml, ctx,
                                cfg.checkpoint.keep_last)
+
+    def plan_at(epoch: int, pos: int):
+        return plan_step(corpus.table, cfg.train.seed, epoch, pos, ctx.world_size, schedule.strategy,
+                         cfg.train.micro_batches, batch_sizes, schedule.cost_fn, window=schedule.window)
 
     metrics = StepMetrics(ctx, shape, cfg.metrics.peak_tflops, WARMUP_STEPS)
     profiler = StepProfiler(cfg.metrics.busy_every, cfg.metrics.profile_steps, os.path.join(cfg.run_dir, "traces"),
@@ -101,13 +108,10 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
     while state["step"] < cfg.train.steps:
         t_step = time.perf_counter()
         epoch, pos = state["epoch"], state["pos"]
-        plan, next_pos = plan_step(corpus.table, cfg.train.seed, epoch, pos, ctx.world_size,
-                                   cfg.scheduling.strategy, cfg.train.micro_batches, batch_sizes, schedule.cost_fn)
+        plan, next_pos = plan_at(epoch, pos)
         nxt_epoch, nxt_pos = advance(epoch, next_pos, corpus.table)
         if cfg.data.num_workers and state["step"] + 1 < cfg.train.steps:
-            loader.prefetch(plan_step(corpus.table, cfg.train.seed, nxt_epoch, nxt_pos, ctx.world_size,
-                                      cfg.scheduling.strategy, cfg.train.micro_batches, batch_sizes,
-                                      schedule.cost_fn)[0])
+            loader.prefetch(plan_at(nxt_epoch, nxt_pos)[0])  # workers decode the next step while this one runs
         with profiler.context(state["step"] + 1):
             st = train_step(model, objective, loader.step(plan), plan.num_samples, ctx, optimizer, scheduler, ema,
                             cfg.optim.grad_clip, cfg.train.seed, epoch, policy, autocast)

@@ -1,4 +1,4 @@
-"""Print the bucket table of a config: each bucket's latent shape, tokens S, and batch size B per strategy.
+"""Print the bucket table of a config: each bucket's latent shape, tokens S, batch size B and predicted cost.
 
     python scripts/show_buckets.py conf=wan21_8gpu [scheduling.m_tokens=...]
     python train.py +show_buckets=true            (the same, through train.py)
@@ -11,25 +11,37 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from data.buckets import bucket_table  # noqa: E402
-from scheduling.batching import dual_constraint_batch_size, equal_token_batch_size  # noqa: E402
+from scheduling.batching import equal_token_batch_size  # noqa: E402
 
 
 def print_buckets(cfg) -> None:
+    """Every bucket's latent shape and S; B, B·S and predicted ms under the configured strategy (with values from
+    the calibration where the config leaves them null); the equal-token B beside it when m_tokens is set."""
+    from dataclasses import replace
+
+    from models.build import build_model
+    from scheduling.policy import ModelShape, resolve_schedule
+
     table = bucket_table(cfg.data.buckets)
     sc = cfg.scheduling
-    head = f"{'bucket':<16}{'frames':>7}{'H×W':>11}{'latent C×F×H×W':>18}{'S':>8}"
-    cols = []
-    if sc.m_tokens:
-        cols.append((f"B equal_token(m_tokens={sc.m_tokens:g})", lambda S: equal_token_batch_size(S, sc.m_tokens)))
-    if None not in (sc.m_mem, sc.m_comp, sc.p):
-        cols.append((f"B dual_constraint(m_mem={sc.m_mem:g}, m_comp={sc.m_comp:g}, p={sc.p:g})",
-                     lambda S: dual_constraint_batch_size(S, sc.m_mem, sc.m_comp, sc.p)))
-    print(f"config {cfg.name}: strategy {sc.strategy}, {len(table)} buckets")
-    print(head + "".join(f"  {name}" for name, _ in cols))
+    meta = build_model(replace(cfg.model, pretrained=None), "meta")  # parameter counts without memory
+    shape = ModelShape(meta.num_matmul_params(), cfg.model.num_layers, cfg.model.dim, cfg.model.text_len)
+    schedule = resolve_schedule(sc, {n: b.tokens for n, b in table.items()}, shape,
+                                proxy_tflops=cfg.metrics.peak_tflops or 100.0, checkpointing=cfg.model.checkpointing,
+                                world_size=cfg.launch.num_processes)
+    print(f"config {cfg.name}: strategy {schedule.strategy}, {len(table)} buckets, values {schedule.values}")
+    print(f"sources: {schedule.sources}")
+    for note in schedule.notes:
+        print(f"note: {note}")
+    extra = sc.strategy != "equal_token" and sc.m_tokens
+    print(f"{'bucket':<16}{'frames':>7}{'H×W':>11}{'latent C×F×H×W':>18}{'S':>8}{'B':>6}{'B·S':>9}{'pred ms':>10}"
+          + (f"{'B equal_token':>15}" if extra else ""))
     for name, b in table.items():
         c, f, h, w = b.latent_shape(cfg.model.in_channels)
-        row = f"{name:<16}{b.frames:>7}{f'{b.height}×{b.width}':>11}{f'{c}×{f}×{h}×{w}':>18}{b.tokens:>8}"
-        print(row + "".join(f"  {fn(b.tokens):>{len(n)}}" for n, fn in cols))
+        B = schedule.batch_sizes[name]
+        row = (f"{name:<16}{b.frames:>7}{f'{b.height}×{b.width}':>11}{f'{c}×{f}×{h}×{w}':>18}{b.tokens:>8}"
+               f"{B:>6}{B * b.tokens:>9}{schedule.cost_fn(B, b.tokens):>10.4g}")
+        print(row + (f"{equal_token_batch_size(b.tokens, sc.m_tokens):>15}" if extra else ""))
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ class StepMetrics:
              "perf/samples_per_s": self.samples / elapsed if self.samples else None,
              "perf/mfu": (flops / (self.step_times[-1] * ctx.world_size * self.peak_tflops * 1e12)
                           if self.peak_tflops and ctx.device.type == "cuda" else None),
-             "balance/compute_cv_pred": compute_cv(pred), "balance/idle_fraction_pred": idle_fraction(pred),
+             "balance/compute_cv_pred": compute_cv(pred), "balance/idle_fraction_pred": idle_fraction(pred, plan.real()),
              "balance/step_time_cv": cv(self.step_times),
              "batch/S": st.S, "batch/B": st.B, "batch/bucket": st.buckets,
              "memory/peak_gib": ctx.all_reduce_max(peak_memory_gib(ctx.device))}
@@ -69,6 +69,7 @@ class StepMetrics:
             m[f"time/{k}"], m[f"time/{k}_max"] = float(gathered[0, i]), float(gathered[:, i].max())
         if busy is not None:
             busy_RM = ctx.all_gather_floats(busy).numpy()
-            m["balance/busy_cv"], m["balance/idle_fraction"] = compute_cv(busy_RM), idle_fraction(busy_RM)
+            m["balance/busy_cv"] = compute_cv(busy_RM)
+            m["balance/idle_fraction"] = idle_fraction(busy_RM, plan.real())
             m["time/busy_s"] = float(np.sum(busy_RM[0]))
         return m
