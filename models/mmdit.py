@@ -432,6 +432,22 @@ class MMDiT(DiffusersFormat, nn.Module):
     def _single_params(self) -> int:
         return sum(b.get_submodule(k).weight.numel() for b in self.single_transformer_blocks for k in self._SINGLE)
 
+    def train_flops(self, S: int, L: int) -> float:
+        """Forward + backward FLOPs of one sample with S video and L text tokens (no recompute counted):
+
+            6·(P_video·S + P_text·L + P_once) + 12·D·((num_layers + num_single_layers)·(S + L)² + R·L²)
+
+        Joint attention costs (S + L)² per dual/single block (Wan's cross-attention formula, 12·D·S·L, undercounts
+        it); R refiner blocks attend over the text alone. P_once: embedders and modulation linears (once per
+        sample). L is the text length the model runs (after trimming: the longest prompt in the micro-batch).
+        """
+        once = [m for m in self.modules() if isinstance(m, (Modulation, TimeTextEmbedding))]
+        p_once = sum(lin.weight.numel() for m in once for lin in m.modules() if isinstance(lin, nn.Linear))
+        layers = len(self.transformer_blocks) + len(self.single_transformer_blocks)
+        R = len(self.context_embedder.token_refiner.refiner_blocks)
+        matmul = 6 * (self.num_matmul_params() * S + self.num_text_matmul_params() * L + p_once)
+        return float(matmul + 12 * self.dim * (layers * (S + L) ** 2 + R * L ** 2))
+
 
 def _trim_text(text_BLC: torch.Tensor, mask_BL: torch.Tensor | None):
     """(text, bool mask, whether attention needs the mask) with trailing positions no sample attends cut off.
