@@ -20,9 +20,11 @@ from data.buckets import bucket_table
 from data.loader import Loader, open_corpus
 from models.build import build_parallel_model
 from models.flow_matching import FlowMatching
+from models.lora import has_lora, save_lora
 from models.parallelize import FSDPOptions, checkpoint_policy
 from scheduling.balance import advance, plan_step
 from scheduling.policy import ModelShape, resolve_schedule
+from scripts.sample import ValidationSampler
 from training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from training.config import TrainConfig, load_config
 from training.dist import fsdp_options_from_env, init_distributed, maybe_launch, shutdown
@@ -62,9 +64,10 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
     objective = FlowMatching(cfg.objective)
 
     state = {"step": 0, "epoch": 0, "pos": 0, "samples_seen": 0, "bad_in_a_row": 0, "skipped_steps": 0}
+    adapter_only = has_lora(model) and cfg.model.pretrained is not None  # the base is re-read from pretrained
     ckpt = latest_checkpoint(cfg.run_dir) if cfg.resume == "auto" else cfg.resume
     if ckpt:
-        meta = load_checkpoint(ckpt, model, optimizer, ema, ctx)
+        meta = load_checkpoint(ckpt, model, optimizer, ema, ctx, trainable_only=adapter_only)
         scheduler.load_state_dict(meta["lr_scheduler"])
         state.update({k: meta[k] for k in state})
     logger = MetricsLogger(cfg.run_dir, cfg.logging, cfg.name, OmegaConf.to_container(OmegaConf.create(config_yaml)),
@@ -78,6 +81,7 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
     loader = Loader(corpus, cfg.model.text_len, cfg.data.caption_dropout, cfg.train.seed, ctx.rank,
                     cfg.data.num_workers)
     val_batches = loader.val_batches()
+    sampler = ValidationSampler(cfg, ctx, val_batches, corpus.empty_text) if cfg.train.sample_every else None
 
     stop = {"signal": None}  # SIGTERM/SIGINT: finish the step, checkpoint, exit
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -85,8 +89,11 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
 
     def checkpoint():
         meta = {k: state[k] for k in state} | {"lr_scheduler": scheduler.state_dict()}
-        return save_checkpoint(cfg.run_dir, state["step"], model, optimizer, ema, meta, config_yaml, ctx,
-                               cfg.checkpoint.keep_last)
+        path = save_checkpoint(cfg.run_dir, state["step"], model, optimizer, ema, meta, config_yaml, ctx,
+                               cfg.checkpoint.keep_last, trainable_only=adapter_only)
+        if has_lora(model):  # step_N/lora/: what WanPipeline.load_lora_weights reads (every rank gathers)
+            save_lora(model, os.path.join(path, "lora"), ctx.is_main)
+        return path
 
     def plan_at(epoch: int, pos: int):
         return plan_step(corpus.table, cfg.train.seed, epoch, pos, ctx.world_size, schedule.strategy,
@@ -129,6 +136,8 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
             m["val/loss"] = validation_loss(model, objective, val_batches, ctx, cfg.train.seed, autocast)
         if state["step"] % cfg.train.log_every == 0 or "val/loss" in m:
             logger.log_metrics(state["step"], m)
+        if sampler is not None and (state["step"] % cfg.train.sample_every == 0 or state["step"] == cfg.train.steps):
+            logger.log_videos(state["step"], sampler(model, state["step"], autocast))
         last = m
         if bar is not None:
             bar.update(1)

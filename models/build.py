@@ -11,6 +11,7 @@ from models.parallelize import FSDPOptions, materialize_from_rank0, parallelize
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.nn.Module:
     """The full model on `device`: random (under the caller's torch seed) or from `cfg.pretrained`."""
+    from models.lora import apply_finetune
     from models.wan import WanTransformer
 
     if cfg.pretrained:
@@ -22,9 +23,10 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.n
         if diff:
             raise ValueError(f"model.pretrained={cfg.pretrained} has a config that differs from model.*: "
                              + ", ".join(f"model.{k}={a} but the checkpoint has {b}" for k, (a, b) in diff.items()))
-        return model.to(device=device, dtype=torch.float32)
+        return apply_finetune(model.to(device=device, dtype=torch.float32), cfg)  # LoRA / frozen before parallelize
     with torch.device(device):
-        return WanTransformer(**cfg.diffusers_kwargs(), adaln_backend=cfg.adaln_backend)
+        model = WanTransformer(**cfg.diffusers_kwargs(), adaln_backend=cfg.adaln_backend)
+    return apply_finetune(model, cfg)
 
 
 def build_parallel_model(cfg: ModelConfig, rank: int, world_size: int, device: torch.device,

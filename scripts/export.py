@@ -1,54 +1,37 @@
-"""Export a training checkpoint as a diffusers-format folder (config.json + safetensors).
+"""Export a training checkpoint as a diffusers-format folder (config.json + safetensors), or its LoRA adapter.
 
-    python scripts/export.py runs/NAME [--step N] [--ema] --out exported/NAME [--max-shard-size 5GB]
+    python scripts/export.py runs/NAME [--step N] [--ema] --out exported/NAME [--max-shard-size 5GB] [--adapter]
 
-Reads the checkpoint's own resolved config, loads the (possibly sharded) DCP checkpoint into one full model in
-this process, optionally takes the EMA weights, and writes what diffusers' `WanTransformer3DModel.from_pretrained`
-and our `WanTransformer.from_pretrained` load.
+Reads the checkpoint's own resolved config and loads the (possibly sharded, possibly adapter-only) DCP checkpoint
+into one full model in this process (scripts/sample.py's loader), optionally with the EMA weights. A LoRA model is
+merged (W + scale·B A) and written as a full model that diffusers' `WanTransformer3DModel.from_pretrained` and our
+`WanTransformer.from_pretrained` load; `--adapter` writes the adapter alone in diffusers' LoRA format instead
+(`WanPipeline.load_lora_weights(out)`).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def export(checkpoint: str, out: str, ema: bool = False, max_shard_size: str | None = None) -> str:
-    import torch
-    import torch.distributed.checkpoint as dcp
-    import yaml
+def export(checkpoint: str, out: str, ema: bool = False, max_shard_size: str | None = None,
+           adapter: bool = False) -> str:
+    from models.lora import has_lora, merge_lora, save_lora
+    from scripts.sample import checkpoint_config, find_checkpoint, load_checkpoint_model
 
-    from models.build import build_model
-    from training.checkpoint import latest_checkpoint
-    from training.config import load_config
-
-    if not os.path.exists(os.path.join(checkpoint, "meta.json")):
-        found = latest_checkpoint(checkpoint)
-        if found is None:
-            raise FileNotFoundError(f"{checkpoint} is neither a checkpoint (step_N/) nor a run folder holding one")
-        checkpoint = found
-    with open(os.path.join(checkpoint, "config.yaml")) as f:
-        cfg = load_config(yaml.safe_load(f))
-    from dataclasses import replace
-
-    model = build_model(replace(cfg.model, pretrained=None), "cpu")
-    key = "ema" if ema else "model"
-    state = {key: {n: p.detach().clone() for n, p in model.named_parameters()}}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            dcp.load(state, checkpoint_id=checkpoint)
-        except Exception as e:
-            if ema:
-                raise ValueError(f"{checkpoint} holds no EMA weights (train with optim.ema_decay set)") from e
-            raise
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(state[key][n])
-    model.save_pretrained(out, max_shard_size=max_shard_size)
+    path = find_checkpoint(checkpoint)
+    if path is None:
+        raise FileNotFoundError(f"{checkpoint} is neither a checkpoint (step_N/) nor a run folder holding one")
+    model = load_checkpoint_model(path, checkpoint_config(path), ema)
+    if adapter:
+        if not has_lora(model):
+            raise ValueError(f"{path} was not trained with a LoRA adapter (model.lora.rank is 0): export it whole")
+        save_lora(model, out)
+        return out
+    merge_lora(model).save_pretrained(out, max_shard_size=max_shard_size)
     return out
 
 
@@ -58,8 +41,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True, help="folder to write (config.json + safetensors)")
     ap.add_argument("--ema", action="store_true", help="export the EMA weights instead of the raw ones")
     ap.add_argument("--max-shard-size", default=None, help="e.g. 5GB: shard the safetensors with an index")
+    ap.add_argument("--adapter", action="store_true", help="write only the LoRA adapter (diffusers' LoRA format)")
     args = ap.parse_args(argv)
-    print(export(args.checkpoint, args.out, args.ema, args.max_shard_size))
+    print(export(args.checkpoint, args.out, args.ema, args.max_shard_size, args.adapter))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from training.dist import DistContext
 
@@ -44,8 +44,14 @@ def _rng_state() -> dict:
     return state
 
 
+def _trainable_only(model_sd: dict, model) -> dict:
+    """The trainable entries of a model state dict (a LoRA adapter: the frozen base comes from model.pretrained)."""
+    keep = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k in keep}
+
+
 def save_checkpoint(run_dir: str, step: int, model, optimizer, ema, meta: dict, config_yaml: str,
-                    ctx: DistContext, keep_last: int) -> str:
+                    ctx: DistContext, keep_last: int, trainable_only: bool = False) -> str:
     path = os.path.join(run_dir, f"step_{step}")
     tmp = path + ".tmp"
     if ctx.is_main:
@@ -53,7 +59,7 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, ema, meta: dict, 
         os.makedirs(tmp)
     ctx.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = {"model": _trainable_only(model_sd, model) if trainable_only else model_sd, "optim": optim_sd}
     if ema is not None:
         state["ema"] = ema.state_dict()
     with warnings.catch_warnings():
@@ -75,18 +81,19 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, ema, meta: dict, 
     return path
 
 
-def load_checkpoint(path: str, model, optimizer, ema, ctx: DistContext) -> dict:
+def load_checkpoint(path: str, model, optimizer, ema, ctx: DistContext, trainable_only: bool = False) -> dict:
     """Load into the live objects; returns meta.json. RNG states are restored when the world size is unchanged."""
     with open(os.path.join(path, "meta.json")) as f:
         meta = json.load(f)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = {"model": _trainable_only(model_sd, model) if trainable_only else model_sd, "optim": optim_sd}
     if ema is not None:
         state["ema"] = ema.state_dict()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=not trainable_only))
     if ema is not None:
         ema.load_state_dict(state["ema"])
     rng_path = os.path.join(path, f"rng_rank{ctx.rank}.pt")

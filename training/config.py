@@ -14,6 +14,7 @@ from typing import Any, Optional
 from data.config import DataConfig
 from models.config import ModelConfig
 from models.flow_matching import ObjectiveConfig
+from models.sampler import SampleConfig
 from scheduling.config import SchedulingConfig
 from training.metrics_log import LoggingConfig, MetricsConfig
 from training.optim import OptimConfig
@@ -37,11 +38,14 @@ class LoopConfig:
     val_every: int = 20
     max_bad_steps: int = 5      # NaN/Inf losses in a row before the run stops
     progress: bool = True
+    sample_every: int = 0       # steps between validation clips (sample:) in run_dir/samples/; 0: never
 
     def __post_init__(self):
         for name in ("steps", "micro_batches", "log_every", "val_every", "max_bad_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be ≥ 1, got {getattr(self, name)}")
+        if self.sample_every < 0:
+            raise ValueError(f"train.sample_every must be ≥ 0 (0: never), got {self.sample_every}")
 
 
 @dataclass
@@ -71,6 +75,7 @@ class TrainConfig:
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
@@ -142,6 +147,8 @@ def _check_cross_fields(cfg: TrainConfig) -> None:
     from data.buckets import bucket_table
 
     table = bucket_table(cfg.data.buckets)  # validates every bucket
+    if cfg.sample.bucket is not None and cfg.sample.bucket not in table:
+        raise ValueError(f"sample.bucket={cfg.sample.bucket!r} is not in data.buckets ({sorted(table)})")
     if cfg.data.synthetic.mix and cfg.data.index is None and cfg.data.sources is None:
         unknown = set(cfg.data.synthetic.mix) - set(table)
         if unknown:

@@ -68,6 +68,17 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({k: _scalar(v) for k, v in metrics.items() if _scalar(v) is not None}, step=step)
 
+    def log_videos(self, step: int, videos: dict) -> None:
+        """{key: mp4 path}: the paths to JSONL, wandb.Video(path) to wandb (it needs no moviepy from a path)."""
+        if not self.enabled or not videos:
+            return
+        self._file.write(json.dumps({"step": step, **videos, "time": time.time()}) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({k: wandb.Video(p, format="mp4") for k, p in videos.items()}, step=step)
+
     def close(self) -> None:
         if self._file:
             self._file.close()
