@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -18,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.buckets import bucket_table
 from data.loader import Loader, open_corpus
-from models.build import build_parallel_model
+from models.build import build_parallel_model, model_inputs
 from models.flow_matching import FlowMatching
 from models.lora import has_lora, save_lora
 from models.parallelize import FSDPOptions, checkpoint_policy
@@ -50,7 +51,8 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
 
     buckets = bucket_table(cfg.data.buckets)
     model = build_parallel_model(cfg.model, ctx.rank, ctx.world_size, ctx.device, FSDPOptions(**fsdp_options_from_env()))
-    shape = ModelShape(model.num_matmul_params(), cfg.model.num_layers, cfg.model.dim, cfg.model.text_len)
+    shape = ModelShape(model.num_matmul_params(), cfg.model.attention_layers, cfg.model.dim, cfg.model.text_len)
+    inputs = functools.partial(model_inputs, cfg.model)
     schedule = resolve_schedule(cfg.scheduling, {n: b.tokens for n, b in buckets.items()}, shape,
                                 proxy_tflops=cfg.metrics.peak_tflops or 100.0,
                                 checkpointing=cfg.model.checkpointing, world_size=ctx.world_size)
@@ -111,7 +113,7 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
     model.train()
     if state["step"] == 0:  # the starting point of the val/loss curve
         logger.log_metrics(0, {"samples_seen": 0, "val/loss": validation_loss(model, objective, val_batches, ctx,
-                                                                              cfg.train.seed, autocast)})
+                                                                              cfg.train.seed, autocast, inputs)})
     while state["step"] < cfg.train.steps:
         t_step = time.perf_counter()
         epoch, pos = state["epoch"], state["pos"]
@@ -121,7 +123,7 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
             loader.prefetch(plan_at(nxt_epoch, nxt_pos)[0])  # workers decode the next step while this one runs
         with profiler.context(state["step"] + 1):
             st = train_step(model, objective, loader.step(plan), plan.num_samples, ctx, optimizer, scheduler, ema,
-                            cfg.optim.grad_clip, cfg.train.seed, epoch, policy, autocast)
+                            cfg.optim.grad_clip, cfg.train.seed, epoch, policy, autocast, inputs)
         step_s = time.perf_counter() - t_step
         state.update(step=state["step"] + 1, epoch=nxt_epoch, pos=nxt_pos,
                      samples_seen=state["samples_seen"] + plan.num_samples)
@@ -133,7 +135,7 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
              **metrics.row(state["step"], plan, st, step_s, profiler.finish(state["step"], plan.num_slots))}
         m.update({f"data/skipped_{r}": n for r, n in corpus.skipped.items()})
         if state["step"] % cfg.train.val_every == 0 or state["step"] == cfg.train.steps:
-            m["val/loss"] = validation_loss(model, objective, val_batches, ctx, cfg.train.seed, autocast)
+            m["val/loss"] = validation_loss(model, objective, val_batches, ctx, cfg.train.seed, autocast, inputs)
         if state["step"] % cfg.train.log_every == 0 or "val/loss" in m:
             logger.log_metrics(state["step"], m)
         if sampler is not None and (state["step"] % cfg.train.sample_every == 0 or state["step"] == cfg.train.steps):

@@ -12,10 +12,14 @@ from models.parallelize import FSDPOptions, materialize_from_rank0, parallelize
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.nn.Module:
     """The full model on `device`: random (under the caller's torch seed) or from `cfg.pretrained`."""
     from models.lora import apply_finetune
-    from models.wan import WanTransformer
+
+    if cfg.name == "mmdit":
+        from models.mmdit import MMDiT as Model
+    else:
+        from models.wan import WanTransformer as Model
 
     if cfg.pretrained:
-        model = WanTransformer.from_pretrained(cfg.pretrained, adaln_backend=cfg.adaln_backend)
+        model = Model.from_pretrained(cfg.pretrained, adaln_backend=cfg.adaln_backend)
         theirs = {k: v for k, v in model.config.items() if k in cfg.diffusers_kwargs()}
         ours = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.diffusers_kwargs().items()}
         diff = {k: (ours[k], list(v) if isinstance(v, tuple) else v) for k, v in theirs.items()
@@ -25,7 +29,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.n
                              + ", ".join(f"model.{k}={a} but the checkpoint has {b}" for k, (a, b) in diff.items()))
         return apply_finetune(model.to(device=device, dtype=torch.float32), cfg)  # LoRA / frozen before parallelize
     with torch.device(device):
-        model = WanTransformer(**cfg.diffusers_kwargs(), adaln_backend=cfg.adaln_backend)
+        model = Model(**cfg.diffusers_kwargs(), adaln_backend=cfg.adaln_backend)
     return apply_finetune(model, cfg)
 
 
@@ -42,6 +46,24 @@ def build_parallel_model(cfg: ModelConfig, rank: int, world_size: int, device: t
     model = build_model(replace(cfg, pretrained=None), "meta")
     parallelize(model, compile=cfg.compile, world_size=world_size, fsdp=fsdp)
     return materialize_from_rank0(model, full_sd, device)
+
+
+def model_inputs(cfg, batch) -> dict:
+    """Keyword inputs beyond (x_t, 1000·t, text) that the model takes from the batch (MMDiT: mask, pooled text,
+    embedded guidance). A corpus without pooled text gets the mean of its valid text tokens."""
+    if cfg.name != "mmdit":
+        return {}
+    mask, pooled = batch.text_mask, batch.pooled
+    if pooled is None:
+        if cfg.pooled_projection_dim != cfg.text_embed_dim:
+            raise ValueError(f"the corpus has no pooled text embedding and model.pooled_projection_dim="
+                             f"{cfg.pooled_projection_dim} differs from model.text_embed_dim={cfg.text_embed_dim}: "
+                             "precompute pooled embeddings or make the two equal")
+        m = mask.float()[..., None]
+        pooled = (batch.text * m).sum(1) / m.sum(1).clamp_min(1)
+    guidance = (torch.full((batch.B,), 1000.0 * cfg.guidance_scale, device=batch.latents.device)
+                if cfg.guidance_embeds else None)
+    return dict(encoder_attention_mask=mask, pooled_projections=pooled, guidance=guidance)
 
 
 def matmul_params(model: torch.nn.Module) -> int:

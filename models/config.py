@@ -49,7 +49,39 @@ class LoRAConfig:
 
 
 @dataclass
-class ModelConfig:
+class RunKnobs:
+    """How a model runs and trains, whatever its architecture (the non-architecture half of `model:`)."""
+    text_len: int = 512                   # text tokens after zero-padding (diffusers' Wan pipeline: 512)
+    precision: str = "bf16"               # matmuls under autocast on GPU; fp32 on CPU; master weights stay fp32
+    adaln_backend: str = "auto"
+    checkpointing: str = "none"
+    compile: bool = False
+    pretrained: Optional[str] = None      # a local diffusers-format folder (config.json + safetensors)
+    freeze: list = field(default_factory=list)  # regexes (re.search) of parameter names that do not train
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+    def _check_knobs(self) -> None:
+        if self.adaln_backend not in ADALN_BACKENDS:
+            raise ValueError(f"model.adaln_backend must be one of {ADALN_BACKENDS}, got {self.adaln_backend!r}")
+        if self.checkpointing not in CHECKPOINTING:
+            raise ValueError(f"model.checkpointing must be one of {CHECKPOINTING}, got {self.checkpointing!r}")
+        if self.precision not in ("bf16", "fp32"):
+            raise ValueError(f"model.precision must be 'bf16' or 'fp32', got {self.precision!r}")
+        if self.text_len < 1:
+            raise ValueError(f"model.text_len must be ≥ 1, got {self.text_len}")
+        if isinstance(self.lora, dict):  # built directly rather than through training/config.py
+            self.lora = LoRAConfig(**self.lora)
+        self.freeze = [str(p) for p in self.freeze]
+        for pattern in self.freeze:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"model.freeze has an invalid regex {pattern!r}: {e}") from None
+
+
+@dataclass
+class ModelConfig(RunKnobs):
+    """`model:` for Wan 2.1 (name=wan); architecture fields are diffusers' WanTransformer3DModel config names."""
     name: str = "wan"
     patch_size: tuple = (1, 2, 2)
     num_attention_heads: int = 12
@@ -64,41 +96,25 @@ class ModelConfig:
     qk_norm: Optional[str] = "rms_norm_across_heads"
     eps: float = 1e-6
     rope_max_seq_len: int = 1024
-    text_len: int = 512                   # text tokens after zero-padding (diffusers' Wan pipeline: 512)
-    precision: str = "bf16"               # matmuls under autocast on GPU; fp32 on CPU; master weights stay fp32
-    adaln_backend: str = "auto"
-    checkpointing: str = "none"
-    compile: bool = False
-    pretrained: Optional[str] = None      # a local diffusers-format folder (config.json + safetensors)
-    freeze: list = field(default_factory=list)  # regexes (re.search) of parameter names that do not train
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self):
         if self.name != "wan":
-            raise ValueError(f"model.name must be 'wan' (the MMDiT backbone is not built yet), got {self.name!r}")
-        if self.adaln_backend not in ADALN_BACKENDS:
-            raise ValueError(f"model.adaln_backend must be one of {ADALN_BACKENDS}, got {self.adaln_backend!r}")
-        if self.checkpointing not in CHECKPOINTING:
-            raise ValueError(f"model.checkpointing must be one of {CHECKPOINTING}, got {self.checkpointing!r}")
-        if self.precision not in ("bf16", "fp32"):
-            raise ValueError(f"model.precision must be 'bf16' or 'fp32', got {self.precision!r}")
+            raise ValueError(f"model.name must be one of {sorted(MODEL_CONFIGS)}, got {self.name!r}")
+        self._check_knobs()
         self.patch_size = tuple(int(p) for p in self.patch_size)
         if len(self.patch_size) != 3:
             raise ValueError(f"model.patch_size must be (t, h, w), got {self.patch_size}")
         for name in ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim",
-                     "freq_dim", "ffn_dim", "num_layers", "text_len"):
+                     "freq_dim", "ffn_dim", "num_layers"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"model.{name} must be ≥ 1, got {getattr(self, name)}")
         if self.freq_dim % 2:
             raise ValueError(f"model.freq_dim must be even (sin/cos halves), got {self.freq_dim}")
-        if isinstance(self.lora, dict):  # built directly rather than through training/config.py
-            self.lora = LoRAConfig(**self.lora)
-        self.freeze = [str(p) for p in self.freeze]
-        for pattern in self.freeze:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f"model.freeze has an invalid regex {pattern!r}: {e}") from None
+
+    @property
+    def attention_layers(self) -> int:
+        """Blocks whose self-attention spans the video tokens (MFU's attention term)."""
+        return self.num_layers
 
     @property
     def dim(self) -> int:
@@ -111,3 +127,68 @@ class ModelConfig:
                     out_channels=self.out_channels, text_dim=self.text_dim, freq_dim=self.freq_dim,
                     ffn_dim=self.ffn_dim, num_layers=self.num_layers, cross_attn_norm=self.cross_attn_norm,
                     qk_norm=self.qk_norm, eps=self.eps, rope_max_seq_len=self.rope_max_seq_len)
+
+
+@dataclass
+class MMDiTConfig(RunKnobs):
+    """`model:` for the HunyuanVideo-style MMDiT (name=mmdit); architecture fields are diffusers'
+    HunyuanVideoTransformer3DModel config names (defaults: HunyuanVideo 13B)."""
+    name: str = "mmdit"
+    in_channels: int = 16
+    out_channels: int = 16
+    num_attention_heads: int = 24
+    attention_head_dim: int = 128
+    num_layers: int = 20                  # dual-stream blocks
+    num_single_layers: int = 40
+    num_refiner_layers: int = 2
+    mlp_ratio: float = 4.0
+    patch_size: int = 2
+    patch_size_t: int = 1
+    qk_norm: str = "rms_norm"
+    guidance_embeds: bool = True
+    text_embed_dim: int = 4096
+    pooled_projection_dim: int = 768
+    rope_theta: float = 256.0
+    rope_axes_dim: tuple = (16, 56, 56)
+    image_condition_type: Optional[str] = None
+    guidance_scale: float = 1.0           # embedded guidance while training: the model receives 1000·guidance_scale
+    text_len: int = 256
+
+    def __post_init__(self):
+        if self.name != "mmdit":
+            raise ValueError(f"model.name must be one of {sorted(MODEL_CONFIGS)}, got {self.name!r}")
+        self._check_knobs()
+        for name in ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "num_layers",
+                     "text_embed_dim", "pooled_projection_dim", "patch_size", "patch_size_t"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"model.{name} must be ≥ 1, got {getattr(self, name)}")
+        if self.num_single_layers < 0 or self.num_refiner_layers < 0:
+            raise ValueError("model.num_single_layers and model.num_refiner_layers must be ≥ 0")
+        self.rope_axes_dim = tuple(int(d) for d in self.rope_axes_dim)
+        if len(self.rope_axes_dim) != 3 or sum(self.rope_axes_dim) != self.attention_head_dim:
+            raise ValueError(f"model.rope_axes_dim={self.rope_axes_dim} must be three bands summing to "
+                             f"model.attention_head_dim={self.attention_head_dim}")
+
+    @property
+    def dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def text_dim(self) -> int:
+        """The text-encoder width, as the data side calls it."""
+        return self.text_embed_dim
+
+    @property
+    def attention_layers(self) -> int:
+        """Blocks whose joint attention spans text and video tokens."""
+        return self.num_layers + self.num_single_layers
+
+    def diffusers_kwargs(self) -> dict:
+        keys = ("in_channels", "out_channels", "num_attention_heads", "attention_head_dim", "num_layers",
+                "num_single_layers", "num_refiner_layers", "mlp_ratio", "patch_size", "patch_size_t", "qk_norm",
+                "guidance_embeds", "text_embed_dim", "pooled_projection_dim", "rope_theta", "rope_axes_dim",
+                "image_condition_type")
+        return {k: getattr(self, k) for k in keys}
+
+
+MODEL_CONFIGS = {"wan": ModelConfig, "mmdit": MMDiTConfig}

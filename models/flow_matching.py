@@ -64,9 +64,9 @@ class FlowMatching:
 
     @staticmethod
     def per_sample_loss(model, x0: torch.Tensor, text: torch.Tensor, t: torch.Tensor,
-                        noise: torch.Tensor) -> torch.Tensor:
-        """[B] mean squared error of the predicted velocity, in fp32."""
+                        noise: torch.Tensor, **cond) -> torch.Tensor:
+        """[B] mean squared error of the predicted velocity, in fp32. `cond`: the model's extra inputs (MMDiT)."""
         t_ = t.view(-1, *([1] * (x0.dim() - 1))).to(x0.dtype)
         x_t = (1 - t_) * x0 + t_ * noise
-        v_pred = model(x_t, 1000.0 * t, text)
+        v_pred = model(x_t, 1000.0 * t, text, **cond)
         return (v_pred.float() - (noise - x0).float()).pow(2).flatten(1).mean(1)

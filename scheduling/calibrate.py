@@ -141,13 +141,14 @@ def _memory_fit(points: list[Point]) -> Optional[MemoryModel]:
 
 
 def fit_mode(points: list[Point], scale: float = 1.0, L: Optional[float] = None,
-             memory_valid: bool = True, min_tokens: Optional[float] = None) -> dict:
+             memory_valid: bool = True, min_tokens: Optional[float] = None, joint: bool = False) -> dict:
     """One checkpointing mode's record: points, both fits (× scale for a k-block scan), memory model, optim ms.
 
     min_tokens: points with B·S below it are kept in the file but left out of the cost fit — on a GPU a small
     micro-batch is launch-bound (the GPU waits on Python's kernel launches: the H200 takes ~0.4 s for 30 Wan-1.3B
     blocks at any B·S under ~10k tokens), a regime no training micro-batch is planned in. The file reports the
-    fitted model's error on every timed point as well.
+    fitted model's error on every timed point as well. joint: the model attends over S + L tokens (MMDiT); the
+    quadratic form then fits in (S + L) with the scan's text length L.
     """
     timed = [p for p in points if p.feasible]
     rec: dict = {"points": [asdict(p) for p in points]}
@@ -156,8 +157,9 @@ def fit_mode(points: list[Point], scale: float = 1.0, L: Optional[float] = None,
         raise ValueError(f"only {len(fitted)} points were timed (and fitted): a cost model needs at least 3 "
                          "(raise the point cap, the memory budget, or add buckets)")
     B, S, t = (np.array([getattr(p, k) for p in fitted], dtype=np.float64) for k in ("B", "S", "ms"))
-    fits = fit_both(B, S, t)
-    best = fit_cost_model(B, S, t, form="auto")
+    L_arr = np.full(len(t), float(L)) if joint and L is not None else None
+    fits = fit_both(B, S, t, L=L_arr, joint=L_arr is not None)
+    best = fit_cost_model(B, S, t, form="auto", L=L_arr, joint=L_arr is not None)
     for m in (*fits.values(), best):
         m.L = L
     rec["fits"] = {f: m.scaled(scale).to_dict() for f, m in fits.items()}

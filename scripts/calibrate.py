@@ -26,13 +26,14 @@ import os
 import platform
 import sys
 import time
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
 from data.buckets import bucket_table  # noqa: E402
-from models.build import build_model  # noqa: E402
+from models.build import build_model, model_inputs  # noqa: E402
 from models.flow_matching import FlowMatching  # noqa: E402
 from models.parallelize import parallelize  # noqa: E402
 from scheduling.calibrate import (HBM_FRACTION, Calibration, Infeasible, StepResult, fit_mode,  # noqa: E402
@@ -68,8 +69,10 @@ def make_step_fn(model, objective, optimizer, buckets, model_cfg, device, autoca
                 torch.cuda.reset_peak_memory_stats(device)
             _sync(device)
             t0 = time.perf_counter()
+            mask = torch.ones(B, model_cfg.text_len, dtype=torch.bool, device=device)
+            cond = model_inputs(model_cfg, SimpleNamespace(latents=x0, text=text, text_mask=mask, pooled=None, B=B))
             with autocast():
-                loss = objective.per_sample_loss(model, x0, text, t, noise).mean()
+                loss = objective.per_sample_loss(model, x0, text, t, noise, **cond).mean()
             loss.backward()
             _sync(device)
             t1 = time.perf_counter()
@@ -121,6 +124,8 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
     tokens = {n: table[n].tokens for n in names}
     layers = cfg.model.num_layers
     k = int(opts["blocks"] or layers)
+    if k != layers and cfg.model.name != "wan":
+        raise ValueError("calibrate.blocks (timing k blocks) is only for Wan's uniform blocks; leave it null")
     if not 1 <= k <= layers:
         raise ValueError(f"calibrate.blocks must lie in [1, model.num_layers={layers}], got {k}")
     model = build_model(dataclasses.replace(cfg.model, num_layers=k), ctx.device)
@@ -143,7 +148,8 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
                       mem_budget_bytes=budget, warmup=int(opts["warmup"]), repeats=int(opts["repeats"]),
                       agree=_agree(ctx), time_budget_s=opts["time_budget_s"], log=say)
         records[mode] = fit_mode(points, scale=layers / k, memory_valid=(k == layers),
-                                 min_tokens=opts["fit_min_tokens"])
+                                 min_tokens=opts["fit_min_tokens"], L=cfg.model.text_len,
+                                 joint=cfg.model.name == "mmdit")  # MMDiT's joint attention: (S + L)²
     elapsed = time.perf_counter() - t_start
     device = (torch.cuda.get_device_name(ctx.device) if cuda
               else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)")
@@ -154,8 +160,9 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
                      "(per-block cost is identical; the non-block part is over-counted by the same factor); "
                      "memory model of the k-block model only (memory_model_k_blocks), not used")
     cal = new_calibration(
-        records, model={"name": m.name, "dim": m.dim, "num_layers": layers, "num_attention_heads": m.num_attention_heads,
-                        "ffn_dim": m.ffn_dim, "text_len": m.text_len, "precision": m.precision,
+        records, model={"name": m.name, "dim": m.dim, "num_layers": m.attention_layers,
+                        "num_attention_heads": m.num_attention_heads, "ffn_dim": getattr(m, "ffn_dim", None),
+                        "text_len": m.text_len, "precision": m.precision,
                         "compile": m.compile, "adaln_backend": m.adaln_backend},
         source="measured", device=device, date=datetime.date.today().isoformat(), command=command,
         hbm_bytes=hbm, extrapolation={"blocks_timed": k, "num_layers": layers, "scale": layers / k} if k < layers else None,

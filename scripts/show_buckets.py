@@ -25,7 +25,7 @@ def print_buckets(cfg) -> None:
     table = bucket_table(cfg.data.buckets)
     sc = cfg.scheduling
     meta = build_model(replace(cfg.model, pretrained=None), "meta")  # parameter counts without memory
-    shape = ModelShape(meta.num_matmul_params(), cfg.model.num_layers, cfg.model.dim, cfg.model.text_len)
+    shape = ModelShape(meta.num_matmul_params(), cfg.model.attention_layers, cfg.model.dim, cfg.model.text_len)
     schedule = resolve_schedule(sc, {n: b.tokens for n, b in table.items()}, shape,
                                 proxy_tflops=cfg.metrics.peak_tflops or 100.0, checkpointing=cfg.model.checkpointing,
                                 world_size=cfg.launch.num_processes)

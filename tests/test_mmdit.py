@@ -337,3 +337,34 @@ def test_train_flops_matches_counted_matmuls():
     predicted = 2 * (model.train_flops(S, L) - attention)  # B = 2
     # the counter skips input gradients nobody needs (patch embedding, first embedder layers): a little less
     assert 0.97 * predicted <= matmul <= predicted, (matmul, predicted)
+
+
+def test_tiny_preset_trains_and_its_val_loss_falls(tmp_path):
+    from tests.helpers import run_training, tiny_overrides
+    from training.metrics_log import read_metrics
+
+    run_dir = str(tmp_path / "run")
+    run_training(["conf=mmdit_tiny", *tiny_overrides(run_dir, str(tmp_path / "cache"), "train.steps=40",
+                                                      "train.val_every=20")])
+    val = [r["val/loss"] for r in read_metrics(run_dir) if "val/loss" in r]
+    assert len(val) == 3 and val[-1] <= 0.8 * val[0], val
+
+
+def test_calibration_fits_joint_attention_and_balanced_plans_train(tmp_path):
+    import json
+
+    from scripts.calibrate import calibrate_config
+    from tests.helpers import compose_config, run_training, tiny_overrides
+    from training.metrics_log import read_metrics
+
+    cal = str(tmp_path / "cal.json")
+    cfg = compose_config(["conf=mmdit_tiny", f"scheduling.calibration={cal}"])
+    calibrate_config(cfg, {"max_points": 6, "repeats": 1}, command="test", log=lambda s: None)
+    rec = next(iter(json.load(open(cal))["modes"].values()))
+    quad = rec["fits"]["quadratic"]
+    assert quad["joint"] is True and quad["L"] == cfg.model.text_len  # (S + L)²: text joins the attention
+    run_dir = str(tmp_path / "bal")
+    run_training(["conf=mmdit_tiny", "scheduling=balanced", f"scheduling.calibration={cal}",
+                  *tiny_overrides(run_dir, str(tmp_path / "cache"), "train.steps=3", "train.val_every=3")])
+    rows = read_metrics(run_dir)
+    assert rows[-1]["step"] == 3 and rows[-1]["balance/compute_cv_pred"] == 0.0  # one rank: nothing to balance

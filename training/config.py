@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from data.config import DataConfig
-from models.config import ModelConfig
+from models.config import MODEL_CONFIGS, ModelConfig
 from models.flow_matching import ObjectiveConfig
 from models.sampler import SampleConfig
 from scheduling.config import SchedulingConfig
@@ -69,7 +69,7 @@ class TrainConfig:
     show_buckets: bool = False
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     train: LoopConfig = field(default_factory=LoopConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: Any = field(default_factory=ModelConfig)  # ModelConfig | MMDiTConfig, chosen by model.name
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     data: DataConfig = field(default_factory=DataConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
@@ -138,7 +138,11 @@ def from_dict(cls, d: dict, where: str = ""):
 
 
 def load_config(d: dict) -> TrainConfig:
-    cfg = from_dict(TrainConfig, d)
+    model = dict(d.get("model") or {})
+    name = model.get("name", "wan")
+    if name not in MODEL_CONFIGS:
+        raise ValueError(f"model.name must be one of {sorted(MODEL_CONFIGS)}, got {name!r}")
+    cfg = from_dict(TrainConfig, {**d, "model": from_dict(MODEL_CONFIGS[name], model, "model.")})
     _check_cross_fields(cfg)
     return cfg
 

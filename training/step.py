@@ -46,7 +46,8 @@ def autocast_for(device: torch.device, precision: str):
 
 def train_step(model, objective: FlowMatching, batches: Iterable[Batch], num_samples: int, ctx: DistContext,
                optimizer, scheduler, ema, grad_clip: float, seed: int, epoch: int,
-               checkpoint_policy: Callable[[int, int], bool], autocast) -> StepStats:
+               checkpoint_policy: Callable[[int, int], bool], autocast, model_inputs=lambda batch: {}) -> StepStats:
+    """model_inputs(batch) → the model's extra keyword inputs (models.build.model_inputs: MMDiT's mask, pooled)."""
     st = StepStats()
     scale = ctx.world_size / max(1, num_samples)
     loss_sum = torch.zeros((), device=ctx.device)
@@ -61,7 +62,8 @@ def train_step(model, objective: FlowMatching, batches: Iterable[Batch], num_sam
             _sync(ctx.device)
             t0 = time.perf_counter()
             with autocast():
-                per_sample = objective.per_sample_loss(model, batch.latents, batch.text, t, noise)
+                per_sample = objective.per_sample_loss(model, batch.latents, batch.text, t, noise,
+                                                       **model_inputs(batch))
             weighted = (per_sample * batch.loss_weight).sum()
             _sync(ctx.device)
             t1 = time.perf_counter()
@@ -91,7 +93,7 @@ def train_step(model, objective: FlowMatching, batches: Iterable[Batch], num_sam
 
 @torch.no_grad()
 def validation_loss(model, objective: FlowMatching, batches: list[Batch], ctx: DistContext, seed: int,
-                    autocast) -> float:
+                    autocast, model_inputs=lambda batch: {}) -> float:
     """Flow-matching loss on the fixed held-out batches at fixed t ∈ VAL_TIMES and fixed noise: deterministic."""
     was_training = model.training
     model.eval()
@@ -104,7 +106,7 @@ def validation_loss(model, objective: FlowMatching, batches: list[Batch], ctx: D
         for tv in VAL_TIMES:
             t = torch.full((b.B,), tv, device=ctx.device)
             with autocast():
-                total += float(objective.per_sample_loss(model, b.latents, b.text, t, noise).sum())
+                total += float(objective.per_sample_loss(model, b.latents, b.text, t, noise, **model_inputs(b)).sum())
             count += b.B
     model.train(was_training)
     return total / max(1, count)
