@@ -31,6 +31,10 @@ class EncoderConfig:
     text: str = "umt5"                  # a key of TEXT_ENCODERS
     text_encoder: Optional[str] = None  # local folder (model root with text_encoder/, or the folder); null: tiny
     tokenizer: Optional[str] = None     # local folder; null: beside text_encoder, or byte-level ByT5 for tiny
+    text_encoder_2: Optional[str] = None  # llama_clip: the CLIP text model's folder (model root with text_encoder_2/)
+    tokenizer_2: Optional[str] = None     # llama_clip: CLIP's tokenizer; null: beside text_encoder_2, or ByT5 bytes
+    pooled_dim: Optional[int] = None      # llama_clip, tiny CLIP: the pooled width (the MMDiT's pooled_projection_dim)
+    llama_skip_layers: int = 2            # llama_clip: hidden states this many layers before the last (HunyuanVideo)
     text_dtype: str = "float32"
     max_text_len: int = 512             # tokens kept per caption (Wan: 512)
     device: str = "auto"                # auto: cuda:LOCAL_RANK when CUDA is present, else cpu
@@ -47,7 +51,7 @@ class EncoderConfig:
             raise ValueError(f"data.encoders.text must be one of {sorted(TEXT_ENCODERS)}, got {self.text!r}")
         if self.max_text_len < 1 or self.batch_size < 1:
             raise ValueError("data.encoders.max_text_len and data.encoders.batch_size must be ≥ 1")
-        for name in ("vae", "text_encoder", "tokenizer"):
+        for name in ("vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"):
             path = getattr(self, name)
             if path is not None and not os.path.isdir(path):
                 raise ValueError(f"data.encoders.{name}={path!r} is not a folder: give a local model folder "
@@ -208,6 +212,87 @@ def build_umt5(cfg: EncoderConfig, text_dim: int, device: torch.device) -> UMT5T
         raise ValueError(f"the text encoder at {cfg.text_encoder} has d_model={model.config.d_model} but the model "
                          f"takes text_dim={text_dim}")
     return UMT5Text(model, tokenizer, cfg.max_text_len, dtype, device)
+
+
+class LlamaClipText(TextEncoder):
+    """HunyuanVideo's text side: a LLaMA-style decoder's hidden states (`llama_skip_layers` before the last) of the
+    real tokens, and a CLIP text model's pooled output (`pooler_output`, at the end-of-text token) per caption."""
+
+    def __init__(self, llama, llama_tok, clip, clip_tok, max_len: int, skip: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.llama, self.clip = _place(llama, dtype, device), _place(clip, dtype, device)
+        self.llama_tok, self.clip_tok, self.max_len, self.skip, self.device = llama_tok, clip_tok, max_len, skip, device
+        self.dim, self.pooled_dim = llama.config.hidden_size, clip.config.hidden_size
+        self.clip_len = clip.config.max_position_embeddings
+
+    @torch.inference_mode()
+    def encode(self, captions: Sequence[str]) -> TextOutput:
+        tok = self.llama_tok(list(captions), padding="longest", truncation=True, max_length=self.max_len,
+                             return_attention_mask=True, return_tensors="pt")
+        mask = tok.attention_mask.to(self.device)
+        out = self.llama(tok.input_ids.to(self.device), attention_mask=mask, output_hidden_states=True)
+        h = out.hidden_states[-(self.skip + 1)]
+        ctok = self.clip_tok(list(captions), padding="max_length", truncation=True, max_length=self.clip_len,
+                             return_tensors="pt")
+        pooled = self.clip(ctok.input_ids.to(self.device)).pooler_output
+        return TextOutput(h.float().cpu(), mask.bool().cpu(), pooled.float().cpu())
+
+
+def _tokenizer(folder: Optional[str], model_folder: Optional[str], sub: str):
+    from transformers import AutoTokenizer, ByT5Tokenizer
+
+    if folder:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if model_folder:
+        root = model_folder.rstrip("/")
+        for cand in (os.path.join(root, sub), os.path.join(os.path.dirname(root), sub), root):
+            if os.path.exists(os.path.join(cand, "tokenizer_config.json")):
+                return AutoTokenizer.from_pretrained(cand, local_files_only=True)
+        raise ValueError(f"no {sub} found beside {model_folder!r}: set its data.encoders tokenizer folder")
+    return ByT5Tokenizer()
+
+
+@register_text_encoder("llama_clip")
+def build_llama_clip(cfg: EncoderConfig, text_dim: int, device: torch.device) -> LlamaClipText:
+    from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
+
+    dtype = DTYPES[cfg.text_dtype]
+    llama_tok = _tokenizer(cfg.tokenizer, cfg.text_encoder, "tokenizer")
+    clip_tok = _tokenizer(cfg.tokenizer_2, cfg.text_encoder_2, "tokenizer_2")
+    if llama_tok.pad_token is None:  # LLaMA tokenizers ship without one; padding is masked anyway
+        llama_tok.pad_token = llama_tok.eos_token
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        if cfg.text_encoder:
+            path, sub = _component(cfg.text_encoder, "text_encoder")
+            llama = LlamaModel.from_pretrained(path, subfolder=sub, torch_dtype=dtype, local_files_only=True)
+        else:
+            t = cfg.tiny_text
+            llama = LlamaModel(LlamaConfig(vocab_size=len(llama_tok), hidden_size=text_dim,
+                                           intermediate_size=t.get("d_ff", 64),
+                                           num_hidden_layers=max(cfg.llama_skip_layers + 1, t.get("num_layers", 2)),
+                                           num_attention_heads=t.get("num_heads", 4),
+                                           num_key_value_heads=t.get("num_heads", 4),
+                                           pad_token_id=llama_tok.pad_token_id))
+        if cfg.text_encoder_2:
+            path, sub = _component(cfg.text_encoder_2, "text_encoder_2")
+            clip = CLIPTextModel.from_pretrained(path, subfolder=sub, torch_dtype=dtype, local_files_only=True)
+        else:
+            if cfg.pooled_dim is None:
+                raise ValueError("data.encoders.pooled_dim must be set for the tiny CLIP (the MMDiT's "
+                                 "pooled_projection_dim), or point data.encoders.text_encoder_2 at a CLIP folder")
+            clip = CLIPTextModel(CLIPTextConfig(vocab_size=len(clip_tok), hidden_size=cfg.pooled_dim,
+                                                intermediate_size=2 * cfg.pooled_dim, num_hidden_layers=1,
+                                                num_attention_heads=2, max_position_embeddings=77,
+                                                bos_token_id=clip_tok.eos_token_id, eos_token_id=clip_tok.eos_token_id,
+                                                pad_token_id=clip_tok.pad_token_id))
+    if llama.config.hidden_size != text_dim:
+        raise ValueError(f"the LLaMA text encoder has hidden_size={llama.config.hidden_size} but the model takes "
+                         f"text_dim={text_dim}")
+    if cfg.llama_skip_layers >= llama.config.num_hidden_layers:
+        raise ValueError(f"data.encoders.llama_skip_layers={cfg.llama_skip_layers} must be below the encoder's "
+                         f"{llama.config.num_hidden_layers} layers")
+    return LlamaClipText(llama, llama_tok, clip, clip_tok, cfg.max_text_len, cfg.llama_skip_layers, dtype, device)
 
 
 # -- both -------------------------------------------------------------------------------------------------------------

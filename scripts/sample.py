@@ -180,7 +180,7 @@ def load_checkpoint_model(path: str, cfg, ema: bool = False) -> torch.nn.Module:
     from models.lora import apply_finetune
 
     stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
-    has_base = "model.patch_embedding.weight" in stored
+    has_base = any(k.startswith("model.") and "lora_" not in k for k in stored)  # else adapter-only
     if not has_base and not cfg.model.pretrained:
         raise ValueError(f"{path} holds no base weights and its config names no model.pretrained folder")
     model = apply_finetune(build_model(cfg.model if not has_base else replace(cfg.model, pretrained=None)), cfg.model)

@@ -349,6 +349,20 @@ def test_tiny_preset_trains_and_its_val_loss_falls(tmp_path):
     val = [r["val/loss"] for r in read_metrics(run_dir) if "val/loss" in r]
     assert len(val) == 3 and val[-1] <= 0.8 * val[0], val
 
+    # the trained checkpoint exports to a folder diffusers' HunyuanVideo transformer loads, with our output
+    from scripts.export import export
+
+    out = export(run_dir, str(tmp_path / "export"))
+    ours, theirs = MMDiT.from_pretrained(out), HunyuanVideoTransformer3DModel.from_pretrained(out)
+    g = torch.Generator().manual_seed(0)
+    x, txt, pooled = (torch.randn(*s, generator=g) for s in ((1, 4, 3, 8, 8), (1, 6, 32), (1, 32)))
+    kw = dict(encoder_attention_mask=torch.ones(1, 6, dtype=torch.bool), pooled_projections=pooled,
+              guidance=torch.tensor([1000.0]))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, torch.tensor([500.0]), txt, **kw),
+                                   theirs(hidden_states=x, timestep=torch.tensor([500.0]), encoder_hidden_states=txt,
+                                          return_dict=False, **kw)[0], atol=1e-5, rtol=1e-5)
+
 
 def test_calibration_fits_joint_attention_and_balanced_plans_train(tmp_path):
     import json
@@ -368,3 +382,34 @@ def test_calibration_fits_joint_attention_and_balanced_plans_train(tmp_path):
                   *tiny_overrides(run_dir, str(tmp_path / "cache"), "train.steps=3", "train.val_every=3")])
     rows = read_metrics(run_dir)
     assert rows[-1]["step"] == 3 and rows[-1]["balance/compute_cv_pred"] == 0.0  # one rank: nothing to balance
+
+
+def test_llama_clip_text_side_feeds_pooled_text_to_the_mmdit_from_raw_shards(tmp_path, monkeypatch):
+    """HunyuanVideo's text side (LLaMA hidden states + CLIP pooled, tiny from config) on a raw corpus: every
+    micro-batch reaches the model with its encoder's pooled embedding, and training runs."""
+    import train
+    from data.encoders import TEXT_ENCODERS, EncoderConfig
+    from scripts.make_corpus import write_raw_corpus
+    from tests.helpers import run_training, tiny_overrides
+    from training.metrics_log import read_metrics
+
+    enc = TEXT_ENCODERS["llama_clip"](EncoderConfig(text="llama_clip", device="cpu", pooled_dim=8), 16,
+                                      torch.device("cpu"))
+    both = enc.encode(["a red ball", "two blue squares drifting left"])
+    one = enc.encode(["a red ball"])
+    assert both.embeds.shape[-1] == 16 and both.pooled.shape == (2, 8)
+    torch.testing.assert_close(one.pooled[0], both.pooled[0])  # batch mates and padding change nothing
+    torch.testing.assert_close(one.per_sample()[0], both.per_sample()[0])
+    assert not torch.allclose(both.pooled[0], both.pooled[1])
+
+    root = str(tmp_path / "raw")
+    write_raw_corpus(root, images=6, videos=4, seconds=(0.7, 1.5), samples_per_shard=5, seed=0)
+    seen = []
+    real = train.model_inputs
+    monkeypatch.setattr(train, "model_inputs", lambda cfg, b: seen.append(b.pooled is not None) or real(cfg, b))
+    run_dir = str(tmp_path / "run")
+    run_training(["conf=mmdit_tiny", f"data.urls='{root}/shard-*.tar'", "data.encoders.text=llama_clip",
+                  "data.encoders.pooled_dim=32", "data.encoders.device=cpu", "data.val_samples=2",
+                  *tiny_overrides(run_dir, str(tmp_path / "cache"), "train.steps=2", "train.val_every=2")])
+    assert seen and all(seen)
+    assert read_metrics(run_dir)[-1]["step"] == 2
