@@ -200,8 +200,7 @@ class DiffusersFormat:
 
     The model sets `_diffusers_class_name` (written as `_class_name`) and `_keep_in_fp32_modules` (name parts whose
     parameters stay fp32 when loading at a lower torch_dtype), keeps `self.config` (its constructor's diffusers
-    fields) and takes `adaln_backend` as a keyword. One implementation for every model here (WanTransformer keeps
-    its own copy of the same logic in models/wan.py for now).
+    fields) and takes `adaln_backend` as a keyword. One implementation for every model here.
     """
 
     _diffusers_class_name: str = ""

@@ -24,27 +24,17 @@ raise instead of being cropped.
 """
 from __future__ import annotations
 
-import importlib.metadata
-import inspect
-import json
 import math
-import os
-import re
-import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from models.layers import (MLP, FeedForward, FP32LayerNorm, RMSNorm, RoPE3D, apply_rope, attention,
+from models.layers import (MLP, DiffusersFormat, FeedForward, FP32LayerNorm, RMSNorm, RoPE3D, apply_rope, attention,
                            gated_residual, timestep_embedding)
 from ops.adaln import BACKENDS, adaln_modulate
 
-WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
-WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
-CONFIG_NAME = "config.json"
-DIFFUSERS_CLASS_NAME = "WanTransformer3DModel"
 
 
 class WanAttention(nn.Module):
@@ -120,10 +110,11 @@ class WanConditionEmbedder(nn.Module):
         return temb_BTD, tmod_BT6D, self.text_embedder(text_BLC)
 
 
-class WanTransformer(nn.Module):
+class WanTransformer(DiffusersFormat, nn.Module):
     """Wan 2.1 text-to-video transformer; defaults are Wan2.1-T2V-14B. See the module docstring for the math."""
 
     _keep_in_fp32_modules = ["rope", "time_embedder", "scale_shift_table", "norm1", "norm2", "norm3"]
+    _diffusers_class_name = "WanTransformer3DModel"  # from_pretrained / save_pretrained: models.layers.DiffusersFormat
 
     def __init__(self, patch_size: tuple[int, int, int] = (1, 2, 2), num_attention_heads: int = 40,
                  attention_head_dim: int = 128, in_channels: int = 16, out_channels: int | None = 16,
@@ -232,108 +223,3 @@ class WanTransformer(nn.Module):
         for block in self.blocks:
             n += sum(block.get_submodule(name).weight.numel() for name in per_token)
         return n
-
-    # ------------------------------------------------------------------------------------------- precision
-    def _cast_params(self, dtype: torch.dtype) -> None:
-        """Cast floating parameters to dtype, except those under `_keep_in_fp32_modules`, which become fp32."""
-        for name, p in self.named_parameters():
-            keep = any(part in self._keep_in_fp32_modules for part in name.split("."))
-            target = torch.float32 if keep else dtype
-            if p.is_floating_point() and p.dtype != target:
-                p.data = p.data.to(target)
-
-    # ------------------------------------------------------------------------------------------------ files
-    @classmethod
-    def from_pretrained(cls, local_dir: str, torch_dtype: torch.dtype | None = None, adaln_backend: str = "auto",
-                        subfolder: str | None = None) -> "WanTransformer":
-        """Load a diffusers-format folder (config.json + single or sharded safetensors), strictly.
-
-        torch_dtype=None gives fp32 everywhere; otherwise parameters are cast to it except the
-        `_keep_in_fp32_modules`, which stay fp32 (as diffusers' from_pretrained does).
-        """
-        from safetensors.torch import load_file
-
-        folder = os.path.join(local_dir, subfolder) if subfolder else local_dir
-        with open(os.path.join(folder, CONFIG_NAME)) as fh:
-            raw = json.load(fh)
-        known = set(cls._config_fields())
-        unknown = sorted(k for k in raw if not k.startswith("_") and k not in known)
-        if unknown:
-            warnings.warn(f"{folder}/{CONFIG_NAME}: ignoring unknown config keys {unknown}")
-        config = {k: v for k, v in raw.items() if k in known}
-
-        if os.path.exists(os.path.join(folder, WEIGHTS_NAME)):
-            files = [WEIGHTS_NAME]
-        elif os.path.exists(os.path.join(folder, WEIGHTS_INDEX_NAME)):
-            with open(os.path.join(folder, WEIGHTS_INDEX_NAME)) as fh:
-                files = sorted(set(json.load(fh)["weight_map"].values()))
-        else:
-            raise FileNotFoundError(f"{folder} holds neither {WEIGHTS_NAME} nor {WEIGHTS_INDEX_NAME}")
-        state = {}
-        for name in files:
-            state.update(load_file(os.path.join(folder, name)))
-
-        # Meta construction skips a random init that the checkpoint would overwrite (minutes for 14B).
-        with torch.device("meta"):
-            model = cls(**config, adaln_backend=adaln_backend)
-        model.load_state_dict(state, strict=True, assign=True)
-        del state  # the parameters now own the loaded tensors; casting frees each one as it goes
-        model._cast_params(torch_dtype or torch.float32)
-        return model
-
-    def save_pretrained(self, save_dir: str, max_shard_size: int | str | None = None) -> None:
-        """Write config.json + safetensors (sharded with an index when max_shard_size is set) as diffusers does."""
-        from safetensors.torch import save_file
-
-        os.makedirs(save_dir, exist_ok=True)
-        config = {"_class_name": DIFFUSERS_CLASS_NAME, "_diffusers_version": _diffusers_version(), **self.config}
-        config["patch_size"] = list(config["patch_size"])
-        with open(os.path.join(save_dir, CONFIG_NAME), "w") as fh:
-            json.dump(config, fh, indent=2, sort_keys=True)
-
-        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        limit = _parse_size(max_shard_size) if max_shard_size is not None else None
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for key, tensor in state.items():
-            nbytes = tensor.numel() * tensor.element_size()
-            if limit is not None and shards[-1] and size + nbytes > limit:
-                shards.append({})
-                size = 0
-            shards[-1][key] = tensor
-            size += nbytes
-        if len(shards) == 1:
-            save_file(shards[0], os.path.join(save_dir, WEIGHTS_NAME), metadata={"format": "pt"})
-            return
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            name = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(save_dir, name), metadata={"format": "pt"})
-            weight_map.update({key: name for key in shard})
-        total = sum(t.numel() * t.element_size() for t in state.values())
-        with open(os.path.join(save_dir, WEIGHTS_INDEX_NAME), "w") as fh:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
-
-    @classmethod
-    def _config_fields(cls) -> list[str]:
-        params = inspect.signature(cls.__init__).parameters.values()
-        return [p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD and p.name != "self"]
-
-
-def _diffusers_version() -> str:
-    try:
-        return importlib.metadata.version("diffusers")
-    except importlib.metadata.PackageNotFoundError:
-        return "0.42.1"  # the version this file was checked against
-
-
-def _parse_size(size: int | str) -> int:
-    """Bytes from an int or a string like '10KB', '5GB', '2GiB' (decimal units as huggingface_hub)."""
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", size, re.IGNORECASE)
-    if not match:
-        raise ValueError(f"max_shard_size must be an int or like '10GB', got {size!r}")
-    units = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-    return int(float(match.group(1)) * units[(match.group(2) or "B").lower()])

@@ -144,7 +144,7 @@ def infer_config(state: dict[str, torch.Tensor], original_config: Optional[dict]
               "patch_size": list(patch)}
     bad = {k: (oc[k], v) for k, v in checks.items() if k in oc and (list(oc[k]) if k == "patch_size" else oc[k]) != v}
     if bad:
-        raise ValueError(f"config.json disagrees with the weights: " + ", ".join(f"{k}={a} but the tensors say {b}"
+        raise ValueError("config.json disagrees with the weights: " + ", ".join(f"{k}={a} but the tensors say {b}"
                                                                                  for k, (a, b) in bad.items()))
     if oc.get("model_type", "t2v") != "t2v":
         raise ValueError(f"model_type={oc['model_type']!r}: only Wan 2.1 text-to-video (t2v) converts")

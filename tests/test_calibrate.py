@@ -75,7 +75,7 @@ def test_cpu_tiny_model_calibration_end_to_end(tmp_path):
     out = str(tmp_path / "cal.json")
     cfg = compose_config([f"scheduling.calibration={out}"])
     t0 = time.perf_counter()
-    cal = calibrate_config(cfg, {"max_points": 8, "repeats": 2}, command="test", log=lambda s: None)
+    calibrate_config(cfg, {"max_points": 8, "repeats": 2}, command="test", log=lambda s: None)
     assert time.perf_counter() - t0 < 30
     d = json.load(open(out))
     rec = d["modes"]["none"]  # the tiny config's checkpointing mode

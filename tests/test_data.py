@@ -1,6 +1,5 @@
 """Synthetic latent corpus, sample index (read by seek), buckets, Batch, loader and bad-sample handling."""
 import io
-import json
 import os
 import tarfile
 
@@ -9,7 +8,7 @@ import pytest
 import torch
 
 from data.buckets import Bucket, bucket_table
-from data.config import DataConfig, SyntheticConfig
+from data.config import DataConfig
 from data.index import SampleIndex, load_npy
 from data.loader import Loader, open_corpus
 from data.synthetic import write_synthetic_corpus

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from scheduling.balance import SampleTable, advance, deal_balanced, plan_step
+from scheduling.balance import advance, deal_balanced, plan_step
 from scheduling.batching import (batch_sizes, cost_batch_size, dual_constraint_batch_size,
                                  equal_token_batch_size)
 from scheduling.calibrate import Calibration
