@@ -41,8 +41,7 @@ class DataConfig:
     encoders: EncoderConfig = field(default_factory=EncoderConfig)  # VAE + text encoder for raw corpora
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     cache_dir: str = ".cache"
-    num_workers: int = 0                         # background threads decoding the planned micro-batches ahead
-    prefetch: int = 2
+    num_workers: int = 0                         # threads decoding this and the next step's micro-batches ahead
     caption_dropout: float = 0.1
     val_samples: int = 8                         # held-out samples for val/loss
 
@@ -51,8 +50,6 @@ class DataConfig:
             raise ValueError(f"data.caption_dropout must lie in [0, 1], got {self.caption_dropout}")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers must be ≥ 0, got {self.num_workers}")
-        if self.prefetch < 1:
-            raise ValueError(f"data.prefetch must be ≥ 1, got {self.prefetch}")
         if self.val_samples < 1:
             raise ValueError(f"data.val_samples must be ≥ 1, got {self.val_samples}")
         if self.sources is not None:
