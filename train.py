@@ -57,7 +57,7 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
                                 proxy_tflops=cfg.metrics.peak_tflops or 100.0,
                                 checkpointing=cfg.model.checkpointing, world_size=ctx.world_size)
     corpus = open_corpus(cfg.data, buckets, cfg.model.in_channels, cfg.model.text_dim, cfg.train.seed,
-                         ctx.is_main, ctx.barrier)
+                         ctx.is_main, ctx.barrier, pooled_dim=getattr(cfg.model, "pooled_projection_dim", None))
     batch_sizes = [schedule.batch_sizes[n] for n in corpus.bucket_names]
     policy = checkpoint_policy(cfg.model.checkpointing, schedule.no_recompute_tokens)
     autocast = autocast_for(ctx.device, cfg.model.precision)
@@ -121,6 +121,7 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
         nxt_epoch, nxt_pos = advance(epoch, next_pos, corpus.table)
         if cfg.data.num_workers and state["step"] + 1 < cfg.train.steps:
             loader.prefetch(plan_at(nxt_epoch, nxt_pos)[0])  # workers decode the next step while this one runs
+        lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
         with profiler.context(state["step"] + 1):
             st = train_step(model, objective, loader.step(plan), plan.num_samples, ctx, optimizer, scheduler, ema,
                             cfg.optim.grad_clip, cfg.train.seed, epoch, policy, autocast, inputs)
@@ -130,7 +131,7 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
         state["bad_in_a_row"] = state["bad_in_a_row"] + 1 if st.skipped else 0
         state["skipped_steps"] += int(st.skipped)
 
-        m = {"samples_seen": state["samples_seen"], "epoch": epoch, "train/lr": scheduler.get_last_lr()[0],
+        m = {"samples_seen": state["samples_seen"], "epoch": epoch, "train/lr": lr,
              "train/skipped_steps": state["skipped_steps"],
              **metrics.row(state["step"], plan, st, step_s, profiler.finish(state["step"], plan.num_slots))}
         m.update({f"data/skipped_{r}": n for r, n in corpus.skipped.items()})

@@ -73,6 +73,9 @@ class LatentCorpus:
         self.bucket_of = np.array([bucket_no[self.record(i)["bucket"]] for i in range(len(self._where))], np.int32)
         self.S_of = np.array([buckets[self.record(i)["bucket"]].tokens for i in range(len(self._where))], np.int64)
         self.table = self._epoch_table(rows_by_source, weights, seed)
+        # replacements for a bad sample come from its own split: a held-out sample must never enter training
+        self.is_train = np.zeros(len(self._where), dtype=bool)
+        self.is_train[[i for ids in rows_by_source for i in ids]] = True
         if encoders is not None:  # the empty prompt of the encoder in use (precompute stores the same one)
             self.empty_text, self.empty_pooled = encoders.empty_text, encoders.empty_pooled
         else:
@@ -132,7 +135,7 @@ class LatentCorpus:
 
     def load_checked(self, gid: int, epoch: int = 0):
         """(id, *load(id)) for gid or, when it is bad, the next good sample of its bucket (never fails mid-run)."""
-        same = np.flatnonzero(self.bucket_of == self.bucket_of[gid])
+        same = np.flatnonzero((self.bucket_of == self.bucket_of[gid]) & (self.is_train == self.is_train[gid]))
         start = int(np.searchsorted(same, gid))
         for k in range(min(len(same), 64)):
             cand = int(same[(start + k) % len(same)])
@@ -176,9 +179,9 @@ def _sources(data_cfg) -> Optional[list[tuple[str, dict]]]:
 
 
 def open_corpus(data_cfg, buckets: dict[str, Bucket], latent_channels: int, text_dim: int, seed: int,
-                is_main: bool = True, barrier=lambda: None) -> LatentCorpus:
+                is_main: bool = True, barrier=lambda: None, pooled_dim: Optional[int] = None) -> LatentCorpus:
     """The training corpus the config names. Raw shards are indexed on first use (by rank 0, resumably); the
-    synthetic latent corpus is generated on first use. Everything that can be checked without decoding — a pattern
+    synthetic latent corpus is generated on first use (with pooled text of `pooled_dim` when the model takes it). Everything that can be checked without decoding — a pattern
     that matches nothing, a corpus with no usable sample, a mismatched latent corpus — fails here, before training."""
     sources = _sources(data_cfg)
     if sources is None:
@@ -188,6 +191,8 @@ def open_corpus(data_cfg, buckets: dict[str, Bucket], latent_channels: int, text
         spec = dict(mix=dict(syn.mix) or {n: 1.0 for n in buckets}, num_samples=syn.num_samples,
                     num_val=syn.num_val, latent_channels=latent_channels, text_dim=text_dim, seed=syn.seed,
                     num_classes=syn.num_classes, samples_per_shard=syn.samples_per_shard, dtype=syn.dtype)
+        if pooled_dim:  # only then: the spec hash (the cache key) of other corpora stays as it was
+            spec["pooled_dim"] = pooled_dim
         if is_main:
             ensure_synthetic_corpus(data_cfg.cache_dir, buckets, **spec)
         barrier()
@@ -223,7 +228,16 @@ def open_corpus(data_cfg, buckets: dict[str, Bucket], latent_channels: int, text
         from data.encoders import build_encoders
 
         encoders = build_encoders(data_cfg.encoders, latent_channels, text_dim)
-    return LatentCorpus(indexes, weights, buckets, data_cfg.val_samples, seed, data_cfg.raw, encoders, skipped)
+    corpus = LatentCorpus(indexes, weights, buckets, data_cfg.val_samples, seed, data_cfg.raw, encoders, skipped)
+    if pooled_dim:  # a model that takes pooled text (MMDiT): the corpus must supply it at that width, or the model
+        have = None if corpus.empty_pooled is None else int(corpus.empty_pooled.shape[-1])  # pools the tokens
+        if have is None and pooled_dim != text_dim:
+            raise ValueError(f"the model takes pooled text of width {pooled_dim} but the corpus has none: use a text "
+                             f"encoder with a pooled output (data.encoders.text=llama_clip) or precompute one")
+        if have is not None and have != pooled_dim:
+            raise ValueError(f"the corpus' pooled text has width {have} but the model takes {pooled_dim} "
+                             f"(model.pooled_projection_dim)")
+    return corpus
 
 
 class Loader:

@@ -19,13 +19,13 @@ import math
 import os
 import shutil
 import tarfile
-from typing import Mapping
+from typing import Mapping, Optional
 
 import numpy as np
 import torch
 
 from data.buckets import Bucket
-from data.index import EMPTY_TEXT_FILE, SampleIndex, npy_bytes, tar_members
+from data.index import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, SampleIndex, npy_bytes, tar_members
 
 
 def _class_params(rng: np.random.Generator, num_classes: int, channels: int, text_dim: int):
@@ -61,8 +61,12 @@ def make_text(cls: int, params, rng: np.random.Generator, length: int) -> np.nda
 def write_synthetic_corpus(root: str, buckets: Mapping[str, Bucket], mix: Mapping[str, float], num_samples: int,
                            num_val: int, latent_channels: int, text_dim: int, seed: int = 0,
                            num_classes: int = 8, samples_per_shard: int = 64, text_tokens: tuple[int, int] = (4, 24),
-                           dtype: str = "float32") -> SampleIndex:
-    """Write `num_samples` training and `num_val` validation samples, bucket shares given by `mix`."""
+                           dtype: str = "float32", pooled_dim: Optional[int] = None) -> SampleIndex:
+    """Write `num_samples` training and `num_val` validation samples, bucket shares given by `mix`.
+
+    pooled_dim: also write a pooled text embedding per sample ({key}.pooled.npy, a fixed projection of the class's
+    caption vector) and the empty prompt's (empty_pooled.pt), for models that take one (the MMDiT).
+    """
     unknown = set(mix) - set(buckets)
     if unknown:
         raise ValueError(f"data.synthetic.mix names buckets {sorted(unknown)} that data.buckets does not define")
@@ -73,6 +77,8 @@ def write_synthetic_corpus(root: str, buckets: Mapping[str, Bucket], mix: Mappin
     shares /= shares.sum()
     rng = np.random.default_rng(seed)
     params = _class_params(rng, num_classes, latent_channels, text_dim)
+    if pooled_dim:  # drawn from its own generator so corpora without pooled text stay byte-identical
+        proj = np.random.default_rng([seed, 3]).standard_normal((text_dim, pooled_dim)) / np.sqrt(text_dim)
     os.makedirs(root, exist_ok=True)
     records, shard_files = [], []
     total = num_samples + num_val
@@ -94,8 +100,11 @@ def write_synthetic_corpus(root: str, buckets: Mapping[str, Bucket], mix: Mappin
         text = make_text(cls, params, rng, int(rng.integers(text_tokens[0], text_tokens[1] + 1)))
         caption = f"class {cls} {'image' if bucket.is_image else 'video'} {bucket.name}"
         split = "val" if i >= num_samples else "train"
-        for ext, payload in (("latent.npy", npy_bytes(latent)), ("text.npy", npy_bytes(text)),
-                             ("json", json.dumps({"caption": caption, "bucket": bucket.name}).encode())):
+        members = [("latent.npy", npy_bytes(latent)), ("text.npy", npy_bytes(text)),
+                   ("json", json.dumps({"caption": caption, "bucket": bucket.name}).encode())]
+        if pooled_dim:
+            members.append(("pooled.npy", npy_bytes((params[3][cls] @ proj).astype(np.float32))))
+        for ext, payload in members:
             info = tarfile.TarInfo(f"{key}.{ext}")
             info.size = len(payload)
             tar.addfile(info, io.BytesIO(payload))
@@ -109,6 +118,8 @@ def write_synthetic_corpus(root: str, buckets: Mapping[str, Bucket], mix: Mappin
         r["members"] = {ext: list(v) for ext, v in offsets[(r["shard"], r["key"])].items()}
     torch.save(torch.from_numpy(0.05 * rng.standard_normal((1, text_dim)).astype(np.float32)),
                os.path.join(root, EMPTY_TEXT_FILE))
+    if pooled_dim:
+        torch.save(torch.zeros(pooled_dim), os.path.join(root, EMPTY_POOLED_FILE))
     meta = {"kind": "latent", "latent_channels": latent_channels, "text_dim": text_dim, "writer": "data/synthetic.py",
             "buckets": {n: {"frames": b.frames, "height": b.height, "width": b.width} for n, b in buckets.items()}}
     index = SampleIndex(root, meta, records)

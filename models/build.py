@@ -45,7 +45,7 @@ def build_parallel_model(cfg: ModelConfig, rank: int, world_size: int, device: t
     full_sd = build_model(cfg, "cpu").state_dict() if rank == 0 else {}
     model = build_model(replace(cfg, pretrained=None), "meta")
     parallelize(model, compile=cfg.compile, world_size=world_size, fsdp=fsdp)
-    return materialize_from_rank0(model, full_sd, device)
+    return materialize_from_rank0(model, full_sd, device, offload_params=bool(fsdp and fsdp.offload_params))
 
 
 def model_inputs(cfg, batch) -> dict:

@@ -62,10 +62,12 @@ def parallelize(model: torch.nn.Module, *, compile: bool = False, world_size: in
     return model
 
 
-def materialize_from_rank0(model: torch.nn.Module, full_sd: dict, device: torch.device) -> torch.nn.Module:
-    """A model sharded on the meta device gets storage on `device` and rank 0's full state dict, shard by shard."""
+def materialize_from_rank0(model: torch.nn.Module, full_sd: dict, device: torch.device,
+                           offload_params: bool = False) -> torch.nn.Module:
+    """A model sharded on the meta device gets storage on `device` (the CPU when FSDP2 offloads parameters) and
+    rank 0's full state dict, shard by shard."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    model.to_empty(device=device)
+    model.to_empty(device="cpu" if offload_params else device)
     set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     return model

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
-from scheduling.batching import batch_sizes
+from scheduling.batching import _check_fits, batch_sizes
 from scheduling.calibrate import HBM_FRACTION, Calibration
 from scheduling.config import SchedulingConfig
 from scheduling.metrics import model_flops
@@ -135,6 +135,8 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
         if m_mem is not None and m_tokens is not None and m_tokens > m_mem:
             raise ValueError(f"scheduling.m_tokens={m_tokens:g} exceeds the memory bound m_mem={m_mem:g} "
                              f"({src['m_mem']}): lower it")
+        if m_mem is not None:  # B = 1 for a bucket longer than m_mem would run out of memory, not degrade
+            _check_fits(S_max, m_mem, f"scheduling.m_mem ({src['m_mem']})")
         sizes = batch_sizes(s, list(tokens.values()), m_tokens=m_tokens)
     elif s == "dual_constraint":
         p = pick("p", power.params["p"] if power is not None else None, "calibration:power fit")

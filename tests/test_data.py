@@ -100,7 +100,9 @@ def test_bad_samples_are_replaced_and_counted(tmp_path, corpus_dir):
     root = str(tmp_path / "bad")
     shutil.copytree(corpus_dir, root)
     index = SampleIndex.load(root)
-    victim = next(i for i, r in enumerate(index.records) if r["split"] == "train" and r["bucket"] == "vid")
+    # the bucket's last training sample: the next ones in id order are held-out samples, never a replacement
+    victim = [i for i, r in enumerate(index.records) if r["split"] == "train" and r["bucket"] == "vid"][-1]
+    assert any(r["split"] == "val" and r["bucket"] == "vid" for r in index.records[victim:])
     r = index.records[victim]
     off, size = r["members"]["latent.npy"]
     with open(os.path.join(root, r["shard"]), "r+b") as f:  # NaNs into the stored latents
@@ -115,6 +117,7 @@ def test_bad_samples_are_replaced_and_counted(tmp_path, corpus_dir):
     corpus = _corpus(root)
     gid, latent, _ = corpus.load_checked(victim)
     assert gid != victim and corpus.record(gid)["bucket"] == "vid" and torch.isfinite(latent).all()
+    assert corpus.is_train[gid] and gid not in corpus.val_ids
     assert corpus.skipped["nonfinite"] == 1
 
 

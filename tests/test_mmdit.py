@@ -413,3 +413,30 @@ def test_llama_clip_text_side_feeds_pooled_text_to_the_mmdit_from_raw_shards(tmp
                   *tiny_overrides(run_dir, str(tmp_path / "cache"), "train.steps=2", "train.val_every=2")])
     assert seen and all(seen)
     assert read_metrics(run_dir)[-1]["step"] == 2
+
+
+def test_pooled_text_of_its_own_width_comes_from_the_corpus(tmp_path, monkeypatch):
+    """pooled_projection_dim ≠ text_embed_dim (as HunyuanVideo: 768 vs 4096): the synthetic corpus then stores a
+    pooled embedding per sample; a latent corpus without one is refused before training."""
+    import train
+    from tests.helpers import run_training, tiny_overrides
+
+    seen = []
+    real = train.model_inputs
+    monkeypatch.setattr(train, "model_inputs", lambda cfg, b: seen.append(None if b.pooled is None
+                                                                            else b.pooled.shape[-1]) or real(cfg, b))
+    cache = str(tmp_path / "cache")
+    run_training(["conf=mmdit_tiny", "model.pooled_projection_dim=8",
+                  *tiny_overrides(str(tmp_path / "a"), cache, "train.steps=2", "train.val_every=2")])
+    assert seen and set(seen) == {8}
+    with_pooled = [os.path.join(cache, d) for d in os.listdir(cache) if d.startswith("synthetic-")]
+    with pytest.raises(ValueError, match=r"pooled text has width 8 but the model takes 32"):
+        run_training(["conf=mmdit_tiny", f"data.index={with_pooled[0]}",
+                      *tiny_overrides(str(tmp_path / "b"), cache, "train.steps=1")])
+    run_training(tiny_overrides(str(tmp_path / "wan"), cache, "train.steps=1"))  # a Wan corpus: no pooled text
+    plain = [os.path.join(cache, d) for d in os.listdir(cache)
+             if d.startswith("synthetic-") and os.path.join(cache, d) not in with_pooled]
+    assert len(plain) == 1
+    with pytest.raises(ValueError, match="pooled text of width 8 but the corpus has none"):
+        run_training(["conf=mmdit_tiny", "model.pooled_projection_dim=8", f"data.index={plain[0]}",
+                      *tiny_overrides(str(tmp_path / "c"), cache, "train.steps=1")])

@@ -70,3 +70,20 @@ def test_bad_arguments_are_refused():
         plan_step(table(), 0, 0, 0, 1, "fast", 1, [1, 1, 1, 1], lambda B, S: 1.0)
     with pytest.raises(ValueError, match="outside the epoch"):
         plan_step(table(), 0, 0, 10**6, 1, "equal_token", 1, [1, 1, 1, 1], lambda B, S: 1.0)
+
+
+def test_equal_token_refuses_a_calibrated_memory_bound_below_the_longest_bucket(tmp_path):
+    import json
+
+    from scheduling.config import SchedulingConfig
+    from scheduling.policy import ModelShape, resolve_schedule
+
+    with open("results/calibration_h200.json") as f:
+        cal = json.load(f)
+    cal["chosen"]["m_mem"] = 40000  # the simulator's bound, below a 720p 81-frame clip (S 75600)
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(cal))
+    tokens = {"i480": 1560, "v480_81f": 32760, "v720_81f": 75600}
+    with pytest.raises(ValueError, match=r"scheduling\.m_mem \(calibration:chosen\)=40000"):
+        resolve_schedule(SchedulingConfig("equal_token", m_tokens=32760, calibration=str(path)), tokens,
+                         ModelShape(1, 30, 1536, 512), checkpointing="full")

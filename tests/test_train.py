@@ -44,6 +44,8 @@ def test_default_run_learns_and_logs_the_contract_metrics(tmp_path, cache, monke
     assert all(S in (16, 24, 48, 120) for S in last["batch/S"]) and len(last["batch/S"]) == 2
     assert 0 <= last["balance/idle_fraction_pred"] < 1 and last["memory/peak_gib"] > 0
     assert list_checkpoints(run_dir)[-1][0] == 100
+    # train/lr is the rate each step's update used: warm-up starts at lr / warmup_steps (conf/optim/adamw.yaml)
+    assert steps[0]["train/lr"] == pytest.approx(2e-3 / 10) and steps[9]["train/lr"] == pytest.approx(2e-3)
     with open(os.path.join(run_dir, "config.yaml")) as f:
         assert "num_layers: 2" in f.read()
 
@@ -64,6 +66,8 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, cache):
         for k in ("train/loss", "train/grad_norm", "train/lr", "samples_seen", "batch/S"):
             assert a[s][k] == b[s][k], (s, k, a[s][k], b[s][k])
     assert a[16]["val/loss"] == b[16]["val/loss"]
+    # throughput restarts its warm-up in the resumed process instead of staying null
+    assert b[11]["perf/tokens_per_s"] is None and b[12]["perf/tokens_per_s"] > 0 and b[16]["perf/samples_per_s"] > 0
 
 
 def test_sigterm_leaves_a_resumable_checkpoint(tmp_path, cache):

@@ -39,13 +39,15 @@ class StepMetrics:
         self.step_times: deque = deque(maxlen=50)
         self.t0: Optional[float] = None
         self.tokens = self.samples = 0
+        self.steps_here = 0  # steps run by this process: a resumed run warms up too
 
     def row(self, step: int, plan: StepPlan, st: StepStats, step_s: float, busy: Optional[list]) -> dict:
         ctx = self.ctx
         gathered = ctx.all_gather_floats([step_s, st.data_wait_s, st.fwd_s, st.bwd_s, st.optim_s, st.loss_sum])
         self.step_times.append(float(gathered[:, 0].max()))
         now = time.perf_counter()
-        if step == self.warmup:
+        self.steps_here += 1
+        if self.steps_here == self.warmup:
             self.t0, self.tokens, self.samples = now, 0, 0
         elif self.t0 is not None:
             self.tokens += plan.tokens
