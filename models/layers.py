@@ -322,3 +322,29 @@ def parse_size(size: int | str) -> int:
     units = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
     return int(float(match.group(1)) * units[(match.group(2) or "B").lower()])
+
+
+class PolicyKnobs:
+    """Mixin: the per-run knobs the trainer turns on a model from outside — which AdaLN backend every block uses,
+    and whether blocks recompute activations in backward (set per micro-batch; a hook, not a wrapper, so state-dict
+    keys never change). The model provides `blocks`."""
+
+    _checkpointing = False
+
+    @property
+    def adaln_backend(self) -> str:
+        return self._adaln_backend
+
+    @adaln_backend.setter
+    def adaln_backend(self, backend: str) -> None:
+        from ops.adaln import BACKENDS
+
+        if backend not in BACKENDS:
+            raise ValueError(f"adaln_backend must be one of {BACKENDS}, got {backend!r}")
+        self._adaln_backend = backend
+        for block in self.blocks:
+            block.adaln_backend = backend
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Recompute each block in backward when enabled (the trainer decides per micro-batch)."""
+        self._checkpointing = bool(enabled)

@@ -43,9 +43,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from models.layers import (MLP, DiffusersFormat, FeedForward, FP32LayerNorm, RMSNorm, RoPE3D, SiLUFeedForward,
+from models.layers import (MLP, DiffusersFormat, FeedForward, PolicyKnobs, FP32LayerNorm, RMSNorm, RoPE3D, SiLUFeedForward,
                            apply_rope, gated_residual, masked_attention, timestep_embedding)
-from ops.adaln import BACKENDS, adaln_modulate
+from ops.adaln import adaln_modulate
 
 EPS = 1e-6           # every norm in HunyuanVideo
 FREQ_DIM = 256       # sinusoid width of the time and guidance embedders (fixed in diffusers)
@@ -262,7 +262,7 @@ class SingleStreamBlock(nn.Module):
         return gated_residual(h_BSD, self.proj_out(torch.cat([a_BSD, mlp_BSM], dim=-1)), gate)
 
 
-class MMDiT(DiffusersFormat, nn.Module):
+class MMDiT(DiffusersFormat, PolicyKnobs, nn.Module):
     """HunyuanVideo text-to-video MMDiT; defaults are HunyuanVideo's (13B). See the module docstring for the math.
 
     FSDP2 / compile from outside: `blocks` lists every dual- then single-stream block (they live in the ModuleLists
@@ -337,22 +337,6 @@ class MMDiT(DiffusersFormat, nn.Module):
     def blocks(self) -> tuple[nn.Module, ...]:
         """The repeated blocks, dual- then single-stream, for fully_shard / block.compile() from outside."""
         return tuple(self.transformer_blocks) + tuple(self.single_transformer_blocks)
-
-    @property
-    def adaln_backend(self) -> str:
-        return self._adaln_backend
-
-    @adaln_backend.setter
-    def adaln_backend(self, backend: str) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"adaln_backend must be one of {BACKENDS}, got {backend!r}")
-        self._adaln_backend = backend
-        for block in self.blocks:
-            block.adaln_backend = backend
-
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        """Recompute each dual- and single-stream block in backward when enabled (the trainer decides per step)."""
-        self._checkpointing = bool(enabled)
 
     # ----------------------------------------------------------------------------------------------- forward
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,

@@ -31,9 +31,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from models.layers import (MLP, DiffusersFormat, FeedForward, FP32LayerNorm, RMSNorm, RoPE3D, apply_rope, attention,
+from models.layers import (MLP, DiffusersFormat, FeedForward, PolicyKnobs, FP32LayerNorm, RMSNorm, RoPE3D, apply_rope, attention,
                            gated_residual, timestep_embedding)
-from ops.adaln import BACKENDS, adaln_modulate
+from ops.adaln import adaln_modulate
 
 
 
@@ -110,7 +110,7 @@ class WanConditionEmbedder(nn.Module):
         return temb_BTD, tmod_BT6D, self.text_embedder(text_BLC)
 
 
-class WanTransformer(DiffusersFormat, nn.Module):
+class WanTransformer(DiffusersFormat, PolicyKnobs, nn.Module):
     """Wan 2.1 text-to-video transformer; defaults are Wan2.1-T2V-14B. See the module docstring for the math."""
 
     _keep_in_fp32_modules = ["rope", "time_embedder", "scale_shift_table", "norm1", "norm2", "norm3"]
@@ -156,23 +156,6 @@ class WanTransformer(DiffusersFormat, nn.Module):
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
         self.adaln_backend = adaln_backend
         self._checkpointing = False
-
-    # ----------------------------------------------------------------------------------------- policy knobs
-    @property
-    def adaln_backend(self) -> str:
-        return self._adaln_backend
-
-    @adaln_backend.setter
-    def adaln_backend(self, backend: str) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"adaln_backend must be one of {BACKENDS}, got {backend!r}")
-        self._adaln_backend = backend
-        for block in self.blocks:
-            block.adaln_backend = backend
-
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        """Recompute each block in backward when enabled (the trainer decides per micro-batch)."""
-        self._checkpointing = bool(enabled)
 
     # ----------------------------------------------------------------------------------------------- forward
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
