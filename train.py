@@ -101,7 +101,9 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
         return plan_step(corpus.table, cfg.train.seed, epoch, pos, ctx.world_size, schedule.strategy,
                          cfg.train.micro_batches, batch_sizes, schedule.cost_fn, window=schedule.window)
 
-    metrics = StepMetrics(ctx, shape, cfg.metrics.peak_tflops, WARMUP_STEPS)
+    own_count = getattr(model, "train_flops", None)  # the MMDiT counts its joint attention itself
+    metrics = StepMetrics(ctx, shape, cfg.metrics.peak_tflops, WARMUP_STEPS,
+                          sample_flops=(lambda S: own_count(S, cfg.model.text_len)) if own_count else None)
     profiler = StepProfiler(cfg.metrics.busy_every, cfg.metrics.profile_steps, os.path.join(cfg.run_dir, "traces"),
                             ctx.rank)
     last = {}
