@@ -92,6 +92,9 @@ def maybe_launch(num_processes: int) -> None:
                          f"{torch.cuda.device_count()} GPUs: lower it or use a multi-node launcher")
     from torch.distributed.run import main as torchrun
 
+    # On SIGTERM the launcher forwards the signal and kills the workers after this many seconds (default 30): each
+    # rank finishes its step and writes its checkpoint shards first, which takes longer than 30 s at 14B.
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "900")
     torchrun(["--standalone", f"--nproc_per_node={num_processes}", sys.argv[0], *sys.argv[1:]])
     sys.exit(0)
 
