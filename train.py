@@ -68,6 +68,9 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
     state = {"step": 0, "epoch": 0, "pos": 0, "samples_seen": 0, "bad_in_a_row": 0, "skipped_steps": 0}
     adapter_only = has_lora(model) and cfg.model.pretrained is not None  # the base is re-read from pretrained
     ckpt = latest_checkpoint(cfg.run_dir) if cfg.resume == "auto" else cfg.resume
+    if ckpt and not os.path.exists(os.path.join(ckpt, "meta.json")):
+        raise ValueError(f"resume={ckpt} is not a complete checkpoint (a step_N folder holding meta.json); "
+                         f"use resume=auto to take the newest one in run_dir")
     if ckpt:
         meta = load_checkpoint(ckpt, model, optimizer, ema, ctx, trainable_only=adapter_only)
         scheduler.load_state_dict(meta["lr_scheduler"])

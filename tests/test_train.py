@@ -131,3 +131,8 @@ def test_keep_last_prunes_old_checkpoints(tmp_path, cache):
                                 "train.val_every=8"))
     assert [s for s, _ in list_checkpoints(run_dir)] == [6, 8]
     assert not [d for d in os.listdir(run_dir) if d.endswith(".tmp")]
+
+
+def test_resume_from_a_missing_checkpoint_is_a_clear_error(tmp_path, cache):
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        run_training(tiny_overrides(str(tmp_path / "r"), cache, "train.steps=1", f"resume={tmp_path}/step_7"))
