@@ -27,10 +27,12 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.n
         if diff:
             raise ValueError(f"model.pretrained={cfg.pretrained} has a config that differs from model.*: "
                              + ", ".join(f"model.{k}={a} but the checkpoint has {b}" for k, (a, b) in diff.items()))
-        return apply_finetune(model.to(device=device, dtype=torch.float32), cfg)  # LoRA / frozen before parallelize
-    with torch.device(device):
-        model = Model(**cfg.diffusers_kwargs(), adaln_backend=cfg.adaln_backend)
-    return apply_finetune(model, cfg)
+        model = model.to(device=device, dtype=torch.float32)
+    else:
+        with torch.device(device):
+            model = Model(**cfg.diffusers_kwargs(), adaln_backend=cfg.adaln_backend)
+    model.glue_backend = cfg.glue_backend
+    return apply_finetune(model, cfg)  # LoRA / frozen before parallelize
 
 
 def build_parallel_model(cfg: ModelConfig, rank: int, world_size: int, device: torch.device,

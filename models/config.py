@@ -54,6 +54,7 @@ class RunKnobs:
     text_len: int = 512                   # text tokens after zero-padding (diffusers' Wan pipeline: 512)
     precision: str = "bf16"               # matmuls under autocast on GPU; fp32 on CPU; master weights stay fp32
     adaln_backend: str = "auto"
+    glue_backend: str = "torch"           # fused gated residual + q/k norm-RoPE (Wan): torch | triton | auto
     checkpointing: str = "none"
     compile: bool = False
     pretrained: Optional[str] = None      # a local diffusers-format folder (config.json + safetensors)
@@ -63,6 +64,8 @@ class RunKnobs:
     def _check_knobs(self) -> None:
         if self.adaln_backend not in ADALN_BACKENDS:
             raise ValueError(f"model.adaln_backend must be one of {ADALN_BACKENDS}, got {self.adaln_backend!r}")
+        if self.glue_backend not in ADALN_BACKENDS:
+            raise ValueError(f"model.glue_backend must be one of {ADALN_BACKENDS}, got {self.glue_backend!r}")
         if self.checkpointing not in CHECKPOINTING:
             raise ValueError(f"model.checkpointing must be one of {CHECKPOINTING}, got {self.checkpointing!r}")
         if self.precision not in ("bf16", "fp32"):

@@ -141,9 +141,14 @@ def attention(q_BNHD: torch.Tensor, k_BLHD: torch.Tensor, v_BLHD: torch.Tensor) 
     return o_BHND.transpose(1, 2).flatten(2).type_as(q_BNHD)
 
 
-def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """x + y·gate summed in fp32 (gate is fp32), cast back to the residual stream's dtype."""
-    return (x.float() + y.float() * gate).type_as(x)
+def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+    """x + y·gate summed in fp32, cast back to the residual stream's dtype (ops/gated_residual.py; backend "triton"
+    fuses it into one pass)."""
+    if backend == "torch":
+        return (x.float() + y.float() * gate.float()).type_as(x)
+    from ops.gated_residual import gated_residual as fused
+
+    return fused(x, y, gate, backend=backend)
 
 
 # ------------------------------------------------------------------------------------------------ added for MMDiT
@@ -348,3 +353,19 @@ class PolicyKnobs:
     def set_activation_checkpointing(self, enabled: bool) -> None:
         """Recompute each block in backward when enabled (the trainer decides per micro-batch)."""
         self._checkpointing = bool(enabled)
+
+    @property
+    def glue_backend(self) -> str:
+        """Backend of the fused glue ops around the matmuls (gated residual; q/k RMSNorm + RoPE): "torch" until
+        their GPU measurements land (issue 9), "triton" to use them, "auto" for Triton on CUDA."""
+        return getattr(self, "_glue_backend", "torch")
+
+    @glue_backend.setter
+    def glue_backend(self, backend: str) -> None:
+        from ops.adaln import BACKENDS
+
+        if backend not in BACKENDS:
+            raise ValueError(f"glue_backend must be one of {BACKENDS}, got {backend!r}")
+        self._glue_backend = backend
+        for block in self.blocks:
+            block.glue_backend = backend

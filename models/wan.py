@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from models.layers import (MLP, DiffusersFormat, FeedForward, PolicyKnobs, FP32LayerNorm, RMSNorm, RoPE3D, apply_rope, attention,
                            gated_residual, timestep_embedding)
 from ops.adaln import adaln_modulate
+from ops.qk_norm_rope import qk_norm_rope
 
 
 
@@ -51,11 +52,16 @@ class WanAttention(nn.Module):
         self.norm_k = RMSNorm(dim, eps)
 
     def forward(self, x_BND: torch.Tensor, ctx_BLD: torch.Tensor | None = None,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None, glue: str = "torch") -> torch.Tensor:
         kv_BLD = x_BND if ctx_BLD is None else ctx_BLD
+        v = self.to_v(kv_BLD).unflatten(-1, (self.heads, -1))
+        if rope is not None and glue != "torch":  # RMSNorm and RoPE of q, then of k, one pass each
+            q = qk_norm_rope(self.to_q(x_BND), self.norm_q.weight, *rope, self.norm_q.eps, backend=glue)
+            k = qk_norm_rope(self.to_k(kv_BLD), self.norm_k.weight, *rope, self.norm_k.eps, backend=glue)
+            q, k = q.unflatten(-1, (self.heads, -1)), k.unflatten(-1, (self.heads, -1))
+            return self.to_out[0](attention(q, k, v))
         q = self.norm_q(self.to_q(x_BND)).unflatten(-1, (self.heads, -1))  # (B, N, H, Dh)
         k = self.norm_k(self.to_k(kv_BLD)).unflatten(-1, (self.heads, -1))  # (B, L, H, Dh)
-        v = self.to_v(kv_BLD).unflatten(-1, (self.heads, -1))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return self.to_out[0](attention(q, k, v))
@@ -68,6 +74,7 @@ class WanBlock(nn.Module):
         super().__init__()
         self.eps = eps
         self.adaln_backend = "auto"  # set through WanTransformer.adaln_backend
+        self.glue_backend = "torch"  # set through WanTransformer.glue_backend
         self.attn1 = WanAttention(dim, heads, eps)
         self.attn2 = WanAttention(dim, heads, eps)
         self.norm2 = FP32LayerNorm(dim, eps, elementwise_affine=True) if cross_attn_norm else nn.Identity()
@@ -81,12 +88,12 @@ class WanBlock(nn.Module):
             self.scale_shift_table[None] + tmod_BT6D.float()).unbind(2)
 
         h = adaln_modulate(x_BND, scale_msa, shift_msa, self.eps, backend=self.adaln_backend)
-        x_BND = gated_residual(x_BND, self.attn1(h, rope=rope), gate_msa)
+        x_BND = gated_residual(x_BND, self.attn1(h, rope=rope, glue=self.glue_backend), gate_msa, self.glue_backend)
 
         x_BND = x_BND + self.attn2(self.norm2(x_BND), ctx_BLD)
 
         h = adaln_modulate(x_BND, scale_ff, shift_ff, self.eps, backend=self.adaln_backend)
-        return gated_residual(x_BND, self.ffn(h), gate_ff)
+        return gated_residual(x_BND, self.ffn(h), gate_ff, self.glue_backend)
 
 
 class WanConditionEmbedder(nn.Module):
