@@ -8,6 +8,7 @@ Side by side in one run, forward + backward, no optimizer, random weights (the s
   diffusers@fast      the same at the fastest attention backend found (`set_attention_backend`)
   ours@fast           our model, bf16 parameters and gradients (the fp32 modules of diffusers' list kept fp32), full
                       checkpointing, the same attention backend (torch's sdpa_kernel)
+  ours@glue           the same with model.glue_backend=triton (fused gated residual, q/k RMSNorm-RoPE)
   ours@trainer        our trainer's precision: fp32 master weights under bf16 autocast (not held to memory targets)
   ours@policy         (b): no recompute where the step fits under diffusers@fast's peak memory at that shape, else full
 Reported per shape: ms (median), tokens/s, model-FLOPs utilisation (CONTRACTS §9), peak GiB. Then the longest
@@ -184,6 +185,10 @@ def main(argv=None) -> None:
             ours.set_activation_checkpointing(True)
             record("ours@fast", shape, *time_step(step_fn(ours, *args_, False, False, dev), dev, args.warmup,
                                                   args.reps))
+            ours.glue_backend = "triton" if dev.type == "cuda" else "torch"  # + fused residual, q/k norm-RoPE
+            record("ours@glue", shape, *time_step(step_fn(ours, *args_, False, False, dev), dev, args.warmup,
+                                                  args.reps))
+            ours.glue_backend = "torch"
             ours.set_activation_checkpointing(False)  # (b): recompute only where memory demands it
             try:
                 ms, peak = time_step(step_fn(ours, *args_, False, False, dev), dev, args.warmup, args.reps)
@@ -236,7 +241,7 @@ def table(rows) -> str:
     by = {}
     for r in rows:
         by.setdefault(r["S"], {})[r["impl"]] = r
-    impls = ["diffusers@default", "diffusers@fast", "ours@fast", "ours@policy", "ours@trainer"]
+    impls = ["diffusers@default", "diffusers@fast", "ours@fast", "ours@glue", "ours@policy", "ours@trainer"]
     lines = ["| S | " + " | ".join(f"{i} ms (tok/s, GiB)" for i in impls) + " | ours@fast / diffusers@fast |",
              "|---|" + "---|" * (len(impls) + 1)]
     for S, d in sorted(by.items()):
