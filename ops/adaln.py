@@ -225,22 +225,33 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _require_triton() -> None:
-    if not _HAS_TRITON:
-        raise RuntimeError("adaln: backend='triton' needs the `triton` package (pip install triton); "
+def require_triton(op: str, available: bool) -> None:
+    if not available:
+        raise RuntimeError(f"{op}: backend='triton' needs the `triton` package (pip install triton); "
                            "use backend='torch' or 'auto'")
+
+
+def import_triton(op: str, interpret: bool, available: bool):
+    """(triton, triton.language), imported on first use by every fused op here: the interpreter must have been
+    chosen (TRITON_INTERPRET) before triton's first import, which this checks."""
+    require_triton(op, available)
+    import triton
+    import triton.language as tl
+
+    if interpret and type(tl.cdiv).__name__ != "InterpretedFunction":
+        raise RuntimeError(f"{op}: TRITON_INTERPRET=1 was set after triton was imported; set it before any import "
+                           "of triton (tests/conftest.py does so when CUDA is absent)")
+    return triton, tl
+
+
+def _require_triton() -> None:
+    require_triton("adaln", _HAS_TRITON)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels(interpret: bool):
     global triton, tl
-    _require_triton()
-    import triton
-    import triton.language as tl
-
-    if interpret and type(tl.cdiv).__name__ != "InterpretedFunction":
-        raise RuntimeError("adaln: TRITON_INTERPRET=1 was set after triton was imported; set it before any import "
-                           "of triton (tests/conftest.py does so when CUDA is absent)")
+    triton, tl = import_triton("adaln", interpret, _HAS_TRITON)
     return triton.jit(_fwd_kernel), triton.jit(_bwd_kernel), triton.jit(_dmod_dtile_kernel)
 
 

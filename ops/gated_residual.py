@@ -43,7 +43,8 @@ import math
 
 import torch
 
-from ops.adaln import KernelConfig, _cdiv, _interpreting, _mod_layout, _next_pow2, _on_device, _rows_last, _span
+from ops.adaln import (KernelConfig, _cdiv, _interpreting, _mod_layout, _next_pow2, _on_device, _rows_last, _span,
+                       import_triton, require_triton)
 
 # Imported on first use by _kernels(), as in ops/adaln.py: triton.language must see TRITON_INTERPRET as the tests
 # set it, after they find no CUDA.
@@ -130,21 +131,13 @@ def _bwd_kernel(DOUT, Y, GATE, DY, DGATE,
 
 
 def _require_triton() -> None:
-    if not _HAS_TRITON:
-        raise RuntimeError("gated_residual: backend='triton' needs the `triton` package (pip install triton); "
-                           "use backend='torch' or 'auto'")
+    require_triton("gated_residual", _HAS_TRITON)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels(interpret: bool):
     global triton, tl
-    _require_triton()
-    import triton
-    import triton.language as tl
-
-    if interpret and type(tl.cdiv).__name__ != "InterpretedFunction":
-        raise RuntimeError("gated_residual: TRITON_INTERPRET=1 was set after triton was imported; set it before any "
-                           "import of triton (tests/conftest.py does so when CUDA is absent)")
+    triton, tl = import_triton("gated_residual", interpret, _HAS_TRITON)
     return triton.jit(_fwd_kernel), triton.jit(_bwd_kernel)
 
 

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ops.adaln import (BACKENDS, MAX_D, KernelConfig, _cdiv, _interpreting, _on_device, _rows_last, _segments,
-                       _span)
+                       _span, import_triton, require_triton)
 
 # Imported on first use by _kernels(), as in ops.adaln: the tests set TRITON_INTERPRET only after finding no CUDA.
 triton = None
@@ -197,21 +197,13 @@ def _bwd_kernel(DY, X, W, COS, SIN, RSTD, DX, DW_PART,
 
 
 def _require_triton() -> None:
-    if not _HAS_TRITON:
-        raise RuntimeError("qk_norm_rope: backend='triton' needs the `triton` package (pip install triton); "
-                           "use backend='torch' or 'auto'")
+    require_triton("qk_norm_rope", _HAS_TRITON)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels(interpret: bool):
     global triton, tl
-    _require_triton()
-    import triton
-    import triton.language as tl
-
-    if interpret and type(tl.cdiv).__name__ != "InterpretedFunction":
-        raise RuntimeError("qk_norm_rope: TRITON_INTERPRET=1 was set after triton was imported; set it before any "
-                           "import of triton (tests/conftest.py does so when CUDA is absent)")
+    triton, tl = import_triton("qk_norm_rope", interpret, _HAS_TRITON)
     global _rne_bf16, _load_angles, _rotate  # the kernels call these module-level names, resolved at compile time
     _rne_bf16, _load_angles, _rotate = (triton.jit(f) for f in (_rne_bf16_impl, _load_angles_impl, _rotate_impl))
     return triton.jit(_fwd_kernel), triton.jit(_bwd_kernel)
