@@ -73,10 +73,14 @@ def run_protocol(cal: Calibration, mode: str, mix: Mix, ranks, sweep_ranks, M: i
     cost = cal.cost_model(mode)
     power = cal.cost_model(mode, "power")
     memory = cal.memory_model(mode)
-    if memory is None or not cal.hbm_bytes:
+    if memory is not None and cal.hbm_bytes:
+        m_mem = memory.m_mem(HBM_FRACTION * cal.hbm_bytes)
+    elif (cal.data.get("chosen") or {}).get("m_mem"):  # a CPU calibration: no device memory, its stated bound
+        m_mem = cal.data["chosen"]["m_mem"]
+        log(f"no memory model: m_mem={m_mem} from the calibration's chosen settings")
+    else:
         raise SystemExit(f"{cal.path}: the protocol needs a memory model and the device memory (m_mem at "
-                         f"{HBM_FRACTION:.0%} of HBM)")
-    m_mem = memory.m_mem(HBM_FRACTION * cal.hbm_bytes)
+                         f"{HBM_FRACTION:.0%} of HBM), or a chosen m_mem")
     if m_mem < mix.S_max:
         raise SystemExit(f"m_mem={m_mem} at {HBM_FRACTION:.0%} of HBM is below the longest bucket's S={mix.S_max}")
     p = power.params["p"]
@@ -156,10 +160,11 @@ def write_outputs(res: dict, cal: Calibration, cal_path: str, out: str) -> list[
     lines += [f"- {n}" for n in cal.data.get("notes", [])]
     c, m = res["cost"], res["memory"]
     lines += ["", f"Cost model ({c.form}, full depth): {c.describe()}.",
-              f"Memory model ({'measured' if m.measured else 'estimated'}): {m.c0 / 2**30:.1f} GiB + "
-              f"{m.c1 / 2**10:.0f} KiB per token → m_mem = {res['m_mem']} tokens at {HBM_FRACTION:.0%} of "
-              f"{cal.hbm_bytes / 2**30:.1f} GiB. p = {res['p']:.3f} (power fit). Optimizer: "
-              f"{res['optim_ms']:.0f} ms / R per step.", "",
+              (f"Memory model ({'measured' if m.measured else 'estimated'}): {m.c0 / 2**30:.1f} GiB + "
+               f"{m.c1 / 2**10:.0f} KiB per token → m_mem = {res['m_mem']} tokens at {HBM_FRACTION:.0%} of "
+               f"{cal.hbm_bytes / 2**30:.1f} GiB." if m is not None and cal.hbm_bytes else
+               f"No memory model: m_mem = {res['m_mem']} tokens (the calibration's chosen bound).")
+              + f" p = {res['p']:.3f} (power fit). Optimizer: {res['optim_ms']:.0f} ms / R per step.", "",
               "Protocol (issue 4, part 6): mix = shares of samples "
               + ", ".join(f"{n} S={S} {100 * s:.0f} %" for n, S, s in zip(mix.names, mix.S, mix.share))
               + f"; M = {res['M']} micro-batches per rank; each step runs the real planner (scheduling/balance.py);"
@@ -242,6 +247,8 @@ def _plots(res: dict, out: str) -> list[str]:
     files.append(_save(fig, out + "_balance.png"))
 
     Rs = sorted({r.R for r in res["m_rows"]})
+    if not Rs:  # the M study runs at 8 and 64 ranks only
+        return files
     fig, axes = plt.subplots(1, len(Rs), figsize=(5 * len(Rs), 4), squeeze=False)
     for a, R in zip(axes[0], Rs):
         for s in STRATEGIES:

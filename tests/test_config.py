@@ -69,3 +69,11 @@ def test_cfg_job_prints_the_composed_14b_config_on_cpu():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "num_layers: 40" in out.stdout and "ffn_dim: 13824" in out.stdout
+
+
+def test_short_clip_data_group_for_the_strategy_comparison():
+    from data.buckets import bucket_table
+
+    cfg = compose_config(["conf=wan21_1p3b", "data=wan_short"])
+    tokens = {b.tokens for b in bucket_table(cfg.data.buckets).values()}
+    assert tokens == {1560, 3600, 7800, 14040} and set(cfg.data.synthetic.mix) == {"i480", "i720", "v480_17f", "v480_33f"}
