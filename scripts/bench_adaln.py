@@ -292,8 +292,12 @@ def run_sweep(args, bench, device, copy_bw, save):
     return rows
 
 
-def main():
-    args = parse_args()
+def run_bench(args, op_name: str, meta_of, run_table, run_sweep, cache_size: int = 256) -> None:
+    """The session every op benchmark shares: the interpreter on a CPU (a dry run), compile limits, the op's tuned
+    launch shapes (--tuned), the copy bandwidth measured in the same run, and rows saved as JSON + CSV after every
+    shape. meta_of(op module) → the op's own metadata (byte floors, launch shapes, ...)."""
+    import importlib
+
     import torch
 
     if not torch.cuda.is_available():
@@ -302,20 +306,18 @@ def main():
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if hasattr(torch, "_dynamo"):
-        torch._dynamo.config.cache_size_limit = 256  # one graph per shape: dynamic=False, fair to compile
+        torch._dynamo.config.cache_size_limit = cache_size  # one graph per shape: dynamic=False, fair to compile
         if hasattr(torch._dynamo.config, "recompile_limit"):
-            torch._dynamo.config.recompile_limit = 256
-    from ops import adaln
-
-    if args.tuned:
-        adaln.TUNED.update(load_tuned(args.tuned))
+            torch._dynamo.config.recompile_limit = cache_size
+    op = importlib.import_module(f"ops.{op_name}")
+    if getattr(args, "tuned", None):
+        op.TUNED.update(load_tuned(args.tuned))
     bench = timer(args.rep_ms)
     copy_bw = copy_bandwidth(bench, device)
     meta = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
             "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
-            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-            "copy_GBps": copy_bw / 1e9, "floor_bytes_per_elem": {f"{k}-{p}": v for (k, p), v in FLOOR_BYTES.items()},
-            "launch_shapes": {f"{k}-{'token' if t else 'sample'}-{d}": repr(c) for (k, t, d), c in adaln.TUNED.items()}}
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "copy_GBps": copy_bw / 1e9,
+            **meta_of(op)}
     print(f"{meta['gpu']} torch {meta['torch']} triton {meta['triton']} copy {copy_bw / 1e9:.0f} GB/s", flush=True)
     os.makedirs(args.out, exist_ok=True)
     name = os.path.join(args.out, args.name + ("_sweep" if args.sweep else ""))
@@ -331,6 +333,13 @@ def main():
 
     (run_sweep if args.sweep else run_table)(args, bench, device, copy_bw, save)
     print(f"wrote {name}.csv/.json")
+
+
+def main():
+    run_bench(parse_args(), "adaln", lambda op: {
+        "floor_bytes_per_elem": {f"{k}-{p}": v for (k, p), v in FLOOR_BYTES.items()},
+        "launch_shapes": {f"{k}-{'token' if t else 'sample'}-{d}": repr(c) for (k, t, d), c in op.TUNED.items()}},
+        run_table, run_sweep)
 
 
 if __name__ == "__main__":

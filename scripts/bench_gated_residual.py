@@ -19,15 +19,12 @@ implementation is reported as a failure.
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.bench_adaln import copy_bandwidth, fmt, load_tuned, rel_err, timer  # noqa: E402
+from scripts.bench_adaln import fmt, rel_err, run_bench  # noqa: E402
 
 FLOOR_BYTES = {("sample", "fwd"): 6, ("sample", "bwd"): 6, ("token", "fwd"): 10, ("token", "bwd"): 14}
 
@@ -215,45 +212,10 @@ def run_sweep(args, bench, device, copy_bw, save):
 
 
 def main():
-    args = parse_args()
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    import triton
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if hasattr(torch, "_dynamo"):
-        torch._dynamo.config.cache_size_limit = 256  # one graph per shape: dynamic=False, fair to compile
-        if hasattr(torch._dynamo.config, "recompile_limit"):
-            torch._dynamo.config.recompile_limit = 256
-    from ops import gated_residual
-
-    if args.tuned:
-        gated_residual.TUNED.update(load_tuned(args.tuned))
-    bench = timer(args.rep_ms)
-    copy_bw = copy_bandwidth(bench, device)
-    meta = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
-            "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
-            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-            "copy_GBps": copy_bw / 1e9, "floor_bytes_per_elem": {f"{k}-{p}": v for (k, p), v in FLOOR_BYTES.items()},
-            "launch_shapes": {f"{k}-{'token' if t else 'sample'}-{d}": repr(c)
-                              for (k, t, d), c in gated_residual.TUNED.items()}}
-    print(f"{meta['gpu']} torch {meta['torch']} triton {meta['triton']} copy {copy_bw / 1e9:.0f} GB/s", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    name = os.path.join(args.out, args.name + ("_sweep" if args.sweep else ""))
-
-    def save(rows):  # after every shape: a run cut short keeps what it measured
-        with open(name + ".json", "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        keys = list(dict.fromkeys(k for r in rows for k in r))
-        with open(name + ".csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            w.writerows(rows)
-
-    (run_sweep if args.sweep else run_table)(args, bench, device, copy_bw, save)
-    print(f"wrote {name}.csv/.json")
+    run_bench(parse_args(), "gated_residual", lambda op: {
+        "floor_bytes_per_elem": {f"{k}-{p}": v for (k, p), v in FLOOR_BYTES.items()},
+        "launch_shapes": {f"{k}-{'token' if t else 'sample'}-{d}": repr(c) for (k, t, d), c in op.TUNED.items()}},
+        run_table, run_sweep)
 
 
 if __name__ == "__main__":

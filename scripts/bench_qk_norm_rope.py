@@ -18,15 +18,12 @@ Timings are medians of triton.testing.do_bench (L2 flushed before each call). Be
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.bench_adaln import copy_bandwidth, fmt, rel_err, timer  # noqa: E402  (one timer for every op bench)
+from scripts.bench_adaln import fmt, rel_err, run_bench  # noqa: E402  (one timer and session for every op bench)
 
 
 def parse_args():
@@ -263,39 +260,9 @@ def run_sweep(args, bench, device, copy_bw, save):
 
 def main():
     args = parse_args()
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    import triton
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if hasattr(torch, "_dynamo"):
-        torch._dynamo.config.cache_size_limit = 64  # one graph per shape: dynamic=False, fair to compile
-    from ops import qk_norm_rope
-
-    bench = timer(args.rep_ms)
-    copy_bw = copy_bandwidth(bench, device)
-    meta = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
-            "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
-            "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "copy_GBps": copy_bw / 1e9,
-            "heads": args.heads, "head_dim": args.head_dim, "hw": args.hw,
-            "launch_shapes": {f"{k}-{d}": repr(c) for (k, d), c in qk_norm_rope.TUNED.items()}}
-    print(f"{meta['gpu']} torch {meta['torch']} triton {meta['triton']} copy {copy_bw / 1e9:.0f} GB/s", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    name = os.path.join(args.out, args.name + ("_sweep" if args.sweep else ""))
-
-    def save(rows):  # after every shape: a run cut short keeps what it measured
-        with open(name + ".json", "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        keys = list(dict.fromkeys(k for r in rows for k in r))
-        with open(name + ".csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            w.writerows(rows)
-
-    (run_sweep if args.sweep else run_table)(args, bench, device, copy_bw, save)
-    print(f"wrote {name}.csv/.json")
+    run_bench(args, "qk_norm_rope", lambda op: {
+        "heads": args.heads, "head_dim": args.head_dim, "hw": args.hw,
+        "launch_shapes": {f"{k}-{d}": repr(c) for (k, d), c in op.TUNED.items()}}, run_table, run_sweep, cache_size=64)
 
 
 if __name__ == "__main__":
