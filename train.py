@@ -59,7 +59,7 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
     corpus = open_corpus(cfg.data, buckets, cfg.model.in_channels, cfg.model.text_dim, cfg.train.seed,
                          ctx.is_main, ctx.barrier, pooled_dim=getattr(cfg.model, "pooled_projection_dim", None))
     batch_sizes = [schedule.batch_sizes[n] for n in corpus.bucket_names]
-    policy = checkpoint_policy(cfg.model.checkpointing, schedule.no_recompute_tokens)
+    policy = checkpoint_policy(cfg.model.checkpointing, schedule.recompute_blocks)
     autocast = autocast_for(ctx.device, cfg.model.precision)
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.train.steps)
     ema = EMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None

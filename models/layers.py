@@ -15,6 +15,7 @@ keep diffusers' state-dict keys. Formulas:
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn as nn
@@ -334,7 +335,7 @@ class PolicyKnobs:
     and whether blocks recompute activations in backward (set per micro-batch; a hook, not a wrapper, so state-dict
     keys never change). The model provides `blocks`."""
 
-    _checkpointing = False
+    _checkpointing = 0  # the number of leading blocks that recompute in backward
 
     @property
     def adaln_backend(self) -> str:
@@ -350,9 +351,20 @@ class PolicyKnobs:
         for block in self.blocks:
             block.adaln_backend = backend
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        """Recompute each block in backward when enabled (the trainer decides per micro-batch)."""
-        self._checkpointing = bool(enabled)
+    def set_activation_checkpointing(self, enabled: bool | int) -> None:
+        """Which blocks recompute their activations in backward (the trainer decides per micro-batch): True every
+        block, False none, an int k the first k blocks. The first ones, because backward reaches them last: by then
+        the later blocks' saved activations are freed, so k recomputed blocks lower the peak by k blocks' worth."""
+        n = len(self.blocks)
+        k = int(enabled) if isinstance(enabled, numbers.Integral) and not isinstance(enabled, bool) else \
+            n if enabled else 0
+        if not 0 <= k <= n:
+            raise ValueError(f"activation checkpointing: {enabled!r} blocks asked for, the model has {n}")
+        self._checkpointing = k
+
+    def recomputes(self, i: int) -> bool:
+        """Whether block i recomputes in this forward (never without autograd)."""
+        return i < self._checkpointing and torch.is_grad_enabled()
 
     @property
     def glue_backend(self) -> str:

@@ -323,7 +323,7 @@ class MMDiT(DiffusersFormat, PolicyKnobs, nn.Module):
         self.proj_out = nn.Linear(dim, math.prod(self.patch) * out_channels)
         self._zero_modulation()
         self.adaln_backend = adaln_backend
-        self._checkpointing = False
+        self._checkpointing = 0
 
     def _zero_modulation(self) -> None:
         """AdaLN-Zero: every gate, scale and shift starts at 0, so each block starts as the identity."""
@@ -372,13 +372,15 @@ class MMDiT(DiffusersFormat, PolicyKnobs, nn.Module):
         rope = (torch.cat([cos_NK, cos_NK.new_ones(L, K)]), torch.cat([sin_NK, sin_NK.new_zeros(L, K)]))
         mask = torch.cat([mask_BL.new_ones(B, N), mask_BL], dim=1)[:, None, None, :] if masked else None
 
-        ckpt = self._checkpointing and torch.is_grad_enabled()
-        run = (lambda blk, *a: checkpoint(blk, *a, use_reentrant=False)) if ckpt else (lambda blk, *a: blk(*a))
-        for block in self.transformer_blocks:
-            x_BND, c_BLD = run(block, x_BND, c_BLD, temb_BD, rope, mask)
+        def run(i, blk, *a):  # i indexes self.blocks: dual-stream blocks first, then single-stream
+            return checkpoint(blk, *a, use_reentrant=False) if self.recomputes(i) else blk(*a)
+
+        n_dual = len(self.transformer_blocks)
+        for i, block in enumerate(self.transformer_blocks):
+            x_BND, c_BLD = run(i, block, x_BND, c_BLD, temb_BD, rope, mask)
         h_BSD = torch.cat([x_BND, c_BLD], dim=1)  # one joint sequence through all single-stream blocks
-        for block in self.single_transformer_blocks:
-            h_BSD = run(block, h_BSD, temb_BD, rope, mask)
+        for i, block in enumerate(self.single_transformer_blocks):
+            h_BSD = run(n_dual + i, block, h_BSD, temb_BD, rope, mask)
 
         scale, shift = self.norm_out(temb_BD)
         x_BND = adaln_modulate(h_BSD[:, :N], scale, shift, EPS, backend=self.adaln_backend)

@@ -1,11 +1,12 @@
 """Parallelism applied from outside the model, in this order: activation-checkpointing policy, compile, FSDP2.
 
 The same code runs on gloo (CPU) and NCCL (GPU). The model itself only exposes
-`set_activation_checkpointing(bool)` (a per-step hook, not a wrapper, so state-dict keys never change) and its
+`set_activation_checkpointing(bool | k blocks)` (a per-step hook, not a wrapper, so state-dict keys never change) and its
 `blocks`; compile uses `block.compile()` for the same reason. This is the only file that imports FSDP2.
 
-Checkpointing modes (model.checkpointing): none | full | auto — auto decides per micro-batch from a memory model
-(B·S above the largest token count that fits without recompute), and falls back to full without one.
+Checkpointing modes (model.checkpointing): none | full | auto — auto decides per micro-batch from the measured memory
+models how many leading blocks recompute (none where B·S fits without, more as B·S grows: scheduling.policy
+PartialRecompute), and falls back to full without them.
 
 Precision: parameters stay fp32 (the master weights) and are all-gathered in fp32; matmuls run in bf16 under
 autocast, while the modulation tables, time embedder and norms compute in fp32 as diffusers keeps them
@@ -34,15 +35,17 @@ class FSDPOptions:
     offload_params: bool = False
 
 
-def checkpoint_policy(mode: str, no_recompute_tokens: Optional[float] = None) -> Callable[[int, int], bool]:
-    """(B, S) → whether this micro-batch recomputes activations in backward."""
+def checkpoint_policy(mode: str, recompute_blocks: Optional[Callable[[int, int], int]] = None
+                      ) -> Callable[[int, int], bool | int]:
+    """(B, S) → which blocks this micro-batch recomputes in backward: True all, False none, k the first k
+    (set_activation_checkpointing's argument). auto takes the memory model's answer (scheduling.policy)."""
     if mode == "none":
         return lambda B, S: False
-    if mode == "full" or no_recompute_tokens is None:
+    if mode == "full" or recompute_blocks is None:
         if mode == "auto":
             log.info("model.checkpointing=auto without a memory model: checkpointing every micro-batch")
         return lambda B, S: True
-    return lambda B, S: B * S > no_recompute_tokens
+    return recompute_blocks
 
 
 def parallelize(model: torch.nn.Module, *, compile: bool = False, world_size: int = 1,

@@ -34,8 +34,17 @@ from torch.utils.checkpoint import checkpoint
 from models.layers import (MLP, DiffusersFormat, FeedForward, PolicyKnobs, FP32LayerNorm, RMSNorm, RoPE3D, apply_rope, attention,
                            gated_residual, timestep_embedding)
 from ops.adaln import adaln_modulate
+from ops.gelu_ffn import gelu_ffn
 from ops.qk_norm_rope import qk_norm_rope
 
+
+
+def _no_rotation(x_BND: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos = 1, sin = 0 for every token, as stride-0 views of one row: qk_norm_rope then is RMSNorm exactly
+    (n·1 − n'·0 = n in fp32, and n is already rounded to x's dtype)."""
+    K = x_BND.shape[-1] // heads // 2
+    one = torch.ones(1, K, device=x_BND.device)
+    return one.expand(x_BND.shape[1], K), torch.zeros_like(one).expand(x_BND.shape[1], K)
 
 
 class WanAttention(nn.Module):
@@ -55,9 +64,12 @@ class WanAttention(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, glue: str = "torch") -> torch.Tensor:
         kv_BLD = x_BND if ctx_BLD is None else ctx_BLD
         v = self.to_v(kv_BLD).unflatten(-1, (self.heads, -1))
-        if rope is not None and glue != "torch":  # RMSNorm and RoPE of q, then of k, one pass each
-            q = qk_norm_rope(self.to_q(x_BND), self.norm_q.weight, *rope, self.norm_q.eps, backend=glue)
-            k = qk_norm_rope(self.to_k(kv_BLD), self.norm_k.weight, *rope, self.norm_k.eps, backend=glue)
+        if glue != "torch":  # RMSNorm and RoPE of q, then of k, one pass each (cross-attention: angle 0, norm only)
+            rope_q = rope_k = rope
+            if rope is None:
+                rope_q, rope_k = _no_rotation(x_BND, self.heads), _no_rotation(kv_BLD, self.heads)
+            q = qk_norm_rope(self.to_q(x_BND), self.norm_q.weight, *rope_q, self.norm_q.eps, backend=glue)
+            k = qk_norm_rope(self.to_k(kv_BLD), self.norm_k.weight, *rope_k, self.norm_k.eps, backend=glue)
             q, k = q.unflatten(-1, (self.heads, -1)), k.unflatten(-1, (self.heads, -1))
             return self.to_out[0](attention(q, k, v))
         q = self.norm_q(self.to_q(x_BND)).unflatten(-1, (self.heads, -1))  # (B, N, H, Dh)
@@ -90,10 +102,21 @@ class WanBlock(nn.Module):
         h = adaln_modulate(x_BND, scale_msa, shift_msa, self.eps, backend=self.adaln_backend)
         x_BND = gated_residual(x_BND, self.attn1(h, rope=rope, glue=self.glue_backend), gate_msa, self.glue_backend)
 
-        x_BND = x_BND + self.attn2(self.norm2(x_BND), ctx_BLD)
+        glue = self.glue_backend
+        if glue != "torch" and isinstance(self.norm2, FP32LayerNorm):  # LN·w + b = AdaLN with scale w − 1, shift b
+            w, b = self.norm2.weight.float(), self.norm2.bias.float()
+            h = adaln_modulate(x_BND, (w - 1)[None, None], b[None, None], self.norm2.eps, backend=glue)
+        else:
+            h = self.norm2(x_BND)
+        x_BND = x_BND + self.attn2(h, ctx_BLD, glue=glue)
 
         h = adaln_modulate(x_BND, scale_ff, shift_ff, self.eps, backend=self.adaln_backend)
-        return gated_residual(x_BND, self.ffn(h), gate_ff, self.glue_backend)
+        if glue != "torch":  # the MLP saving x and its pre-activation only (ops/gelu_ffn.py)
+            proj, out = self.ffn.net[0].proj, self.ffn.net[2]
+            y = gelu_ffn(h, proj.weight, proj.bias, out.weight, out.bias, backend=glue)
+        else:
+            y = self.ffn(h)
+        return gated_residual(x_BND, y, gate_ff, glue)
 
 
 class WanConditionEmbedder(nn.Module):
@@ -162,7 +185,7 @@ class WanTransformer(DiffusersFormat, PolicyKnobs, nn.Module):
         self.proj_out = nn.Linear(dim, out_channels * math.prod(patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
         self.adaln_backend = adaln_backend
-        self._checkpointing = False
+        self._checkpointing = 0
 
     # ----------------------------------------------------------------------------------------------- forward
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
@@ -186,9 +209,8 @@ class WanTransformer(DiffusersFormat, PolicyKnobs, nn.Module):
         x_BND = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
         temb_BTD, tmod_BT6D, ctx_BLD = self.condition_embedder(t_BT, encoder_hidden_states)
 
-        ckpt = self._checkpointing and torch.is_grad_enabled()
-        for block in self.blocks:
-            if ckpt:
+        for i, block in enumerate(self.blocks):
+            if self.recomputes(i):
                 x_BND = checkpoint(block, x_BND, ctx_BLD, tmod_BT6D, rope, use_reentrant=False)
             else:
                 x_BND = block(x_BND, ctx_BLD, tmod_BT6D, rope)

@@ -8,12 +8,14 @@ Every knob is resolved in this order, and `Schedule.sources` records which sourc
        longest bucket's S, m_comp = S_max^p, target_microbatch_ms = the predicted ms of the longest bucket at B = 1
        (each: the longest bucket runs one sample per micro-batch)
 The cost function is the calibration's cost model for model.checkpointing (for `auto`, with both `none` and `full`
-measured: `none`'s model where its memory model fits the budget, `full`'s elsewhere). Without a calibration it is
+measured: each micro-batch recomputes the fewest blocks that fit the budget, and its cost lies between the two
+modes' in proportion: PartialRecompute). Without a calibration it is
 the model's FLOPs (scheduling/metrics.py) at `proxy_tflops`: enough for relative balance metrics, not for absolute
 times. Settings that cannot work are refused with a ValueError naming the field.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
@@ -40,7 +42,7 @@ class Schedule:
     sources: dict = field(default_factory=dict)  # knob → where its value came from
     values: dict = field(default_factory=dict)   # knob → the value used (m_mem, m_tokens, m_comp, p, target ms)
     window: int = 1
-    no_recompute_tokens: Optional[float] = None  # model.checkpointing=auto: recompute above this B·S
+    recompute_blocks: Optional[Callable[[int, int], int]] = None  # model.checkpointing=auto: blocks to recompute
     notes: list = field(default_factory=list)    # warnings for the log (e.g. a bucket over the target ms)
 
     def table(self, tokens: Mapping[str, int]) -> str:
@@ -49,6 +51,41 @@ class Schedule:
             B = self.batch_sizes[name]
             rows.append(f"{name:<16}{S:>8}{B:>6}{B * S:>10}{self.cost_fn(B, S):>10.2f}")
         return "\n".join(rows)
+
+
+@dataclass
+class PartialRecompute:
+    """model.checkpointing=auto: recompute the fewest leading blocks whose saved activations must go for a
+    micro-batch to fit the memory budget (models/layers.py PolicyKnobs.set_activation_checkpointing(k)).
+
+    With k of L blocks recomputed, the peak and the step time move linearly between the calibration's two measured
+    modes (each block saves the same activations and costs the same):
+        peak(k) = none(T) − k/L·(none(T) − full(T)),  t(k) = t_none + k/L·(t_full − t_none),  T = B·S
+    so k = ⌈L·(none(T) − budget) / (none(T) − full(T))⌉, clipped to [0, L] (L when even full recompute does not fit:
+    the batch-size rules keep B·S within full's m_mem)."""
+    layers: int
+    budget: float
+    none_mem: object
+    full_mem: object
+    none_cost: object
+    full_cost: object
+
+    @property
+    def none_tokens(self) -> int:
+        """The largest B·S that runs without any recompute."""
+        return self.none_mem.m_mem(self.budget)
+
+    def blocks(self, B: int, S: int) -> int:
+        none, full = float(self.none_mem.predict(B, S)), float(self.full_mem.predict(B, S))
+        if none <= self.budget:
+            return 0
+        if none <= full:  # a calibration where recompute saves nothing: never worth it
+            return 0
+        return min(self.layers, math.ceil(self.layers * (none - self.budget) / (none - full) - 1e-9))
+
+    def predict(self, B, S) -> float:
+        f = self.blocks(B, S) / self.layers
+        return float((1 - f) * self.none_cost.predict(B, S) + f * self.full_cost.predict(B, S))
 
 
 def flops_cost_fn(shape: ModelShape, proxy_tflops: float = 100.0) -> Callable[[int, int], float]:
@@ -75,7 +112,7 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
     src: dict = {}
     val: dict = {}
     notes: list = []
-    no_recompute = None
+    recompute = None
     cal = Calibration.load(cfg.calibration) if cfg.calibration else None
     chosen: dict = {}
     if cal is None:
@@ -90,14 +127,15 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
         cost_fn = cost_model.predict
         src["cost"] = f"calibration:{mode}:{cost_model.form}"
         chosen = cal.chosen(cfg.strategy, world_size)
-        if checkpointing == "auto" and {"none", "full"} <= set(cal.modes) and cal.memory_model("none"):
-            none_cost, none_mem = cal.cost_model("none"), cal.memory_model("none")
+        if checkpointing == "auto" and {"none", "full"} <= set(cal.modes) and cal.memory_model("none") and memory:
             budget = (cfg.mem_budget_gib * 2**30 if cfg.mem_budget_gib
                       else HBM_FRACTION * cal.hbm_bytes if cal.hbm_bytes else None)
             if budget is not None:
-                no_recompute = float(none_mem.m_mem(budget))
-                cost_fn = lambda B, S: (none_cost.predict(B, S) if B * S <= no_recompute else cost_model.predict(B, S))
-                src["cost"] = f"calibration:auto(none ≤ {no_recompute:.0f} tokens < full)"
+                partial = PartialRecompute(shape.layers, budget, cal.memory_model("none"), memory,
+                                           cal.cost_model("none"), cost_model)
+                recompute, cost_fn = partial.blocks, partial.predict
+                src["cost"] = (f"calibration:auto(no recompute up to {partial.none_tokens} tokens, then as few "
+                               f"of {shape.layers} blocks as {budget / 2**30:.1f} GiB allows)")
 
     # m_mem: config > mem_budget_gib × memory model > chosen > memory model at 90 % of HBM
     if cfg.m_mem is not None:
@@ -157,4 +195,4 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
         src["window"] = "config"
         if s != "balanced":
             notes.append(f"scheduling.window={cfg.window} only affects the balanced strategy")
-    return Schedule(s, dict(zip(tokens, sizes)), cost_fn, src, val, cfg.window, no_recompute, notes)
+    return Schedule(s, dict(zip(tokens, sizes)), cost_fn, src, val, cfg.window, recompute, notes)

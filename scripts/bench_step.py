@@ -9,11 +9,13 @@ Side by side in one run, forward + backward, no optimizer, random weights (the s
   ours@fast           our model, bf16 parameters and gradients (the fp32 modules of diffusers' list kept fp32), full
                       checkpointing, the same attention backend (torch's sdpa_kernel)
   ours@glue           the same with model.glue_backend=triton (fused gated residual, q/k RMSNorm-RoPE)
+  ours@compile        ours@fast with block.compile() (inductor fuses the torch glue instead of our kernels)
+  ours@policy         (b): the fewest leading blocks recompute that keep the step under diffusers@fast's peak memory
+                      at that shape (none where it fits), with the fused glue
   ours@trainer        our trainer's precision: fp32 master weights under bf16 autocast (not held to memory targets)
-  ours@policy         (b): no recompute where the step fits under diffusers@fast's peak memory at that shape, else full
-Reported per shape: ms (median), tokens/s, model-FLOPs utilisation (CONTRACTS §9), peak GiB. Then the longest
-sequence: B = 1 at 480p (latent 60×104), latent frames raised until ours@fast's peak exceeds diffusers@fast's peak
-at S = 32760. Before timing, the two models' outputs are compared on one small input (bf16 tolerance).
+Reported per shape: ms (median), tokens/s, model-FLOPs utilisation (CONTRACTS §9), peak GiB; each row is appended
+to OUT/bench_step.jsonl as it is measured. Then the longest sequence: B = 1 at 480p (latent 60×104), latent frames
+raised until the --longest column's peak exceeds diffusers@fast's peak at S = 32760. Before timing, the two models' outputs are compared on one small input (bf16 tolerance).
 """
 from __future__ import annotations
 
@@ -111,21 +113,97 @@ def step_fn(model, x, t, ctx, diffusers: bool, autocast: bool, dev):
     return run
 
 
+def peak_search(measure, layers: int, limit: float):
+    """The fewest leading blocks k to recompute so that measure(k) → peak GiB stays ≤ limit: k = 0 when it fits,
+    else interpolate between the measured peaks of k = L and k = L/2 (the peak falls linearly in k) and step up
+    until it fits. Returns (k, ms, peak) of the chosen setting."""
+    tried = {}
+
+    def at(k):
+        if k not in tried:
+            try:
+                tried[k] = measure(k)
+            except torch.OutOfMemoryError:
+                tried[k] = (math.inf, math.inf)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        return tried[k]
+
+    fits = lambda k: not at(k)[1] > limit  # noqa: E731 - a NaN peak (CPU: not measured) fits
+    if fits(0):
+        return (0, *at(0))
+    full, half = at(layers)[1], at(layers // 2)[1]
+    if fits(layers // 2):
+        k = layers // 2
+        if full < half < math.inf:  # per-block activation bytes from the two peaks; the fewest k that fit
+            k = max(1, math.ceil(layers - (limit - full) / ((half - full) / (layers - layers // 2))))
+    else:
+        k = layers // 2 + 1
+    while k < layers and not fits(k):
+        k += 1
+    return (k, *at(k))
+
+
+KERNEL_KINDS = (("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+                ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "splitk")),
+                ("fused triton", ("_fwd_kernel", "_bwd_kernel", "_gelu_grad", "_kernel")))
+
+
+def profile(run) -> dict:
+    """Device time of one step by kernel kind (ms), and the ten largest other kernels."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    run()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    kinds, other = {}, {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+        if not us or e.key.startswith(("ProfilerStep", "cudaDeviceSynchronize")):
+            continue
+        name = e.key.lower()
+        kind = next((k for k, pats in KERNEL_KINDS if any(p.lower() in name for p in pats)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3
+        if kind == "other":
+            other[e.key[:90]] = round(us / 1e3, 2)
+    total = sum(kinds.values())
+    out = {"total_ms": round(total, 1), **{k: {"ms": round(v, 1), "share": round(v / total, 3)}
+                                           for k, v in sorted(kinds.items())},
+           "top_other": dict(sorted(other.items(), key=lambda kv: -kv[1])[:10])}
+    print(f"profile: {json.dumps(out)}", flush=True)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--tiny", action="store_true", help="tiny config and shapes (checks the script on a CPU)")
+    ap.add_argument("--shapes", default=None, help="comma-separated indices into the shape list (default: all)")
+    ap.add_argument("--impls", default="diffusers@default,diffusers@fast,ours@fast,ours@glue,ours@compile,"
+                    "ours@policy,ours@trainer", help="which columns to run")
     ap.add_argument("--backends", default="_native_flash,_native_cudnn,_native_efficient",
-                    help="candidates for the fastest attention backend (the first shape decides)")
+                    help="candidates for the fastest attention backend (the middle shape decides)")
+    ap.add_argument("--fast-backend", default=None, help="skip the search and use this backend")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--long-tokens", type=int, default=50_000, help="shapes with B·S above this time warm-up 1, reps 1")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
-    ap.add_argument("--max-frames", type=int, default=41, help="upper bound of the longest-sequence search")
+    ap.add_argument("--profile", action="store_true",
+                    help="device-time breakdown (attention / GEMM / fused Triton / other kernels) at the first shape")
+    ap.add_argument("--longest", default="ours@glue", help="the column whose longest sequence is searched ('' skips)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg, shapes = (TINY, TINY_SHAPES) if args.tiny else (WAN_1P3B, SHAPES)
+    ref_shape = shapes[3] if not args.tiny else shapes[-1]  # the longest-sequence reference (S = 32760)
+    if args.shapes:
+        shapes = tuple(shapes[int(i)] for i in args.shapes.split(","))
+    impls = [i for i in args.impls.split(",") if i]
     if dev.type == "cpu":
         torch.set_num_threads(max(1, os.cpu_count() // 2))
+    os.makedirs(args.out, exist_ok=True)
+    stream = open(os.path.join(args.out, "bench_step.jsonl"), "a")  # every row as it comes (a killed run keeps them)
     theirs, ours = build(cfg, dev)
     p_matmul, layers, dim = ours.num_matmul_params(), cfg["num_layers"], cfg["num_attention_heads"] * cfg["attention_head_dim"]
     rows, meta = [], {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -142,6 +220,8 @@ def main(argv=None) -> None:
                    peak_gib=round(peak, 2), **extra)
         rows.append(row)
         print(json.dumps(row), flush=True)
+        stream.write(json.dumps(row) + "\n")
+        stream.flush()
         return row
 
     # parity on a small input, bf16 parameters on both sides (diffusers' .to(bf16) casts every module)
@@ -149,91 +229,147 @@ def main(argv=None) -> None:
     ours._cast_params(torch.bfloat16)
     x, t, ctx = inputs(cfg, shapes[0][:1] + (1, 8, 8) if not args.tiny else shapes[0], dev, torch.bfloat16)
     with torch.no_grad():
-        a = ours(x, t, ctx).float()
         b = theirs(hidden_states=x, timestep=t, encoder_hidden_states=ctx, return_dict=False)[0].float()
-    meta["parity_rel_err_bf16"] = float((a - b).norm() / b.norm())
-    print(f"parity: ours vs diffusers, bf16, relative error {meta['parity_rel_err_bf16']:.2e}", flush=True)
+        for glue in ("torch", "triton" if dev.type == "cuda" else "torch"):
+            ours.glue_backend = glue
+            a = ours(x, t, ctx).float()
+            meta[f"parity_rel_err_bf16_glue_{glue}"] = float((a - b).norm() / b.norm())
+        ours.glue_backend = "torch"
+    print(f"parity: ours vs diffusers, bf16, relative error {meta}", flush=True)
 
     theirs.enable_gradient_checkpointing()
     ours.set_activation_checkpointing(True)
-    # the fastest backend: timed on the middle shape with diffusers' model
-    probe = shapes[len(shapes) // 2]
-    best, best_ms = "native", math.inf
-    for backend in ["native"] + [b for b in args.backends.split(",") if b]:
-        try:
-            theirs.set_attention_backend(backend)
-            ms, _ = time_step(step_fn(theirs, *inputs(cfg, probe, dev, torch.bfloat16), True, False, dev), dev, 1, 1)
-        except Exception as e:  # noqa: BLE001 - a backend this machine lacks is reported, not fatal
-            print(f"backend {backend}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
-            continue
-        print(f"backend {backend}: {ms:.1f} ms at S={probe[1] * probe[2] * probe[3] // 4}", flush=True)
-        if ms < best_ms:
-            best, best_ms = backend, ms
+    best = args.fast_backend
+    if best is None:  # the fastest backend: timed on the middle shape with diffusers' model
+        probe = shapes[len(shapes) // 2]
+        best, best_ms = "native", math.inf
+        for backend in ["native"] + [b for b in args.backends.split(",") if b]:
+            try:
+                theirs.set_attention_backend(backend)
+                run = step_fn(theirs, *inputs(cfg, probe, dev, torch.bfloat16), True, False, dev)
+                ms, _ = time_step(run, dev, 1, 1)
+            except Exception as e:  # noqa: BLE001 - a backend this machine lacks is reported, not fatal
+                print(f"backend {backend}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+                continue
+            print(f"backend {backend}: {ms:.1f} ms at S={probe[1] * probe[2] * probe[3] // 4}", flush=True)
+            if ms < best_ms:
+                best, best_ms = backend, ms
     meta["fast_backend"] = best
+    glue = "triton" if dev.type == "cuda" else "torch"
+
+    def ours_run(shape, recompute, glue_backend="torch", compiled=False, dtype=torch.bfloat16, autocast=False):
+        ours.set_activation_checkpointing(recompute)
+        ours.glue_backend = glue_backend
+        for block in ours.blocks:
+            if compiled and getattr(block, "_compiled_call_impl", None) is None:
+                block.compile()
+            elif not compiled:
+                block._compiled_call_impl = None
+        return step_fn(ours, *inputs(cfg, shape, dev, dtype), False, autocast, dev)
+
+    def park(model):  # the model not being timed leaves the GPU, so each peak is one model's own
+        for p in model.parameters():
+            p.grad = None
+        model.to("cpu")
+
+    def unpark(model):
+        model.to(dev)
 
     diff_peak = {}
+    park(ours)
     for shape in shapes:
+        B, F_, H, W = shape
+        warmup, reps = (1, 1) if B * F_ * H * W // 4 > args.long_tokens else (args.warmup, args.reps)
+        timed = lambda run: time_step(run, dev, warmup, reps)  # noqa: E731
         args_ = inputs(cfg, shape, dev, torch.bfloat16)
-        theirs.set_attention_backend("native")
-        record("diffusers@default", shape, *time_step(step_fn(theirs, *args_, True, False, dev), dev,
-                                                      args.warmup, args.reps))
-        theirs.set_attention_backend(best)
-        r = record("diffusers@fast", shape, *time_step(step_fn(theirs, *args_, True, False, dev), dev,
-                                                       args.warmup, args.reps))
-        diff_peak[shape] = r["peak_gib"]
+        unpark(theirs)
+        if "diffusers@default" in impls:
+            theirs.set_attention_backend("native")
+            ms, peak = timed(step_fn(theirs, *args_, True, False, dev))
+            record("diffusers@default", shape, ms, peak)
+        if best != "native" or "diffusers@default" not in impls:
+            theirs.set_attention_backend(best)
+            ms, peak = timed(step_fn(theirs, *args_, True, False, dev))
+            record("diffusers@fast", shape, ms, peak)
+        else:  # the default backend is the fastest: one measurement, both columns
+            record("diffusers@fast", shape, ms, peak, same_as="diffusers@default")
+        diff_peak[shape] = round(peak, 2)
+        if args.profile and shape == shapes[0]:
+            meta.setdefault("profile", {})["diffusers@fast"] = profile(step_fn(theirs, *args_, True, False, dev))
+        park(theirs)
+        unpark(ours)
         with sdpa_context(best):
-            ours.set_activation_checkpointing(True)
-            record("ours@fast", shape, *time_step(step_fn(ours, *args_, False, False, dev), dev, args.warmup,
-                                                  args.reps))
-            ours.glue_backend = "triton" if dev.type == "cuda" else "torch"  # + fused residual, q/k norm-RoPE
-            record("ours@glue", shape, *time_step(step_fn(ours, *args_, False, False, dev), dev, args.warmup,
-                                                  args.reps))
-            ours.glue_backend = "torch"
-            ours.set_activation_checkpointing(False)  # (b): recompute only where memory demands it
-            try:
-                ms, peak = time_step(step_fn(ours, *args_, False, False, dev), dev, args.warmup, args.reps)
-                fits = dev.type != "cuda" or peak <= diff_peak[shape]
-            except torch.OutOfMemoryError:
-                fits = False
-            if not fits:
-                ours.set_activation_checkpointing(True)
-                ms, peak = time_step(step_fn(ours, *args_, False, False, dev), dev, args.warmup, args.reps)
-            record("ours@policy", shape, ms, peak, recompute=not fits)
-    theirs.to("cpu")
+            if "ours@fast" in impls:
+                record("ours@fast", shape, *timed(ours_run(shape, True)))
+            if "ours@glue" in impls:  # + fused gated residual, q/k RMSNorm-RoPE
+                record("ours@glue", shape, *timed(ours_run(shape, True, glue)))
+            if "ours@compile" in impls:  # block.compile() on the torch glue (inductor fuses it instead)
+                try:
+                    t0 = time.perf_counter()
+                    ours_run(shape, True, compiled=True)()  # compile (not timed)
+                    compile_s = round(time.perf_counter() - t0, 1)
+                    record("ours@compile", shape, *timed(ours_run(shape, True, compiled=True)), compile_s=compile_s)
+                except Exception as e:  # noqa: BLE001 - where compile breaks is a result
+                    print(f"ours@compile at {shape}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    meta.setdefault("compile_errors", {})[str(shape)] = f"{type(e).__name__}: {str(e)[:300]}"
+                ours_run(shape, True)  # back to eager
+            if args.profile and shape == shapes[0]:
+                meta.setdefault("profile", {})["ours@glue"] = profile(ours_run(shape, True, glue))
+            if "ours@policy" in impls:  # (b): recompute the fewest leading blocks that fit diffusers' peak
+                k, _, _ = peak_search(lambda k: time_step(ours_run(shape, k, glue), dev, 0, 1), layers,
+                                      diff_peak[shape] if dev.type == "cuda" else math.inf)  # one step a probe
+                record("ours@policy", shape, *timed(ours_run(shape, k, glue)), recompute_blocks=k)
+        park(ours)
+    unpark(ours)
+    ours.set_activation_checkpointing(True)
+    ours.glue_backend = "torch"
     if dev.type == "cuda":
         torch.cuda.empty_cache()
 
-    # ours@trainer: fp32 master weights, bf16 autocast (a third column, not held to the memory targets)
-    ours.float()
-    ours._cast_params(torch.float32)
-    ours.set_activation_checkpointing(True)
-    with sdpa_context(best):
-        for shape in shapes:
-            record("ours@trainer", shape, *time_step(step_fn(ours, *inputs(cfg, shape, dev, torch.float32), False,
-                                                             True, dev), dev, args.warmup, args.reps))
-    # the longest sequence under diffusers@fast's peak at S = 32760 (B = 1, 480p)
-    ours._cast_params(torch.bfloat16)
-    ref_shape = shapes[3] if not args.tiny else shapes[-1]
-    limit = diff_peak[ref_shape]
-    longest = None
-    if dev.type == "cuda":
+    if "ours@trainer" in impls:  # fp32 master weights, bf16 autocast (a third column, not held to memory targets)
+        ours._cast_params(torch.float32)
         with sdpa_context(best):
-            for frames in range(ref_shape[1], args.max_frames + 1, 2):
+            for shape in shapes:
+                B, F_, H, W = shape
+                warmup, reps = (1, 1) if B * F_ * H * W // 4 > args.long_tokens else (args.warmup, args.reps)
+                record("ours@trainer", shape, *time_step(ours_run(shape, True, dtype=torch.float32, autocast=True),
+                                                         dev, warmup, reps))
+        ours._cast_params(torch.bfloat16)
+
+    # the longest sequence under diffusers@fast's peak at S = 32760 (B = 1, 480p): the peak grows linearly in S,
+    # so two measured lengths predict the crossing, which is then checked frame by frame
+    if args.longest and ref_shape in diff_peak and dev.type == "cuda":
+        limit = diff_peak[ref_shape]
+        glue_backend = glue if args.longest == "ours@glue" else "torch"
+        peaks = {}
+
+        def peak_at(frames):
+            if frames not in peaks:
                 shape = (1, frames, ref_shape[2], ref_shape[3])
-                try:
-                    _, peak = time_step(step_fn(ours, *inputs(cfg, shape, dev, torch.bfloat16), False, False, dev),
-                                        dev, 0, 1)
-                except torch.OutOfMemoryError:
-                    break
-                if peak > limit:
-                    break
-                longest = dict(frames=frames, S=frames * ref_shape[2] * ref_shape[3] // 4, peak_gib=round(peak, 2))
-                print(f"longest so far: {longest}", flush=True)
-    meta["longest"] = {"limit_gib": limit, "at_diffusers_S": ref_shape[1] * ref_shape[2] * ref_shape[3] // 4,
-                       "ours": longest}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_step.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+                with sdpa_context(best):
+                    try:
+                        peaks[frames] = time_step(ours_run(shape, True, glue_backend), dev, 0, 1)[1]
+                    except torch.OutOfMemoryError:
+                        peaks[frames] = math.inf
+                torch.cuda.empty_cache()
+                print(f"longest: {frames} frames → {peaks[frames]:.2f} GiB (limit {limit})", flush=True)
+            return peaks[frames]
+
+        f0, f1 = ref_shape[1], 2 * ref_shape[1]
+        p0, p1 = peak_at(f0), peak_at(f1)
+        guess = f0 + int((limit - p0) / ((p1 - p0) / (f1 - f0))) if p1 > p0 and p1 < math.inf else f0
+        f = max(guess, f0)
+        while peak_at(f) > limit and f > 1:
+            f -= 1
+        while peak_at(f + 1) <= limit:
+            f += 1
+        S = f * ref_shape[2] * ref_shape[3] // 4
+        meta["longest"] = {"impl": args.longest, "limit_gib": limit,
+                           "at_diffusers_S": ref_shape[1] * ref_shape[2] * ref_shape[3] // 4,
+                           "frames": f, "S": S, "peak_gib": round(peaks[f], 2), "peaks": peaks}
+        print(f"longest: {meta['longest']}", flush=True)
+    with open(os.path.join(args.out, "bench_step.json"), "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     print(table(rows))
 
 
@@ -241,7 +377,8 @@ def table(rows) -> str:
     by = {}
     for r in rows:
         by.setdefault(r["S"], {})[r["impl"]] = r
-    impls = ["diffusers@default", "diffusers@fast", "ours@fast", "ours@glue", "ours@policy", "ours@trainer"]
+    impls = ["diffusers@default", "diffusers@fast", "ours@fast", "ours@glue", "ours@compile", "ours@policy",
+             "ours@trainer"]
     lines = ["| S | " + " | ".join(f"{i} ms (tok/s, GiB)" for i in impls) + " | ours@fast / diffusers@fast |",
              "|---|" + "---|" * (len(impls) + 1)]
     for S, d in sorted(by.items()):

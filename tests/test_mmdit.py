@@ -190,6 +190,13 @@ def test_activation_checkpointing_same_output_and_grads():
     assert torch.equal(y_on, y_off)
     for k in g_off:
         assert torch.equal(g_on[k], g_off[k]), k
+    calls.clear()
+    n_dual = len(model.transformer_blocks)
+    model.set_activation_checkpointing(n_dual + 1)  # every dual-stream block and the first single-stream one
+    g_part = loss_and_grads(model, model(x, **kw))
+    assert len(calls) == 4 + n_dual + 1
+    for k in g_off:
+        assert torch.equal(g_part[k], g_off[k]), k
 
 
 def test_autocast_bf16_keeps_embedders_and_modulation_fp32():

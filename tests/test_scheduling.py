@@ -10,7 +10,7 @@ from scheduling.batching import (batch_sizes, cost_batch_size, dual_constraint_b
                                  equal_token_batch_size)
 from scheduling.calibrate import Calibration
 from scheduling.config import SchedulingConfig
-from scheduling.cost_model import CostModel
+from scheduling.cost_model import CostModel, MemoryModel
 from scheduling.metrics import compute_cv, idle_fraction
 from scheduling.policy import ModelShape, resolve_schedule
 from scheduling.simulate import DEFAULT_MIX, Mix, issue4_h200_calibration
@@ -216,18 +216,31 @@ def test_policy_refuses_a_calibration_of_another_model_or_mode(h200):
         resolve_schedule(SchedulingConfig("cost"), WAN_TOKENS, WAN13)
 
 
-def test_auto_checkpointing_uses_the_no_recompute_cost_where_memory_allows(tmp_path):
+def test_auto_checkpointing_recomputes_the_fewest_blocks_that_fit(tmp_path):
     cal = issue4_h200_calibration()
     none = json.loads(json.dumps(cal.data["modes"]["full"]))
     none["cost_model"]["params"] = {k: v * 0.75 for k, v in none["cost_model"]["params"].items()}
     none["memory_model"]["c1"] *= 4  # no recompute: more activation memory per token
     cal.data["modes"]["none"] = none
     path = cal.save(str(tmp_path / "auto.json"))
-    s = resolve_schedule(SchedulingConfig("cost", calibration=path), WAN_TOKENS, WAN13, checkpointing="auto")
+    budget_gib = 60.0
+    s = resolve_schedule(SchedulingConfig("cost", calibration=path, mem_budget_gib=budget_gib), WAN_TOKENS, WAN13,
+                         checkpointing="auto")
     full, fast = cal.cost_model("full"), CostModel.from_dict(none["cost_model"])
-    small, big = (1, 1560), (1, int(s.no_recompute_tokens) + 1)
-    assert s.cost_fn(*small) == pytest.approx(fast.predict(*small))
-    assert s.cost_fn(*big) == pytest.approx(full.predict(*big))
+    none_mem, full_mem = MemoryModel.from_dict(none["memory_model"]), cal.memory_model("full")
+    L, budget = WAN13.layers, budget_gib * 2**30
+    T0 = none_mem.m_mem(budget)  # the largest B·S without recompute
+    assert s.recompute_blocks(1, T0) == 0 and s.cost_fn(1, T0) == pytest.approx(fast.predict(1, T0))
+    assert s.recompute_blocks(1, T0 + 1) >= 1
+    T_full = full_mem.m_mem(budget)
+    assert s.recompute_blocks(1, T_full) == L and s.cost_fn(1, T_full) == pytest.approx(full.predict(1, T_full))
+    for T in np.linspace(T0 + 1, T_full, 7).astype(int):
+        k = s.recompute_blocks(1, T)
+        assert 0 < k <= L
+        peak = lambda k: none_mem.predict(1, T) - k / L * (none_mem.predict(1, T) - full_mem.predict(1, T))
+        assert peak(k) <= budget * (1 + 1e-9) and (k == 1 or peak(k - 1) > budget)  # the fewest that fit
+        f = k / L
+        assert s.cost_fn(1, T) == pytest.approx((1 - f) * fast.predict(1, T) + f * full.predict(1, T))
 
 
 def test_conf_groups_compose_and_resolve_on_the_tiny_model(monkeypatch):

@@ -1,0 +1,120 @@
+"""The transformer MLP `out = W2·GELU_tanh(W1·x + b1) + b2` with a smaller backward footprint.
+
+Eager autograd keeps both the pre-activation h = W1·x + b1 and a = GELU(h) ([tokens, ffn_dim] each, the two largest
+tensors of a Wan block: 587 MB apiece at S = 32760, ffn_dim 8960, bf16) and allocates da and dh beside them in
+backward. Here only x and h are saved; backward recomputes a from h for dW2 and frees it, then turns da into dh in
+place (one Triton pass: da ← da · GELU'(h), fp32 math), so the block's peak holds two ffn-sized tensors where eager
+holds three. Same matmuls, same numbers: a is recomputed by the same kernel (F.gelu) from the same h, so
+dW2 = doutᵀ·a is bit-identical; dh differs from aten's gelu_backward only in fp32 rounding order.
+
+    GELU_tanh(h)  = ½·h·(1 + t),                 t = tanh(√(2/π)·(h + 0.044715·h³))
+    GELU_tanh'(h) = ½·(1 + t) + ½·h·(1 − t²)·√(2/π)·(1 + 3·0.044715·h²)
+
+backend: "torch" (plain autograd, the reference), "triton" (the fused backward: CUDA, or CPU under
+TRITON_INTERPRET=1), "auto" (Triton on CUDA). Autocast is applied outside the function (the weights are cast to
+the autocast dtype there, so their fp32 master copies receive fp32 gradients through the cast).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ops.adaln import BACKENDS, _interpreting, import_triton, require_triton
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+_C = math.sqrt(2.0 / math.pi)
+_BLOCK = 1024
+triton = tl = None  # imported on first use by _kernel() (the tests set TRITON_INTERPRET first)
+
+
+def gelu_ffn_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
+                       b2: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+
+
+def _gelu_grad_kernel(DA, H, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    da = tl.load(DA + offs, mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
+    u = 0.7978845608028654 * (h + 0.044715 * h * h * h)
+    # tanh and 1 − tanh² from e = exp(−2|u|) ∈ (0, 1]: no overflow, and no cancellation in 1 − t² near |t| = 1
+    e = tl.exp(-2.0 * tl.abs(u))
+    t = tl.where(u < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
+    sech2 = 4.0 * e / ((1.0 + e) * (1.0 + e))
+    g = 0.5 * (1.0 + t) + 0.5 * h * sech2 * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h * h)
+    tl.store(DA + offs, (da * g).to(DA.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(interpret: bool):
+    global triton, tl
+    triton, tl = import_triton("gelu_ffn", interpret, _HAS_TRITON)
+    return triton.jit(_gelu_grad_kernel)
+
+
+def gelu_grad_(da: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """da ← da · GELU_tanh'(h) in place (contiguous tensors of one shape); returns da."""
+    if da.shape != h.shape or not (da.is_contiguous() and h.is_contiguous()):
+        raise ValueError(f"gelu_grad_: da and h must be contiguous and of one shape, got {tuple(da.shape)}, "
+                         f"{tuple(h.shape)}")
+    n = da.numel()
+    if n:
+        _kernel(_interpreting())[(triton.cdiv(n, _BLOCK),)](da, h, n, BLOCK=_BLOCK)
+    return da
+
+
+class _GeluFFN(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2):
+        h = F.linear(x, w1, b1)
+        out = F.linear(F.gelu(h, approximate="tanh"), w2, b2)
+        ctx.save_for_backward(x, w1, w2, h)
+        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w1, w2, h = ctx.saved_tensors
+        dout2 = dout.reshape(-1, dout.shape[-1])
+        a = F.gelu(h, approximate="tanh")
+        dw2 = dout2.t() @ a.reshape(-1, a.shape[-1])
+        del a
+        db2 = dout2.sum(0) if ctx.has_b2 else None
+        dh = gelu_grad_((dout @ w2).contiguous(), h)  # da, turned into dh in place
+        dh2 = dh.reshape(-1, dh.shape[-1])
+        dw1 = dh2.t() @ x.reshape(-1, x.shape[-1])
+        db1 = dh2.sum(0) if ctx.has_b1 else None
+        dx = dh @ w1
+        return dx, dw1, db1, dw2, db2
+
+
+def gelu_ffn(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
+             backend: str = "auto") -> torch.Tensor:
+    """W2·GELU_tanh(W1·x + b1) + b2 over the last dim of x (F.linear's layout: w1 [F, D], w2 [D_out, F])."""
+    if backend not in BACKENDS:
+        raise ValueError(f"gelu_ffn backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if x.is_cuda and _HAS_TRITON else "torch"
+    if backend == "torch" or torch.compiler.is_compiling():  # compiled graphs: Inductor plans the saves itself
+        return gelu_ffn_reference(x, w1, b1, w2, b2)
+    require_triton("gelu_ffn", _HAS_TRITON)
+    if x.device.type != "cuda" and not _interpreting():
+        raise RuntimeError("gelu_ffn: backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before first use")
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):  # cast as autocast would, outside the function: fp32 grads reach fp32 params
+        dtype = torch.get_autocast_dtype(dev)
+        x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
+        b1 = b1.to(dtype) if b1 is not None else None
+        b2 = b2.to(dtype) if b2 is not None else None
+        with torch.autocast(dev, enabled=False):
+            return _GeluFFN.apply(x, w1, b1, w2, b2)
+    params = [w1, w2] + [b for b in (b1, b2) if b is not None]
+    if any(p.dtype != x.dtype for p in params):
+        raise ValueError(f"gelu_ffn: x ({x.dtype}) and the weights ({[p.dtype for p in params]}) must share a dtype "
+                         "outside autocast")
+    return _GeluFFN.apply(x, w1, b1, w2, b2)

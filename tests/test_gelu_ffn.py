@@ -1,0 +1,119 @@
+"""ops/gelu_ffn.py: the MLP with the recomputing, in-place backward against fp64 autograd (output and every
+gradient), against the eager module bit for bit where the arithmetic is the same, under autocast, and in a Wan model.
+
+On CPU the GELU-gradient kernel runs under TRITON_INTERPRET=1 (tests/conftest.py); shapes are small and odd (the
+last program masked)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ops import gelu_ffn as op
+from ops.gelu_ffn import gelu_ffn, gelu_ffn_reference, gelu_grad_
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not op._HAS_TRITON, reason="triton is not installed")
+
+
+def params(D, Fh, dtype, seed=0, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: (torch.randn(*s, generator=g) / s[-1] ** 0.5).to(DEV, dtype).requires_grad_()  # noqa: E731
+    return mk(Fh, D), mk(Fh) if bias else None, mk(D, Fh), mk(D) if bias else None
+
+
+def grads(fn, x, ps, dout):
+    for t in [x, *ps]:
+        if t is not None:
+            t.grad = None
+    out = fn(x, *ps)
+    out.backward(dout)
+    return out.detach(), [t.grad.detach() if t is not None else None for t in [x, *ps]]
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_gelu_grad_kernel_equals_aten_gelu_backward():
+    g = torch.Generator().manual_seed(1)
+    h = (torch.randn(3, 37, 101, generator=g) * 3).to(DEV)  # 11211 elements: 11 programs, the last one masked
+    h.view(-1)[:4] = torch.tensor([0.0, -30.0, 30.0, -1e4])  # tanh saturated both ways, and exp's overflow
+    da = torch.randn(3, 37, 101, generator=g).to(DEV)
+    ref = torch.ops.aten.gelu_backward(da, h, approximate="tanh")
+    ref64 = torch.ops.aten.gelu_backward(da.double(), h.double(), approximate="tanh")
+    out = gelu_grad_(da.clone(), h)
+    err, err_aten = (out.double() - ref64).abs(), (ref.double() - ref64).abs()
+    assert (err <= 4 * err_aten + 2e-7 * (1 + ref64.abs())).all(), err.max()  # fp32 rounding, as aten's own
+    da16, h16 = da.bfloat16(), h.bfloat16()
+    ref16 = torch.ops.aten.gelu_backward(da16.float(), h16.float(), approximate="tanh")
+    assert rel(gelu_grad_(da16.clone(), h16).float(), ref16) < 8e-3  # one bf16 rounding
+    with pytest.raises(ValueError, match="contiguous"):
+        gelu_grad_(da.transpose(1, 2), h.transpose(1, 2))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_fp64_reference_and_eager_bits(bias):
+    D, Fh = 24, 72
+    ps = params(D, Fh, torch.float32, bias=bias)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 45, D, generator=g).to(DEV).requires_grad_()
+    dout = torch.randn(2, 45, D, generator=g).to(DEV)
+    out, gr = grads(lambda *a: gelu_ffn(*a, backend="triton"), x, ps, dout)
+    out_e, gr_e = grads(gelu_ffn_reference, x, ps, dout)
+    x64 = x.detach().double().requires_grad_()
+    ps64 = [p.detach().double().requires_grad_() if p is not None else None for p in ps]
+    out64, gr64 = grads(gelu_ffn_reference, x64, ps64, dout.double())
+    assert torch.equal(out, out_e)  # the same forward kernels
+    assert torch.equal(gr[3], gr_e[3])  # dW2 = doutᵀ·a with a recomputed by the same kernel
+    for a, b in zip(gr, gr64):
+        if b is not None:
+            assert rel(a, b) < 1e-5
+    assert (gr[2] is None) == (not bias)
+
+
+def test_bf16_and_autocast_keep_fp32_master_grads():
+    D, Fh = 32, 64
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 33, D, generator=g).to(DEV).requires_grad_()
+    dout = torch.randn(1, 33, D, generator=g).to(DEV)
+    ps = params(D, Fh, torch.float32)
+    ps64 = [p.detach().double().requires_grad_() for p in ps]
+    _, gr64 = grads(gelu_ffn_reference, x.detach().double().requires_grad_(), ps64, dout.double())
+    with torch.autocast(DEV.type, dtype=torch.bfloat16):
+        out, gr = grads(lambda *a: gelu_ffn(*a, backend="triton"), x, ps, dout)
+        out_e, gr_e = grads(gelu_ffn_reference, x, ps, dout)
+    assert out.dtype == out_e.dtype == torch.bfloat16
+    for a, e, b in zip(gr, gr_e, gr64):
+        assert a.dtype == torch.float32  # fp32 params get fp32 grads through the cast
+        assert rel(a, b) <= 1.5 * rel(e, b) + 1e-3  # no worse than eager autocast
+    ps16 = [p.detach().bfloat16().requires_grad_() for p in ps]
+    with pytest.raises(ValueError, match="share a dtype"):
+        gelu_ffn(x, *ps16, backend="triton")
+    out16, gr16 = grads(lambda *a: gelu_ffn(*a, backend="triton"), x.detach().bfloat16().requires_grad_(), ps16,
+                        dout.bfloat16())
+    assert all(t.dtype == torch.bfloat16 for t in gr16) and rel(out16, out_e) < 2e-2
+
+
+def test_saves_less_than_eager():
+    """Saved for backward: x and h (plus weights), not a = GELU(h)."""
+    D, Fh = 16, 256
+    ps = params(D, Fh, torch.float32)
+    x = torch.randn(4, 64, D).to(DEV).requires_grad_()
+
+    def saved_bytes(fn):
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+            fn(x, *ps).sum().backward()
+        return sum(sizes)
+
+    fused, eager = saved_bytes(lambda *a: gelu_ffn(*a, backend="triton")), saved_bytes(gelu_ffn_reference)
+    assert eager - fused >= 4 * 64 * Fh  # one [tokens, ffn_dim] tensor fewer
+
+
+def test_backend_errors():
+    ps = params(8, 16, torch.float32)
+    x = torch.randn(1, 4, 8).to(DEV)
+    with pytest.raises(ValueError, match="backend"):
+        gelu_ffn(x, *ps, backend="cuda")
+    torch.testing.assert_close(gelu_ffn(x, *ps, backend="auto"), gelu_ffn_reference(x, *ps))
+    torch.testing.assert_close(gelu_ffn(x, *ps, backend="torch"),
+                               F.linear(F.gelu(F.linear(x, ps[0], ps[1]), approximate="tanh"), ps[2], ps[3]))
