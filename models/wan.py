@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from models.layers import (MLP, DiffusersFormat, FeedForward, PolicyKnobs, FP32LayerNorm, RMSNorm, RoPE3D, apply_rope, attention,
                            gated_residual, timestep_embedding)
+from models.offload import HostStore, offloaded_checkpoint
 from ops.adaln import adaln_modulate
 from ops.gelu_ffn import gelu_ffn
 from ops.qk_norm_rope import qk_norm_rope
@@ -143,6 +144,9 @@ class WanConditionEmbedder(nn.Module):
 class WanTransformer(DiffusersFormat, PolicyKnobs, nn.Module):
     """Wan 2.1 text-to-video transformer; defaults are Wan2.1-T2V-14B. See the module docstring for the math."""
 
+    # Recomputed blocks keep their inputs in pinned host memory between forward and backward (models/offload.py):
+    # a third less peak memory at long S, single process only. Set on the model (scripts/bench_step.py does).
+    offload_checkpoints = False
     _keep_in_fp32_modules = ["rope", "time_embedder", "scale_shift_table", "norm1", "norm2", "norm3"]
     _diffusers_class_name = "WanTransformer3DModel"  # from_pretrained / save_pretrained: models.layers.DiffusersFormat
 
@@ -209,8 +213,12 @@ class WanTransformer(DiffusersFormat, PolicyKnobs, nn.Module):
         x_BND = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
         temb_BTD, tmod_BT6D, ctx_BLD = self.condition_embedder(t_BT, encoder_hidden_states)
 
+        store = HostStore(x_BND.device) if self.offload_checkpoints and torch.is_grad_enabled() else None
         for i, block in enumerate(self.blocks):
-            if self.recomputes(i):
+            if self.recomputes(i) and store is not None:  # the block's input waits in host memory
+                x_BND = offloaded_checkpoint(lambda x, c, t, cos, sin, blk=block: blk(x, c, t, (cos, sin)), store,
+                                             x_BND, ctx_BLD, tmod_BT6D, *rope)
+            elif self.recomputes(i):
                 x_BND = checkpoint(block, x_BND, ctx_BLD, tmod_BT6D, rope, use_reentrant=False)
             else:
                 x_BND = block(x_BND, ctx_BLD, tmod_BT6D, rope)

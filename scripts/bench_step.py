@@ -10,8 +10,9 @@ Side by side in one run, forward + backward, no optimizer, random weights (the s
                       checkpointing, the same attention backend (torch's sdpa_kernel)
   ours@glue           the same with model.glue_backend=triton (fused gated residual, q/k RMSNorm-RoPE)
   ours@compile        ours@fast with block.compile() (inductor fuses the torch glue instead of our kernels)
+  ours@offload        ours@glue with the recomputed blocks' inputs in pinned host memory (models/offload.py)
   ours@policy         (b): the fewest leading blocks recompute that keep the step under diffusers@fast's peak memory
-                      at that shape (none where it fits), with the fused glue
+                      at that shape (none where it fits), with the fused glue (and offload when ours@offload runs)
   ours@trainer        our trainer's precision: fp32 master weights under bf16 autocast (not held to memory targets)
 Reported per shape: ms (median), tokens/s, model-FLOPs utilisation (CONTRACTS §9), peak GiB; each row is appended
 to OUT/bench_step.jsonl as it is measured. Then the longest sequence: B = 1 at 480p (latent 60×104), latent frames
@@ -182,7 +183,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny config and shapes (checks the script on a CPU)")
     ap.add_argument("--shapes", default=None, help="comma-separated indices into the shape list (default: all)")
     ap.add_argument("--impls", default="diffusers@default,diffusers@fast,ours@fast,ours@glue,ours@compile,"
-                    "ours@policy,ours@trainer", help="which columns to run")
+                    "ours@offload,ours@policy,ours@trainer", help="which columns to run")
     ap.add_argument("--backends", default="_native_flash,_native_cudnn,_native_efficient",
                     help="candidates for the fastest attention backend (the middle shape decides)")
     ap.add_argument("--fast-backend", default=None, help="skip the search and use this backend")
@@ -192,7 +193,7 @@ def main(argv=None) -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--profile", action="store_true",
                     help="device-time breakdown (attention / GEMM / fused Triton / other kernels) at the first shape")
-    ap.add_argument("--longest", default="ours@glue", help="the column whose longest sequence is searched ('' skips)")
+    ap.add_argument("--longest", default="ours@offload", help="the column whose longest sequence is searched ('' skips)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg, shapes = (TINY, TINY_SHAPES) if args.tiny else (WAN_1P3B, SHAPES)
@@ -257,9 +258,11 @@ def main(argv=None) -> None:
     meta["fast_backend"] = best
     glue = "triton" if dev.type == "cuda" else "torch"
 
-    def ours_run(shape, recompute, glue_backend="torch", compiled=False, dtype=torch.bfloat16, autocast=False):
+    def ours_run(shape, recompute, glue_backend="torch", compiled=False, dtype=torch.bfloat16, autocast=False,
+                 offload=False):
         ours.set_activation_checkpointing(recompute)
         ours.glue_backend = glue_backend
+        ours.offload_checkpoints = offload
         for block in ours.blocks:
             if compiled and getattr(block, "_compiled_call_impl", None) is None:
                 block.compile()
@@ -315,10 +318,15 @@ def main(argv=None) -> None:
                 ours_run(shape, True)  # back to eager
             if args.profile and shape == shapes[0]:
                 meta.setdefault("profile", {})["ours@glue"] = profile(ours_run(shape, True, glue))
+            if "ours@offload" in impls:  # + the recomputed blocks' inputs in pinned host memory
+                record("ours@offload", shape, *timed(ours_run(shape, True, glue, offload=True)))
             if "ours@policy" in impls:  # (b): recompute the fewest leading blocks that fit diffusers' peak
-                k, _, _ = peak_search(lambda k: time_step(ours_run(shape, k, glue), dev, 0, 1), layers,
+                off = "ours@offload" in impls
+                k, _, _ = peak_search(lambda k: time_step(ours_run(shape, k, glue, offload=off), dev, 0, 1), layers,
                                       diff_peak[shape] if dev.type == "cuda" else math.inf)  # one step a probe
-                record("ours@policy", shape, *timed(ours_run(shape, k, glue)), recompute_blocks=k)
+                record("ours@policy", shape, *timed(ours_run(shape, k, glue, offload=off)), recompute_blocks=k,
+                       offload=off)
+            ours.offload_checkpoints = False
         park(ours)
     unpark(ours)
     ours.set_activation_checkpointing(True)
@@ -340,7 +348,8 @@ def main(argv=None) -> None:
     # so two measured lengths predict the crossing, which is then checked frame by frame
     if args.longest and ref_shape in diff_peak and dev.type == "cuda":
         limit = diff_peak[ref_shape]
-        glue_backend = glue if args.longest == "ours@glue" else "torch"
+        glue_backend = glue if args.longest in ("ours@glue", "ours@offload") else "torch"
+        offload = args.longest == "ours@offload"
         peaks = {}
 
         def peak_at(frames):
@@ -348,7 +357,8 @@ def main(argv=None) -> None:
                 shape = (1, frames, ref_shape[2], ref_shape[3])
                 with sdpa_context(best):
                     try:
-                        peaks[frames] = time_step(ours_run(shape, True, glue_backend), dev, 0, 1)[1]
+                        peaks[frames] = time_step(ours_run(shape, True, glue_backend, offload=offload), dev, 0,
+                                                  1)[1]
                     except torch.OutOfMemoryError:
                         peaks[frames] = math.inf
                 torch.cuda.empty_cache()
@@ -377,8 +387,8 @@ def table(rows) -> str:
     by = {}
     for r in rows:
         by.setdefault(r["S"], {})[r["impl"]] = r
-    impls = ["diffusers@default", "diffusers@fast", "ours@fast", "ours@glue", "ours@compile", "ours@policy",
-             "ours@trainer"]
+    impls = ["diffusers@default", "diffusers@fast", "ours@fast", "ours@glue", "ours@compile", "ours@offload",
+             "ours@policy", "ours@trainer"]
     lines = ["| S | " + " | ".join(f"{i} ms (tok/s, GiB)" for i in impls) + " | ours@fast / diffusers@fast |",
              "|---|" + "---|" * (len(impls) + 1)]
     for S, d in sorted(by.items()):
