@@ -32,6 +32,8 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.n
         with torch.device(device):
             model = Model(**cfg.diffusers_kwargs(), adaln_backend=cfg.adaln_backend)
     model.glue_backend = cfg.glue_backend
+    if cfg.offload_checkpoints:
+        model.offload_checkpoints = True
     return apply_finetune(model, cfg)  # LoRA / frozen before parallelize
 
 

@@ -54,8 +54,9 @@ class RunKnobs:
     text_len: int = 512                   # text tokens after zero-padding (diffusers' Wan pipeline: 512)
     precision: str = "bf16"               # matmuls under autocast on GPU; fp32 on CPU; master weights stay fp32
     adaln_backend: str = "auto"
-    glue_backend: str = "torch"           # fused gated residual + q/k norm-RoPE (Wan): torch | triton | auto
+    glue_backend: str = "auto"            # Wan's fused glue (ops/): torch | triton | auto (Triton on CUDA)
     checkpointing: str = "none"
+    offload_checkpoints: bool = False     # recomputed blocks' inputs wait in pinned host memory (one process)
     compile: bool = False
     pretrained: Optional[str] = None      # a local diffusers-format folder (config.json + safetensors)
     freeze: list = field(default_factory=list)  # regexes (re.search) of parameter names that do not train
@@ -68,6 +69,9 @@ class RunKnobs:
             raise ValueError(f"model.glue_backend must be one of {ADALN_BACKENDS}, got {self.glue_backend!r}")
         if self.checkpointing not in CHECKPOINTING:
             raise ValueError(f"model.checkpointing must be one of {CHECKPOINTING}, got {self.checkpointing!r}")
+        if self.offload_checkpoints and self.checkpointing == "none":
+            raise ValueError("model.offload_checkpoints=true moves the inputs of recomputed blocks to host memory: "
+                             "set model.checkpointing to full or auto")
         if self.precision not in ("bf16", "fp32"):
             raise ValueError(f"model.precision must be 'bf16' or 'fp32', got {self.precision!r}")
         if self.text_len < 1:
@@ -161,6 +165,10 @@ class MMDiTConfig(RunKnobs):
         if self.name != "mmdit":
             raise ValueError(f"model.name must be one of {sorted(MODEL_CONFIGS)}, got {self.name!r}")
         self._check_knobs()
+        if self.glue_backend == "triton" or self.offload_checkpoints:
+            raise ValueError("model.glue_backend=triton and model.offload_checkpoints are Wan's (models/wan.py); the "
+                             "MMDiT blocks run the torch glue and keep checkpoints on the device: leave them at "
+                             "auto / false")
         for name in ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "num_layers",
                      "text_embed_dim", "pooled_projection_dim", "patch_size", "patch_size_t"):
             if int(getattr(self, name)) < 1:

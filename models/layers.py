@@ -368,8 +368,9 @@ class PolicyKnobs:
 
     @property
     def glue_backend(self) -> str:
-        """Backend of the fused glue ops around the matmuls (gated residual; q/k RMSNorm + RoPE): "torch" until
-        their GPU measurements land (issue 9), "triton" to use them, "auto" for Triton on CUDA."""
+        """Backend of Wan's fused glue around the matmuls (gated residuals, q/k RMSNorm + RoPE, the cross-attention
+        LayerNorm, the GELU MLP; results/step_h200.md): "torch" the reference path, "triton" the fused ops, "auto"
+        Triton on CUDA (the config default). A bare model starts at "torch"."""
         return getattr(self, "_glue_backend", "torch")
 
     @glue_backend.setter

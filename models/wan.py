@@ -35,7 +35,7 @@ from models.layers import (MLP, DiffusersFormat, FeedForward, PolicyKnobs, FP32L
                            gated_residual, timestep_embedding)
 from models.offload import HostStore, offloaded_checkpoint
 from ops.adaln import adaln_modulate
-from ops.gelu_ffn import gelu_ffn
+from ops.gelu_ffn import _HAS_TRITON, gelu_ffn
 from ops.qk_norm_rope import qk_norm_rope
 
 
@@ -100,10 +100,12 @@ class WanBlock(nn.Module):
         shift_msa, scale_msa, gate_msa, shift_ff, scale_ff, gate_ff = (
             self.scale_shift_table[None] + tmod_BT6D.float()).unbind(2)
 
-        h = adaln_modulate(x_BND, scale_msa, shift_msa, self.eps, backend=self.adaln_backend)
-        x_BND = gated_residual(x_BND, self.attn1(h, rope=rope, glue=self.glue_backend), gate_msa, self.glue_backend)
-
         glue = self.glue_backend
+        if glue == "auto":  # the fused glue on CUDA, the reference path (bit for bit diffusers' math) elsewhere
+            glue = "triton" if x_BND.is_cuda and _HAS_TRITON else "torch"
+        h = adaln_modulate(x_BND, scale_msa, shift_msa, self.eps, backend=self.adaln_backend)
+        x_BND = gated_residual(x_BND, self.attn1(h, rope=rope, glue=glue), gate_msa, glue)
+
         if glue != "torch" and isinstance(self.norm2, FP32LayerNorm):  # LN·w + b = AdaLN with scale w − 1, shift b
             w, b = self.norm2.weight.float(), self.norm2.bias.float()
             h = adaln_modulate(x_BND, (w - 1)[None, None], b[None, None], self.norm2.eps, backend=glue)

@@ -147,11 +147,13 @@ def peak_search(measure, layers: int, limit: float):
 
 KERNEL_KINDS = (("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
                 ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "splitk")),
-                ("fused triton", ("_fwd_kernel", "_bwd_kernel", "_gelu_grad", "_kernel")))
+                # our Triton kernels by their exact names (aten's elementwise kernels also end in "_kernel")
+                ("ours (triton)", ("_fwd_kernel", "_bwd_kernel", "_dmod_dtile_kernel", "_gelu_grad_kernel")))
 
 
 def profile(run) -> dict:
-    """Device time of one step by kernel kind (ms), and the ten largest other kernels."""
+    """Device time of one step by kernel kind (attention, GEMM, our Triton kernels, other = aten elementwise /
+    norm / reduction / copy kernels), in ms, and the ten largest other kernels."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -165,7 +167,9 @@ def profile(run) -> dict:
         if not us or e.key.startswith(("ProfilerStep", "cudaDeviceSynchronize")):
             continue
         name = e.key.lower()
-        kind = next((k for k, pats in KERNEL_KINDS if any(p.lower() in name for p in pats)), "other")
+        kind = next((k for k, pats in KERNEL_KINDS[:2] if any(p in name for p in pats)), None)
+        kind = kind or ("ours (triton)" if e.key in KERNEL_KINDS[2][1] else "other")  # other: aten elementwise,
+        # norms, reductions, copies
         kinds[kind] = kinds.get(kind, 0.0) + us / 1e3
         if kind == "other":
             other[e.key[:90]] = round(us / 1e3, 2)

@@ -58,6 +58,8 @@ def test_bucket_override_from_command_line():
     ("train.steps=ten", "train.steps"),
     ("+train.stepz=3", "train.stepz"),
     ("scheduling.m_mem=50", "scheduling.m_mem"),
+    ("model.offload_checkpoints=true", "model.offload_checkpoints"),  # wan_tiny recomputes nothing
+    ("model.glue_backend=fused", "model.glue_backend"),
 ])
 def test_bad_values_are_refused_naming_the_field(override, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
@@ -77,3 +79,20 @@ def test_short_clip_data_group_for_the_strategy_comparison():
     cfg = compose_config(["conf=wan21_1p3b", "data=wan_short"])
     tokens = {b.tokens for b in bucket_table(cfg.data.buckets).values()}
     assert tokens == {1560, 3600, 7800, 14040} and set(cfg.data.synthetic.mix) == {"i480", "i720", "v480_17f", "v480_33f"}
+
+
+def test_mmdit_refuses_the_wan_only_glue_and_offload():
+    with pytest.raises(ValueError, match="model.glue_backend=triton"):
+        compose_config(["conf=mmdit_tiny", "model.glue_backend=triton"])
+    assert compose_config(["conf=mmdit_tiny"]).model.glue_backend == "auto"
+
+
+def test_offload_is_refused_under_fsdp():
+    from models.parallelize import parallelize
+    from models.wan import WanTransformer
+
+    model = WanTransformer(num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4, text_dim=8,
+                           freq_dim=8, ffn_dim=16, num_layers=1)
+    model.offload_checkpoints = True
+    with pytest.raises(ValueError, match="offload_checkpoints"):
+        parallelize(model, shard=True)
