@@ -355,6 +355,9 @@ class PolicyKnobs:
         """Which blocks recompute their activations in backward (the trainer decides per micro-batch): True every
         block, False none, an int k the first k blocks. The first ones, because backward reaches them last: by then
         the later blocks' saved activations are freed, so k recomputed blocks lower the peak by k blocks' worth."""
+        if isinstance(enabled, str):
+            raise TypeError(f"set_activation_checkpointing takes a bool or a block count, got {enabled!r} (the mode "
+                            "names of model.checkpointing go through models.parallelize.checkpoint_policy)")
         n = len(self.blocks)
         k = int(enabled) if isinstance(enabled, numbers.Integral) and not isinstance(enabled, bool) else \
             n if enabled else 0

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 # imported, in whatever mode TRITON_INTERPRET names then, and the tests set it only after finding no CUDA.
 triton = None
 tl = None
+_cast = None  # the store cast of the kernels, jitted by _kernels(): round-to-nearest-even bf16 under the interpreter
 _HAS_TRITON = importlib.util.find_spec("triton") is not None  # a module constant: torch.compile traces the checks
 
 BACKENDS = ("auto", "triton", "torch")
@@ -108,8 +109,8 @@ def _fwd_kernel(X, SCALE, SHIFT, Y, MEAN, RSTD,
             ha = tl.load(h_row + ca[None, :] * shd, mask=mask_a, other=0.0).to(tl.float32)
             hb = tl.load(h_row + cb[None, :] * shd, mask=mask_b, other=0.0).to(tl.float32)
         y_row = Y + (b * N + n[:, None]) * D
-        tl.store(y_row + ca[None, :], (xa * rstd[:, None] * sa + ha).to(Y.dtype.element_ty), mask=mask_a)
-        tl.store(y_row + cb[None, :], (xb * rstd[:, None] * sb + hb).to(Y.dtype.element_ty), mask=mask_b)
+        tl.store(y_row + ca[None, :], _cast(xa * rstd[:, None] * sa + ha, Y.dtype.element_ty), mask=mask_a)
+        tl.store(y_row + cb[None, :], _cast(xb * rstd[:, None] * sb + hb, Y.dtype.element_ty), mask=mask_b)
         tl.store(MEAN + b * N + n, mean, mask=rmask)
         tl.store(RSTD + b * N + n, rstd, mask=rmask)
 
@@ -163,19 +164,19 @@ def _bwd_kernel(DY, X, SCALE, MEAN, RSTD, DX, DSCALE, DSHIFT,
         c1 = ((tl.sum(ga * xa, axis=1) + tl.sum(gb * xb, axis=1)) / D)[:, None]
         c2 = ((tl.sum(ga, axis=1) + tl.sum(gb, axis=1)) / D)[:, None]
         dx_row = DX + (b * N + n[:, None]) * D
-        tl.store(dx_row + ca[None, :], ((ga - (xa * c1 + c2)) * rstd).to(DX.dtype.element_ty), mask=mask_a)
-        tl.store(dx_row + cb[None, :], ((gb - (xb * c1 + c2)) * rstd).to(DX.dtype.element_ty), mask=mask_b)
+        tl.store(dx_row + ca[None, :], _cast((ga - (xa * c1 + c2)) * rstd, DX.dtype.element_ty), mask=mask_a)
+        tl.store(dx_row + cb[None, :], _cast((gb - (xb * c1 + c2)) * rstd, DX.dtype.element_ty), mask=mask_b)
         if SCALE_PER_TOKEN:
             ds_row = DSCALE + b * dsb + n[:, None] * D
-            tl.store(ds_row + ca[None, :], (dya * xa).to(DSCALE.dtype.element_ty), mask=mask_a)
-            tl.store(ds_row + cb[None, :], (dyb * xb).to(DSCALE.dtype.element_ty), mask=mask_b)
+            tl.store(ds_row + ca[None, :], _cast(dya * xa, DSCALE.dtype.element_ty), mask=mask_a)
+            tl.store(ds_row + cb[None, :], _cast(dyb * xb, DSCALE.dtype.element_ty), mask=mask_b)
         elif ACC_DMOD:
             acc_sa += dya * xa
             acc_sb += dyb * xb
         if SHIFT_PER_TOKEN:
             dh_row = DSHIFT + b * dhb + n[:, None] * D
-            tl.store(dh_row + ca[None, :], dya.to(DSHIFT.dtype.element_ty), mask=mask_a)
-            tl.store(dh_row + cb[None, :], dyb.to(DSHIFT.dtype.element_ty), mask=mask_b)
+            tl.store(dh_row + ca[None, :], _cast(dya, DSHIFT.dtype.element_ty), mask=mask_a)
+            tl.store(dh_row + cb[None, :], _cast(dyb, DSHIFT.dtype.element_ty), mask=mask_b)
         elif ACC_DMOD:
             acc_ha += dya
             acc_hb += dyb
@@ -244,14 +245,37 @@ def import_triton(op: str, interpret: bool, available: bool):
     return triton, tl
 
 
+def _cast_impl(v, dtype: tl.constexpr):
+    return v.to(dtype)
+
+
+def _cast_rne_impl(v, dtype: tl.constexpr):
+    # Triton's interpreter casts fp32 → bf16 by truncation, the GPU to nearest even: under the interpreter the
+    # kernels store through this cast, which rounds to the nearest-even bf16 by integer arithmetic first (as
+    # ops/qk_norm_rope.py), so CPU tests see the GPU's numbers. The GPU compiles _cast_impl: a plain cast.
+    if dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        v = ((bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return v.to(dtype)
+
+
+def store_cast(interpret: bool):
+    """The jitted store cast the kernels of a module call as `_cast(v, PTR.dtype.element_ty)` (after that module's
+    import_triton, so `tl` exists for the annotations)."""
+    global tl
+    triton_, tl = import_triton("store_cast", interpret, _HAS_TRITON)
+    return triton_.jit(_cast_rne_impl if interpret else _cast_impl)
+
+
 def _require_triton() -> None:
     require_triton("adaln", _HAS_TRITON)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels(interpret: bool):
-    global triton, tl
+    global triton, tl, _cast
     triton, tl = import_triton("adaln", interpret, _HAS_TRITON)
+    _cast = store_cast(interpret)  # resolved by the kernels at compile time
     return triton.jit(_fwd_kernel), triton.jit(_bwd_kernel), triton.jit(_dmod_dtile_kernel)
 
 

@@ -44,12 +44,13 @@ import math
 import torch
 
 from ops.adaln import (KernelConfig, _cdiv, _interpreting, _mod_layout, _next_pow2, _on_device, _rows_last, _span,
-                       import_triton, require_triton)
+                       import_triton, require_triton, store_cast)
 
 # Imported on first use by _kernels(), as in ops/adaln.py: triton.language must see TRITON_INTERPRET as the tests
 # set it, after they find no CUDA.
 triton = None
 tl = None
+_cast = None  # jitted by _kernels()
 _HAS_TRITON = importlib.util.find_spec("triton") is not None  # a module constant: torch.compile traces the checks
 
 BACKENDS = ("auto", "triton", "torch")
@@ -88,7 +89,8 @@ def _fwd_kernel(X, Y, GATE, OUT,
         y = tl.load(Y + b * syb + n[:, None] * syn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if GATE_PER_TOKEN:
             g = tl.load(GATE + b * sgb + n[:, None] * sgn + cols[None, :] * sgd, mask=mask, other=0.0).to(tl.float32)
-        tl.store(OUT + (b * N + n[:, None]) * D + cols[None, :], (x + y * g).to(OUT.dtype.element_ty), mask=mask)
+        tl.store(OUT + (b * N + n[:, None]) * D + cols[None, :], _cast(x + y * g, OUT.dtype.element_ty),
+                 mask=mask)
 
 
 def _bwd_kernel(DOUT, Y, GATE, DY, DGATE,
@@ -118,11 +120,11 @@ def _bwd_kernel(DOUT, Y, GATE, DY, DGATE,
             if GATE_PER_TOKEN:
                 g = tl.load(GATE + b * sgb + n[:, None] * sgn + cols[None, :] * sgd, mask=mask,
                             other=0.0).to(tl.float32)
-            tl.store(DY + (b * N + n[:, None]) * D + cols[None, :], (do * g).to(DY.dtype.element_ty), mask=mask)
+            tl.store(DY + (b * N + n[:, None]) * D + cols[None, :], _cast(do * g, DY.dtype.element_ty), mask=mask)
         if NEED_DGATE:
             y = tl.load(Y + b * syb + n[:, None] * syn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if GATE_PER_TOKEN:
-                tl.store(DGATE + b * dgb + n[:, None] * D + cols[None, :], (do * y).to(DGATE.dtype.element_ty),
+                tl.store(DGATE + b * dgb + n[:, None] * D + cols[None, :], _cast(do * y, DGATE.dtype.element_ty),
                          mask=mask)
             else:
                 acc += do * y
@@ -136,8 +138,9 @@ def _require_triton() -> None:
 
 @functools.lru_cache(maxsize=None)
 def _kernels(interpret: bool):
-    global triton, tl
+    global triton, tl, _cast
     triton, tl = import_triton("gated_residual", interpret, _HAS_TRITON)
+    _cast = store_cast(interpret)  # round-to-nearest-even bf16 stores under the interpreter too (ops.adaln)
     return triton.jit(_fwd_kernel), triton.jit(_bwd_kernel)
 
 

@@ -23,12 +23,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ops.adaln import BACKENDS, _interpreting, import_triton, require_triton
+from ops.adaln import BACKENDS, _interpreting, import_triton, require_triton, store_cast
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _C = math.sqrt(2.0 / math.pi)
 _BLOCK = 1024
-triton = tl = None  # imported on first use by _kernel() (the tests set TRITON_INTERPRET first)
+triton = tl = _cast = None  # set on first use by _kernel() (the tests set TRITON_INTERPRET first)
 
 
 def gelu_ffn_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
@@ -47,13 +47,14 @@ def _gelu_grad_kernel(DA, H, n, BLOCK: tl.constexpr):
     t = tl.where(u < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
     sech2 = 4.0 * e / ((1.0 + e) * (1.0 + e))
     g = 0.5 * (1.0 + t) + 0.5 * h * sech2 * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h * h)
-    tl.store(DA + offs, (da * g).to(DA.dtype.element_ty), mask=mask)
+    tl.store(DA + offs, _cast(da * g, DA.dtype.element_ty), mask=mask)  # bf16 to nearest even, interpreter too
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(interpret: bool):
-    global triton, tl
+    global triton, tl, _cast
     triton, tl = import_triton("gelu_ffn", interpret, _HAS_TRITON)
+    _cast = store_cast(interpret)
     return triton.jit(_gelu_grad_kernel)
 
 
