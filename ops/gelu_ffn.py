@@ -3,8 +3,10 @@
 Eager autograd keeps both the pre-activation h = W1·x + b1 and a = GELU(h) ([tokens, ffn_dim] each, the two largest
 tensors of a Wan block: 587 MB apiece at S = 32760, ffn_dim 8960, bf16) and allocates da and dh beside them in
 backward. Here only x and h are saved; backward recomputes a from h for dW2 and frees it, then turns da into dh in
-place (one Triton pass: da ← da · GELU'(h), fp32 math), so the block's peak holds two ffn-sized tensors where eager
-holds three. Same matmuls, same numbers: a is recomputed by the same kernel (F.gelu) from the same h, so
+place (one Triton pass: da ← da · GELU'(h), fp32 math). Above CHUNK_BYTES per ffn-sized tensor, a (forward and
+backward) and da/dh are made a chunk of rows at a time, weight gradients summed over chunks in fp32 and cast once,
+so the block's peak holds h plus two chunk-sized tensors where eager holds three full ones (at S = 32760, bf16:
+~0.9 GB less). In one chunk the matmuls are eager's: a is recomputed by the same kernel from the same h, so
 dW2 = doutᵀ·a is bit-identical; dh differs from aten's gelu_backward only in fp32 rounding order.
 
     GELU_tanh(h)  = ½·h·(1 + t),                 t = tanh(√(2/π)·(h + 0.044715·h³))
@@ -69,33 +71,70 @@ def gelu_grad_(da: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return da
 
 
+CHUNK_BYTES = 128 << 20  # the ffn-sized temporaries (a, da/dh) are made a chunk of rows at a time, at most this big
+
+
+def chunk_rows(rows: int, ffn_dim: int, elem_size: int) -> int:
+    """Rows per chunk: the largest multiple of 64 whose [rows, ffn_dim] tensor fits CHUNK_BYTES (all rows if fewer)."""
+    r = max(64, CHUNK_BYTES // (ffn_dim * elem_size) // 64 * 64)
+    return min(rows, r)
+
+
 class _GeluFFN(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2):
+    def forward(ctx, x, w1, b1, w2, b2, rows_per_chunk):
         h = F.linear(x, w1, b1)
-        out = F.linear(F.gelu(h, approximate="tanh"), w2, b2)
+        h2, lead = h.reshape(-1, h.shape[-1]), x.shape[:-1]
+        R = rows_per_chunk or chunk_rows(h2.shape[0], h2.shape[1], h2.element_size())
+        if R >= h2.shape[0]:
+            out = F.linear(F.gelu(h, approximate="tanh"), w2, b2)
+        else:  # a = GELU(h) lives one chunk at a time
+            out2 = h2.new_empty(h2.shape[0], w2.shape[0])
+            for r in range(0, h2.shape[0], R):
+                out2[r:r + R] = F.linear(F.gelu(h2[r:r + R], approximate="tanh"), w2, b2)
+            out = out2.view(*lead, w2.shape[0])
         ctx.save_for_backward(x, w1, w2, h)
-        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+        ctx.has_b1, ctx.has_b2, ctx.R = b1 is not None, b2 is not None, R
         return out
 
     @staticmethod
     def backward(ctx, dout):
         x, w1, w2, h = ctx.saved_tensors
+        x2, h2 = x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1])
         dout2 = dout.reshape(-1, dout.shape[-1])
-        a = F.gelu(h, approximate="tanh")
-        dw2 = dout2.t() @ a.reshape(-1, a.shape[-1])
-        del a
-        db2 = dout2.sum(0) if ctx.has_b2 else None
-        dh = gelu_grad_((dout @ w2).contiguous(), h)  # da, turned into dh in place
-        dh2 = dh.reshape(-1, dh.shape[-1])
-        dw1 = dh2.t() @ x.reshape(-1, x.shape[-1])
-        db1 = dh2.sum(0) if ctx.has_b1 else None
-        dx = dh @ w1
-        return dx, dw1, db1, dw2, db2
+        M, R = h2.shape[0], ctx.R
+        if R >= M:  # one chunk: the matmuls as eager autograd runs them
+            a = F.gelu(h2, approximate="tanh")
+            dw2 = dout2.t() @ a
+            del a
+            dh = gelu_grad_((dout2 @ w2).contiguous(), h2)  # da, turned into dh in place
+            dw1 = dh.t() @ x2
+            db1 = dh.sum(0) if ctx.has_b1 else None
+            db2 = dout2.sum(0) if ctx.has_b2 else None
+            return (dh @ w1).view(x.shape), dw1, db1, dw2, db2, None
+        # chunks of rows: one chunk's a and da/dh at a time; weight gradients summed in fp32, cast once
+        dx2 = torch.empty_like(x2)
+        acc = dict(w1=torch.zeros(w1.shape, dtype=torch.float32, device=w1.device),
+                   w2=torch.zeros(w2.shape, dtype=torch.float32, device=w2.device),
+                   b1=torch.zeros(w1.shape[0], dtype=torch.float32, device=w1.device),
+                   b2=torch.zeros(w2.shape[0], dtype=torch.float32, device=w2.device))
+        for r in range(0, M, R):
+            h_c, do_c = h2[r:r + R], dout2[r:r + R]
+            a = F.gelu(h_c, approximate="tanh")
+            acc["w2"] += (do_c.t() @ a).float()
+            del a
+            dh = gelu_grad_((do_c @ w2).contiguous(), h_c)
+            acc["w1"] += (dh.t() @ x2[r:r + R]).float()
+            acc["b1"] += dh.sum(0, dtype=torch.float32)
+            acc["b2"] += do_c.sum(0, dtype=torch.float32)
+            dx2[r:r + R] = dh @ w1
+            del dh
+        return (dx2.view(x.shape), acc["w1"].to(w1.dtype), acc["b1"].to(w1.dtype) if ctx.has_b1 else None,
+                acc["w2"].to(w2.dtype), acc["b2"].to(w2.dtype) if ctx.has_b2 else None, None)
 
 
 def gelu_ffn(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
-             backend: str = "auto") -> torch.Tensor:
+             backend: str = "auto", rows_per_chunk: int | None = None) -> torch.Tensor:
     """W2·GELU_tanh(W1·x + b1) + b2 over the last dim of x (F.linear's layout: w1 [F, D], w2 [D_out, F])."""
     if backend not in BACKENDS:
         raise ValueError(f"gelu_ffn backend must be one of {BACKENDS}, got {backend!r}")
@@ -113,9 +152,9 @@ def gelu_ffn(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: tor
         b1 = b1.to(dtype) if b1 is not None else None
         b2 = b2.to(dtype) if b2 is not None else None
         with torch.autocast(dev, enabled=False):
-            return _GeluFFN.apply(x, w1, b1, w2, b2)
+            return _GeluFFN.apply(x, w1, b1, w2, b2, rows_per_chunk)
     params = [w1, w2] + [b for b in (b1, b2) if b is not None]
     if any(p.dtype != x.dtype for p in params):
         raise ValueError(f"gelu_ffn: x ({x.dtype}) and the weights ({[p.dtype for p in params]}) must share a dtype "
                          "outside autocast")
-    return _GeluFFN.apply(x, w1, b1, w2, b2)
+    return _GeluFFN.apply(x, w1, b1, w2, b2, rows_per_chunk)

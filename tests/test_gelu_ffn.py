@@ -70,6 +70,24 @@ def test_matches_fp64_reference_and_eager_bits(bias):
     assert (gr[2] is None) == (not bias)
 
 
+@pytest.mark.parametrize("rows", [7, 64])
+def test_chunked_rows_match_fp64_and_one_chunk(rows):
+    """Chunks of rows (the last one short): output and every gradient as fp64, and as the one-chunk path."""
+    D, Fh = 16, 40
+    ps = params(D, Fh, torch.float32, seed=4)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 47, D, generator=g).to(DEV).requires_grad_()  # 141 rows
+    dout = torch.randn(3, 47, D, generator=g).to(DEV)
+    out_c, gr_c = grads(lambda *a: gelu_ffn(*a, backend="triton", rows_per_chunk=rows), x, ps, dout)
+    out_1, gr_1 = grads(lambda *a: gelu_ffn(*a, backend="triton"), x, ps, dout)
+    x64 = x.detach().double().requires_grad_()
+    out64, gr64 = grads(gelu_ffn_reference, x64, [p.detach().double().requires_grad_() for p in ps], dout.double())
+    assert rel(out_c, out64) < 1e-6
+    for a, b, c in zip(gr_c, gr64, gr_1):
+        assert a.dtype == c.dtype and rel(a, b) < 1e-5 and rel(a, c) < 1e-5
+    assert op.chunk_rows(32760, 8960, 2) == 7488 and op.chunk_rows(100, 8960, 2) == 100  # 128 MiB of bf16 rows
+
+
 def test_bf16_and_autocast_keep_fp32_master_grads():
     D, Fh = 32, 64
     g = torch.Generator().manual_seed(3)
