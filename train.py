@@ -168,6 +168,7 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
         bar.close()
     loader.close()
     logger.close()
+    profiler.settle()
     shutdown()
     return last
 

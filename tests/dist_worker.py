@@ -82,6 +82,7 @@ def main(out_path):
             json.dump({"max_rel_grad_diff": diff, "busy": busy.tolist(), "busy_cv": compute_cv(busy),
                        "idle_fraction": idle_fraction(busy), "num_params": len(opt.grads)}, f)
     ctx.barrier()  # rank 1 must not tear down gloo while rank 0 still works
+    prof.settle()
     shutdown()
 
 
