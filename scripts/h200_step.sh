@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Issue 9 in one device call on the H200 (~9 minutes): the GPU tests of the fused ops and of Wan's parity with
+# diffusers, then scripts/bench_step.py at the five shapes in two processes that each fit the 10-minute call limit
+# with their own diffusers baseline. Results land in $OUT (or ./h200_step_out); copy them to results/step_h200/.
+# Needs .whl/ (bash ../shared/device/make_wheels.sh): the GPU image lacks diffusers.
+set -uo pipefail
+OUT=${OUT:-h200_step_out}; mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_gelu_ffn.py tests/test_gated_residual.py \
+  tests/test_adaln.py tests/test_wan.py -k "gpu or cuda or gelu or fused_glue" 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+# 32760 first (the targets), then the short shapes; all columns, and the longest-sequence search
+timeout 270 python3 scripts/bench_step.py --out "$OUT/a" --shapes 3,0,1 --fast-backend native \
+  2>&1 | tee "$OUT/bench_a.log" | grep -E "impl|longest|Error" | tail -30
+timeout 200 python3 scripts/bench_step.py --out "$OUT/b" --shapes 2,4 --fast-backend native --longest '' \
+  --impls diffusers@default,ours@glue,ours@offload,ours@policy 2>&1 | tee "$OUT/bench_b.log" | grep -E "impl|Error" | tail -20
