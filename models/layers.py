@@ -355,12 +355,13 @@ class PolicyKnobs:
         """Which blocks recompute their activations in backward (the trainer decides per micro-batch): True every
         block, False none, an int k the first k blocks. The first ones, because backward reaches them last: by then
         the later blocks' saved activations are freed, so k recomputed blocks lower the peak by k blocks' worth."""
-        if isinstance(enabled, str):
-            raise TypeError(f"set_activation_checkpointing takes a bool or a block count, got {enabled!r} (the mode "
-                            "names of model.checkpointing go through models.parallelize.checkpoint_policy)")
         n = len(self.blocks)
-        k = int(enabled) if isinstance(enabled, numbers.Integral) and not isinstance(enabled, bool) else \
-            n if enabled else 0
+        if isinstance(enabled, bool) or (hasattr(enabled, "dtype") and getattr(enabled, "dtype", None) == bool):
+            k = n if enabled else 0
+        elif isinstance(enabled, numbers.Integral):
+            k = int(enabled)
+        else:
+            raise TypeError(f"set_activation_checkpointing takes a bool or a block count, got {enabled!r}")
         if not 0 <= k <= n:
             raise ValueError(f"activation checkpointing: {enabled!r} blocks asked for, the model has {n}")
         self._checkpointing = k

@@ -11,8 +11,10 @@ reused before its copy ends.
     backward:  x = host[i] (prefetched);  out = block(x) with autograd, under the forward's autocast state;
                out.backward(dout);  prefetch host[i−1];  return dx and the gradients of the block's other inputs
 
-The recompute is the same forward as torch.utils.checkpoint's, so outputs and gradients equal the plain model's
-(tested). Single-process only: FSDP2's hooks expect the non-reentrant checkpoint (parallelize refuses the pair).
+The recompute is the same forward as torch.utils.checkpoint's (autocast state and random state restored), so
+outputs and gradients equal the plain model's (tested, also with frozen embedders). Limits, each refused with a
+message: one backward per forward, `.backward()` only (not torch.autograd.grad), a single process (FSDP2's hooks
+expect the non-reentrant checkpoint; parallelize refuses the pair).
 On the CPU the "host copy" is a clone (same code path, nothing to save).
 """
 from __future__ import annotations
@@ -22,12 +24,19 @@ from typing import Callable
 import torch
 
 
+_STREAMS: dict = {}  # one copy stream per device, shared by every forward
+
+
 class HostStore:
     """The offloaded block inputs of one forward pass, in forward order."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        if self.cuda:
+            key = device.index if device.index is not None else torch.cuda.current_device()
+            self.stream = _STREAMS.setdefault(key, torch.cuda.Stream(device))
+        else:
+            self.stream = None
         self.host: list = []   # pinned host copies (None once fetched)
         self.done: list = []   # event: the device-to-host copy finished
         self.gpu: dict = {}    # i → (device tensor, event: host-to-device copy finished), for prefetched inputs
@@ -62,6 +71,9 @@ class HostStore:
 
     def take(self, i: int, device: torch.device) -> torch.Tensor:
         """Block i's input back on the device (backward runs blocks last to first: i − 1 is fetched meanwhile)."""
+        if self.host[i] is None and i not in self.gpu:
+            raise RuntimeError("model.offload_checkpoints: this block's input was already used by a backward; a "
+                               "second backward through the same forward (retain_graph=True) is not supported")
         if not self.cuda:
             x, self.host[i] = self.host[i], None
             return x
@@ -77,10 +89,12 @@ class HostStore:
 
 class _OffloadedCheckpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run: Callable, store: HostStore, x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
-        dev = x.device.type
-        ctx.run, ctx.store, ctx.device = run, store, x.device
-        ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+    def forward(ctx, run: Callable, store: HostStore, anchor: torch.Tensor, x: torch.Tensor,
+                *args: torch.Tensor) -> torch.Tensor:
+        dev = x.device
+        ctx.run, ctx.store, ctx.device = run, store, dev
+        ctx.autocast = (torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type))
+        ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
         with torch.no_grad():
             out = run(x, *args)
         ctx.index = store.put(x)
@@ -89,16 +103,30 @@ class _OffloadedCheckpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        x = ctx.store.take(ctx.index, ctx.device).requires_grad_(ctx.needs_input_grad[2])
-        args = [a.detach().requires_grad_(need) for a, need in zip(ctx.saved_tensors, ctx.needs_input_grad[3:])]
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("model.offload_checkpoints recomputes blocks inside backward: it works with "
+                               ".backward(), not torch.autograd.grad() or backward(inputs=...)")
+        x = ctx.store.take(ctx.index, ctx.device).requires_grad_(ctx.needs_input_grad[3])
+        args = [a.detach().requires_grad_(need) for a, need in zip(ctx.saved_tensors, ctx.needs_input_grad[4:])]
         enabled, dtype = ctx.autocast
-        with torch.enable_grad(), torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled):
-            out = ctx.run(x, *args)
+        cuda = ctx.device.type == "cuda"
+        # the forward's random state (e.g. LoRA dropout), so the recompute draws what the forward drew
+        with torch.random.fork_rng(devices=[ctx.device] if cuda else [], device_type=ctx.device.type):
+            torch.set_rng_state(ctx.rng[0])
+            if cuda:
+                torch.cuda.set_rng_state(ctx.rng[1], ctx.device)
+            with torch.enable_grad(), torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled):
+                out = ctx.run(x, *args)
         torch.autograd.backward(out, dout)
-        return (None, None, x.grad if x.requires_grad else None,
+        return (None, None, None, x.grad if x.requires_grad else None,
                 *(a.grad if a.requires_grad else None for a in args))
+
+
+# Always requires grad, so that a block whose inputs do not (frozen embedders: LoRA, model.freeze) still runs its
+# backward and its own parameters get their gradients — reentrant checkpointing's known gap.
+_ANCHOR = torch.empty(0, requires_grad=True)
 
 
 def offloaded_checkpoint(run: Callable, store: HostStore, x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
     """run(x, *args) (tensors only) recomputed in backward from a host copy of x."""
-    return _OffloadedCheckpoint.apply(run, store, x, *args)
+    return _OffloadedCheckpoint.apply(run, store, _ANCHOR, x, *args)

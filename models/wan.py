@@ -114,8 +114,9 @@ class WanBlock(nn.Module):
         x_BND = x_BND + self.attn2(h, ctx_BLD, glue=glue)
 
         h = adaln_modulate(x_BND, scale_ff, shift_ff, self.eps, backend=self.adaln_backend)
-        if glue != "torch":  # the MLP saving x and its pre-activation only (ops/gelu_ffn.py)
-            proj, out = self.ffn.net[0].proj, self.ffn.net[2]
+        proj, out = self.ffn.net[0].proj, self.ffn.net[2]
+        if glue != "torch" and type(proj) is nn.Linear and type(out) is nn.Linear:
+            # the MLP saving x and its pre-activation only (ops/gelu_ffn.py); a LoRA-wrapped layer runs its module
             y = gelu_ffn(h, proj.weight, proj.bias, out.weight, out.bias, backend=glue)
         else:
             y = self.ffn(h)
@@ -215,7 +216,8 @@ class WanTransformer(DiffusersFormat, PolicyKnobs, nn.Module):
         x_BND = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
         temb_BTD, tmod_BT6D, ctx_BLD = self.condition_embedder(t_BT, encoder_hidden_states)
 
-        store = HostStore(x_BND.device) if self.offload_checkpoints and torch.is_grad_enabled() else None
+        offload = self.offload_checkpoints and self._checkpointing > 0 and torch.is_grad_enabled()
+        store = HostStore(x_BND.device) if offload else None
         for i, block in enumerate(self.blocks):
             if self.recomputes(i) and store is not None:  # the block's input waits in host memory
                 x_BND = offloaded_checkpoint(lambda x, c, t, cos, sin, blk=block: blk(x, c, t, (cos, sin)), store,

@@ -4,8 +4,8 @@ Eager autograd keeps both the pre-activation h = W1·x + b1 and a = GELU(h) ([to
 tensors of a Wan block: 587 MB apiece at S = 32760, ffn_dim 8960, bf16) and allocates da and dh beside them in
 backward. Here only x and h are saved; backward recomputes a from h for dW2 and frees it, then turns da into dh in
 place (one Triton pass: da ← da · GELU'(h), fp32 math). Above CHUNK_BYTES per ffn-sized tensor, a (forward and
-backward) and da/dh are made a chunk of rows at a time, weight gradients summed over chunks in fp32 and cast once,
-so the block's peak holds h plus two chunk-sized tensors where eager holds three full ones (at S = 32760, bf16:
+backward) and da/dh are made a chunk of rows at a time, weight gradients accumulated in place chunk by chunk (addmm:
+fp32 inside the matmul, one rounding per chunk, as gradient accumulation), so the block's peak holds h plus two chunk-sized tensors where eager holds three full ones (at S = 32760, bf16:
 ~0.9 GB less). In one chunk the matmuls are eager's: a is recomputed by the same kernel from the same h, so
 dW2 = doutᵀ·a is bit-identical; dh differs from aten's gelu_backward only in fp32 rounding order.
 
@@ -100,37 +100,47 @@ class _GeluFFN(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x, w1, w2, h = ctx.saved_tensors
+        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
+        need_b1, need_b2 = need_b1 and ctx.has_b1, need_b2 and ctx.has_b2
+        need_dh = need_x or need_w1 or need_b1
         x2, h2 = x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1])
         dout2 = dout.reshape(-1, dout.shape[-1])
         M, R = h2.shape[0], ctx.R
+        dx = dw1 = db1 = dw2 = db2 = None
         if R >= M:  # one chunk: the matmuls as eager autograd runs them
-            a = F.gelu(h2, approximate="tanh")
-            dw2 = dout2.t() @ a
-            del a
-            dh = gelu_grad_((dout2 @ w2).contiguous(), h2)  # da, turned into dh in place
-            dw1 = dh.t() @ x2
-            db1 = dh.sum(0) if ctx.has_b1 else None
-            db2 = dout2.sum(0) if ctx.has_b2 else None
-            return (dh @ w1).view(x.shape), dw1, db1, dw2, db2, None
-        # chunks of rows: one chunk's a and da/dh at a time; weight gradients summed in fp32, cast once
-        dx2 = torch.empty_like(x2)
-        acc = dict(w1=torch.zeros(w1.shape, dtype=torch.float32, device=w1.device),
-                   w2=torch.zeros(w2.shape, dtype=torch.float32, device=w2.device),
-                   b1=torch.zeros(w1.shape[0], dtype=torch.float32, device=w1.device),
-                   b2=torch.zeros(w2.shape[0], dtype=torch.float32, device=w2.device))
+            if need_w2:
+                dw2 = dout2.t() @ F.gelu(h2, approximate="tanh")  # a recomputed, freed at once
+            db2 = dout2.sum(0) if need_b2 else None
+            if need_dh:
+                dh = gelu_grad_((dout2 @ w2).contiguous(), h2)  # da, turned into dh in place
+                dw1 = dh.t() @ x2 if need_w1 else None
+                db1 = dh.sum(0) if need_b1 else None
+                dx = (dh @ w1).view(x.shape) if need_x else None
+            return dx, dw1, db1, dw2, db2, None
+        # chunks of rows: one chunk's a and da/dh at a time; weight gradients accumulate in place (addmm, fp32
+        # inside the matmul, one rounding to the weight's dtype per chunk), bias gradients in fp32
+        dx2 = torch.empty_like(x2) if need_x else None
+        dw1 = torch.zeros_like(w1) if need_w1 else None
+        dw2 = torch.zeros_like(w2) if need_w2 else None
+        db1 = torch.zeros(w1.shape[0], dtype=torch.float32, device=w1.device) if need_b1 else None
+        db2 = torch.zeros(w2.shape[0], dtype=torch.float32, device=w2.device) if need_b2 else None
         for r in range(0, M, R):
             h_c, do_c = h2[r:r + R], dout2[r:r + R]
-            a = F.gelu(h_c, approximate="tanh")
-            acc["w2"] += (do_c.t() @ a).float()
-            del a
-            dh = gelu_grad_((do_c @ w2).contiguous(), h_c)
-            acc["w1"] += (dh.t() @ x2[r:r + R]).float()
-            acc["b1"] += dh.sum(0, dtype=torch.float32)
-            acc["b2"] += do_c.sum(0, dtype=torch.float32)
-            dx2[r:r + R] = dh @ w1
-            del dh
-        return (dx2.view(x.shape), acc["w1"].to(w1.dtype), acc["b1"].to(w1.dtype) if ctx.has_b1 else None,
-                acc["w2"].to(w2.dtype), acc["b2"].to(w2.dtype) if ctx.has_b2 else None, None)
+            if need_w2:
+                dw2.addmm_(do_c.t(), F.gelu(h_c, approximate="tanh"))
+            if need_b2:
+                db2 += do_c.sum(0, dtype=torch.float32)
+            if need_dh:
+                dh = gelu_grad_((do_c @ w2).contiguous(), h_c)
+                if need_w1:
+                    dw1.addmm_(dh.t(), x2[r:r + R])
+                if need_b1:
+                    db1 += dh.sum(0, dtype=torch.float32)
+                if need_x:
+                    torch.mm(dh, w1, out=dx2[r:r + R])
+                del dh
+        return (dx2.view(x.shape) if need_x else None, dw1, db1.to(w1.dtype) if need_b1 else None, dw2,
+                db2.to(w2.dtype) if need_b2 else None, None)
 
 
 def gelu_ffn(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,

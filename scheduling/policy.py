@@ -62,7 +62,8 @@ class PartialRecompute:
     modes (each block saves the same activations and costs the same):
         peak(k) = none(T) − k/L·(none(T) − full(T)),  t(k) = t_none + k/L·(t_full − t_none),  T = B·S
     so k = ⌈L·(none(T) − budget) / (none(T) − full(T))⌉, clipped to [0, L] (L when even full recompute does not fit:
-    the batch-size rules keep B·S within full's m_mem)."""
+    the batch-size rules keep B·S within full's m_mem). Wan's blocks are alike; MMDiT's dual-stream blocks (first)
+    and single-stream blocks differ somewhat, which the linear rule averages over."""
     layers: int
     budget: float
     none_mem: object

@@ -26,7 +26,7 @@ def grads(fn, x, ps, dout):
             t.grad = None
     out = fn(x, *ps)
     out.backward(dout)
-    return out.detach(), [t.grad.detach() if t is not None else None for t in [x, *ps]]
+    return out.detach(), [t.grad.detach() if t is not None and t.grad is not None else None for t in [x, *ps]]
 
 
 def rel(a, b):
@@ -135,3 +135,19 @@ def test_backend_errors():
     torch.testing.assert_close(gelu_ffn(x, *ps, backend="auto"), gelu_ffn_reference(x, *ps))
     torch.testing.assert_close(gelu_ffn(x, *ps, backend="torch"),
                                F.linear(F.gelu(F.linear(x, ps[0], ps[1]), approximate="tanh"), ps[2], ps[3]))
+
+
+@pytest.mark.parametrize("rows", [None, 16])
+def test_frozen_weights_get_no_gradient_and_x_still_does(rows):
+    """Only the gradients autograd asks for are made (a frozen MLP under LoRA / model.freeze computes dx alone)."""
+    D, Fh = 16, 40
+    w1, b1, w2, b2 = params(D, Fh, torch.float32, seed=6)
+    for p in (w1, b1, w2):
+        p.requires_grad_(False)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 37, D, generator=g).to(DEV).requires_grad_()
+    dout = torch.randn(2, 37, D, generator=g).to(DEV)
+    out, gr = grads(lambda *a: gelu_ffn(*a, backend="triton", rows_per_chunk=rows), x, [w1, b1, w2, b2], dout)
+    out_e, gr_e = grads(gelu_ffn_reference, x, [w1, b1, w2, b2], dout)
+    assert gr[1] is None and gr[2] is None and gr[3] is None
+    assert rel(gr[0], gr_e[0]) < 1e-6 and rel(gr[4], gr_e[4]) < 1e-6
