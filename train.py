@@ -55,11 +55,13 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
     inputs = functools.partial(model_inputs, cfg.model)
     schedule = resolve_schedule(cfg.scheduling, {n: b.tokens for n, b in buckets.items()}, shape,
                                 proxy_tflops=cfg.metrics.peak_tflops or 100.0,
-                                checkpointing=cfg.model.checkpointing, world_size=ctx.world_size)
+                                checkpointing=cfg.model.checkpointing, world_size=ctx.world_size,
+                                keep_attention=cfg.model.keep_attention)
     corpus = open_corpus(cfg.data, buckets, cfg.model.in_channels, cfg.model.text_dim, cfg.train.seed,
                          ctx.is_main, ctx.barrier, pooled_dim=getattr(cfg.model, "pooled_projection_dim", None))
     batch_sizes = [schedule.batch_sizes[n] for n in corpus.bucket_names]
-    policy = checkpoint_policy(cfg.model.checkpointing, schedule.recompute_blocks)
+    policy = checkpoint_policy(cfg.model.checkpointing, schedule.recompute_blocks, cfg.model.keep_attention,
+                               len(model.blocks))
     autocast = autocast_for(ctx.device, cfg.model.precision)
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.train.steps)
     ema = EMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None

@@ -57,6 +57,7 @@ class RunKnobs:
     glue_backend: str = "auto"            # Wan's fused glue (ops/): torch | triton | auto (Triton on CUDA)
     checkpointing: str = "none"
     offload_checkpoints: bool = False     # recomputed blocks' inputs wait in pinned host memory (one process)
+    keep_attention: bool = False          # recomputed blocks keep SDPA's outputs (full: all; auto: as memory allows)
     compile: bool = False
     pretrained: Optional[str] = None      # a local diffusers-format folder (config.json + safetensors)
     freeze: list = field(default_factory=list)  # regexes (re.search) of parameter names that do not train
@@ -69,6 +70,9 @@ class RunKnobs:
             raise ValueError(f"model.glue_backend must be one of {ADALN_BACKENDS}, got {self.glue_backend!r}")
         if self.checkpointing not in CHECKPOINTING:
             raise ValueError(f"model.checkpointing must be one of {CHECKPOINTING}, got {self.checkpointing!r}")
+        if self.keep_attention and self.checkpointing == "none":
+            raise ValueError("model.keep_attention=true keeps the attention outputs of recomputed blocks: set "
+                             "model.checkpointing to full or auto")
         if self.offload_checkpoints and self.checkpointing == "none":
             raise ValueError("model.offload_checkpoints=true moves the inputs of recomputed blocks to host memory: "
                              "set model.checkpointing to full or auto")

@@ -330,6 +330,26 @@ def parse_size(size: int | str) -> int:
     return int(float(match.group(1)) * units[(match.group(2) or "B").lower()])
 
 
+def _attention_ops() -> tuple:
+    aten = torch.ops.aten
+    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    return tuple(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+def keep_attention_context():
+    """Selective checkpointing (torch.utils.checkpoint): SDPA's kernels are saved in forward, everything else is
+    recomputed — the recompute then reuses the attention output and log-sum-exp instead of running attention."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    ops = _attention_ops()
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 class PolicyKnobs:
     """Mixin: the per-run knobs the trainer turns on a model from outside — which AdaLN backend every block uses,
     and whether blocks recompute activations in backward (set per micro-batch; a hook, not a wrapper, so state-dict
@@ -351,10 +371,16 @@ class PolicyKnobs:
         for block in self.blocks:
             block.adaln_backend = backend
 
-    def set_activation_checkpointing(self, enabled: bool | int) -> None:
+    _keep_attention = 0  # of the recomputed blocks, how many (the first) keep their attention outputs
+
+    def set_activation_checkpointing(self, enabled, keep_attention: int = 0) -> None:
         """Which blocks recompute their activations in backward (the trainer decides per micro-batch): True every
         block, False none, an int k the first k blocks. The first ones, because backward reaches them last: by then
-        the later blocks' saved activations are freed, so k recomputed blocks lower the peak by k blocks' worth."""
+        the later blocks' saved activations are freed, so k recomputed blocks lower the peak by k blocks' worth.
+
+        keep_attention = j ≤ k: the first j recomputed blocks keep their attention's output and log-sum-exp from the
+        forward (selective checkpointing), so their recompute skips attention, the costliest op at long S, for
+        B·S·D·2 bytes a block (plus B·heads·S·4)."""
         n = len(self.blocks)
         if isinstance(enabled, bool) or (hasattr(enabled, "dtype") and getattr(enabled, "dtype", None) == bool):
             k = n if enabled else 0
@@ -364,11 +390,24 @@ class PolicyKnobs:
             raise TypeError(f"set_activation_checkpointing takes a bool or a block count, got {enabled!r}")
         if not 0 <= k <= n:
             raise ValueError(f"activation checkpointing: {enabled!r} blocks asked for, the model has {n}")
-        self._checkpointing = k
+        if not isinstance(keep_attention, numbers.Integral) or not 0 <= keep_attention <= k:
+            raise ValueError(f"activation checkpointing: keep_attention={keep_attention!r} must lie in [0, {k}] "
+                             "(the recomputed blocks)")
+        self._checkpointing, self._keep_attention = k, int(keep_attention)
 
     def recomputes(self, i: int) -> bool:
         """Whether block i recomputes in this forward (never without autograd)."""
         return i < self._checkpointing and torch.is_grad_enabled()
+
+    def run_block(self, i: int, block, *args):
+        """Block i as this forward runs it: plainly, recomputed in backward, or recomputed around its kept attention."""
+        if not self.recomputes(i):
+            return block(*args)
+        from torch.utils.checkpoint import checkpoint
+
+        if i < self._keep_attention:
+            return checkpoint(block, *args, use_reentrant=False, context_fn=keep_attention_context)
+        return checkpoint(block, *args, use_reentrant=False)
 
     @property
     def glue_backend(self) -> str:

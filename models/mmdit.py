@@ -41,7 +41,6 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from models.layers import (MLP, DiffusersFormat, FeedForward, PolicyKnobs, FP32LayerNorm, RMSNorm, RoPE3D, SiLUFeedForward,
                            apply_rope, gated_residual, masked_attention, timestep_embedding)
@@ -372,15 +371,12 @@ class MMDiT(DiffusersFormat, PolicyKnobs, nn.Module):
         rope = (torch.cat([cos_NK, cos_NK.new_ones(L, K)]), torch.cat([sin_NK, sin_NK.new_zeros(L, K)]))
         mask = torch.cat([mask_BL.new_ones(B, N), mask_BL], dim=1)[:, None, None, :] if masked else None
 
-        def run(i, blk, *a):  # i indexes self.blocks: dual-stream blocks first, then single-stream
-            return checkpoint(blk, *a, use_reentrant=False) if self.recomputes(i) else blk(*a)
-
-        n_dual = len(self.transformer_blocks)
+        n_dual = len(self.transformer_blocks)  # self.blocks: dual-stream blocks first, then single-stream
         for i, block in enumerate(self.transformer_blocks):
-            x_BND, c_BLD = run(i, block, x_BND, c_BLD, temb_BD, rope, mask)
+            x_BND, c_BLD = self.run_block(i, block, x_BND, c_BLD, temb_BD, rope, mask)
         h_BSD = torch.cat([x_BND, c_BLD], dim=1)  # one joint sequence through all single-stream blocks
         for i, block in enumerate(self.single_transformer_blocks):
-            h_BSD = run(n_dual + i, block, h_BSD, temb_BD, rope, mask)
+            h_BSD = self.run_block(n_dual + i, block, h_BSD, temb_BD, rope, mask)
 
         scale, shift = self.norm_out(temb_BD)
         x_BND = adaln_modulate(h_BSD[:, :N], scale, shift, EPS, backend=self.adaln_backend)

@@ -35,16 +35,17 @@ class FSDPOptions:
     offload_params: bool = False
 
 
-def checkpoint_policy(mode: str, recompute_blocks: Optional[Callable[[int, int], int]] = None
-                      ) -> Callable[[int, int], bool | int]:
-    """(B, S) → which blocks this micro-batch recomputes in backward: True all, False none, k the first k
-    (set_activation_checkpointing's argument). auto takes the memory model's answer (scheduling.policy)."""
+def checkpoint_policy(mode: str, recompute_blocks: Optional[Callable[[int, int], object]] = None,
+                      keep_attention: bool = False, layers: int = 0) -> Callable[[int, int], object]:
+    """(B, S) → which blocks this micro-batch recomputes in backward: True all, False none, k the first k, or
+    (k, j): the first j of them keep their attention outputs (set_activation_checkpointing's arguments). auto takes
+    the memory model's answer (scheduling.policy); full with keep_attention keeps it in every block."""
     if mode == "none":
         return lambda B, S: False
     if mode == "full" or recompute_blocks is None:
         if mode == "auto":
             log.info("model.checkpointing=auto without a memory model: checkpointing every micro-batch")
-        return lambda B, S: True
+        return (lambda B, S: (layers, layers)) if keep_attention else (lambda B, S: True)
     return recompute_blocks
 
 

@@ -29,7 +29,6 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from models.layers import (MLP, DiffusersFormat, FeedForward, PolicyKnobs, FP32LayerNorm, RMSNorm, RoPE3D, apply_rope, attention,
                            gated_residual, timestep_embedding)
@@ -219,13 +218,11 @@ class WanTransformer(DiffusersFormat, PolicyKnobs, nn.Module):
         offload = self.offload_checkpoints and self._checkpointing > 0 and torch.is_grad_enabled()
         store = HostStore(x_BND.device) if offload else None
         for i, block in enumerate(self.blocks):
-            if self.recomputes(i) and store is not None:  # the block's input waits in host memory
+            if self.recomputes(i) and store is not None and i >= self._keep_attention:  # input in host memory
                 x_BND = offloaded_checkpoint(lambda x, c, t, cos, sin, blk=block: blk(x, c, t, (cos, sin)), store,
                                              x_BND, ctx_BLD, tmod_BT6D, *rope)
-            elif self.recomputes(i):
-                x_BND = checkpoint(block, x_BND, ctx_BLD, tmod_BT6D, rope, use_reentrant=False)
             else:
-                x_BND = block(x_BND, ctx_BLD, tmod_BT6D, rope)
+                x_BND = self.run_block(i, block, x_BND, ctx_BLD, tmod_BT6D, rope)
 
         shift, scale = (self.scale_shift_table[None] + temb_BTD[:, :, None]).unbind(2)  # (B, T, D) each
         x_BND = adaln_modulate(x_BND, scale, shift, self.eps, backend=self.adaln_backend)

@@ -42,7 +42,9 @@ class Schedule:
     sources: dict = field(default_factory=dict)  # knob → where its value came from
     values: dict = field(default_factory=dict)   # knob → the value used (m_mem, m_tokens, m_comp, p, target ms)
     window: int = 1
-    recompute_blocks: Optional[Callable[[int, int], int]] = None  # model.checkpointing=auto: blocks to recompute
+    # model.checkpointing=auto: (B, S) → blocks to recompute, or (blocks, of them keeping attention) with
+    # model.keep_attention
+    recompute_blocks: Optional[Callable[[int, int], object]] = None
     notes: list = field(default_factory=list)    # warnings for the log (e.g. a bucket over the target ms)
 
     def table(self, tokens: Mapping[str, int]) -> str:
@@ -70,6 +72,7 @@ class PartialRecompute:
     full_mem: object
     none_cost: object
     full_cost: object
+    attention_bytes: float = 0.0  # > 0 (model.keep_attention): bytes a token per block that keeping attention costs
 
     @property
     def none_tokens(self) -> int:
@@ -77,14 +80,31 @@ class PartialRecompute:
         return self.none_mem.m_mem(self.budget)
 
     def blocks(self, B: int, S: int) -> int:
+        return self.decide(B, S)[0]
+
+    def decide(self, B: int, S: int) -> tuple[int, int]:
+        """(k blocks recomputed, j of them keeping their attention outputs). Keeping attention costs a·B·S bytes a
+        block for its costliest op — far more time per byte than leaving a whole block un-recomputed — so j = k
+        wherever that fits: k = ⌈(none(T) − budget) / ((none(T) − full(T))/L − a·T)⌉; beyond, k = L and j as many
+        as the budget leaves."""
         none, full = float(self.none_mem.predict(B, S)), float(self.full_mem.predict(B, S))
-        if none <= self.budget:
-            return 0
-        if none <= full:  # a calibration where recompute saves nothing: never worth it
-            return 0
-        return min(self.layers, math.ceil(self.layers * (none - self.budget) / (none - full) - 1e-9))
+        if none <= self.budget or none <= full:  # fits, or recompute saves nothing in this calibration
+            return 0, 0
+        L = self.layers
+        k = min(L, math.ceil(L * (none - self.budget) / (none - full) - 1e-9))
+        if self.attention_bytes <= 0:
+            return k, 0
+        kept = self.attention_bytes * B * S
+        net = (none - full) / L - kept
+        if net > 0:
+            k_kept = math.ceil((none - self.budget) / net - 1e-9)
+            if k_kept <= L:
+                return k_kept, k_kept
+        return L, max(0, min(L, math.floor((self.budget - full) / kept)))
 
     def predict(self, B, S) -> float:
+        """Predicted ms: linear in k between the two modes. Kept attention is not credited (no calibration measures
+        it yet), so micro-batches that keep it are predicted a little slow."""
         f = self.blocks(B, S) / self.layers
         return float((1 - f) * self.none_cost.predict(B, S) + f * self.full_cost.predict(B, S))
 
@@ -106,7 +126,7 @@ def _check_model(cal: Calibration, shape: ModelShape) -> None:
 
 def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: ModelShape,
                      proxy_tflops: float = 100.0, checkpointing: Optional[str] = None,
-                     world_size: Optional[int] = None) -> Schedule:
+                     world_size: Optional[int] = None, keep_attention: bool = False) -> Schedule:
     """tokens: bucket name → S, in bucket order; checkpointing: model.checkpointing (picks the calibration's
     record); world_size: picks the simulator's choice made for the nearest cluster size."""
     S_max = max(tokens.values())
@@ -133,8 +153,9 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
                       else HBM_FRACTION * cal.hbm_bytes if cal.hbm_bytes else None)
             if budget is not None:
                 partial = PartialRecompute(shape.layers, budget, cal.memory_model("none"), memory,
-                                           cal.cost_model("none"), cost_model)
-                recompute, cost_fn = partial.blocks, partial.predict
+                                           cal.cost_model("none"), cost_model,
+                                           attention_bytes=2.0 * shape.dim * (1 + 1 / 64) if keep_attention else 0.0)
+                recompute, cost_fn = (partial.decide if keep_attention else partial.blocks), partial.predict
                 src["cost"] = (f"calibration:auto(no recompute up to {partial.none_tokens} tokens, then as few "
                                f"of {shape.layers} blocks as {budget / 2**30:.1f} GiB allows)")
 

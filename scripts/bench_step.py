@@ -13,6 +13,8 @@ Side by side in one run, forward + backward, no optimizer, random weights (the s
   ours@offload        ours@glue with the recomputed blocks' inputs in pinned host memory (models/offload.py)
   ours@policy         (b): the fewest leading blocks recompute that keep the step under diffusers@fast's peak memory
                       at that shape (none where it fits), with the fused glue (and offload when ours@offload runs)
+  ours@keep           (b) too: every block recomputed, the most blocks that fit diffusers' peak keeping their
+                      attention outputs (the recompute skips attention there), glue and offload as ours@policy
   ours@trainer        our trainer's precision: fp32 master weights under bf16 autocast (not held to memory targets)
 Reported per shape: ms (median), tokens/s, model-FLOPs utilisation (CONTRACTS §9), peak GiB; each row is appended
 to OUT/bench_step.jsonl as it is measured. Then the longest sequence: B = 1 at 480p (latent 60×104), latent frames
@@ -181,13 +183,39 @@ def profile(run) -> dict:
     return out
 
 
+def keep_search(measure, layers: int, limit: float):
+    """The most blocks j (of all L recomputed) that keep their attention outputs with measure(j) → peak ≤ limit:
+    the peak grows linearly in j, so j = L, j = 0 and the interpolation between, then step down until it fits."""
+    tried = {}
+
+    def at(j):
+        if j not in tried:
+            try:
+                tried[j] = measure(j)
+            except torch.OutOfMemoryError:
+                tried[j] = (math.inf, math.inf)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        return tried[j]
+
+    fits = lambda j: not at(j)[1] > limit  # noqa: E731
+    if fits(layers):
+        return layers
+    p0, pl = at(0)[1], at(layers)[1]
+    j = int((limit - p0) / ((pl - p0) / layers)) if pl < math.inf and pl > p0 else layers // 2
+    j = max(0, min(layers - 1, j))
+    while j > 0 and not fits(j):
+        j -= 1
+    return j
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--tiny", action="store_true", help="tiny config and shapes (checks the script on a CPU)")
     ap.add_argument("--shapes", default=None, help="comma-separated indices into the shape list (default: all)")
     ap.add_argument("--impls", default="diffusers@default,diffusers@fast,ours@fast,ours@glue,ours@compile,"
-                    "ours@offload,ours@policy,ours@trainer", help="which columns to run")
+                    "ours@offload,ours@policy,ours@keep,ours@trainer", help="which columns to run")
     ap.add_argument("--backends", default="_native_flash,_native_cudnn,_native_efficient",
                     help="candidates for the fastest attention backend (the middle shape decides)")
     ap.add_argument("--fast-backend", default=None, help="skip the search and use this backend")
@@ -263,8 +291,8 @@ def main(argv=None) -> None:
     glue = "triton" if dev.type == "cuda" else "torch"
 
     def ours_run(shape, recompute, glue_backend="torch", compiled=False, dtype=torch.bfloat16, autocast=False,
-                 offload=False):
-        ours.set_activation_checkpointing(recompute)
+                 offload=False, keep=0):
+        ours.set_activation_checkpointing(recompute, keep_attention=keep)
         ours.glue_backend = glue_backend
         ours.offload_checkpoints = offload
         for block in ours.blocks:
@@ -330,6 +358,13 @@ def main(argv=None) -> None:
                                       diff_peak[shape] if dev.type == "cuda" else math.inf)  # one step a probe
                 record("ours@policy", shape, *timed(ours_run(shape, k, glue, offload=off)), recompute_blocks=k,
                        offload=off)
+            if "ours@keep" in impls:  # (b): every block recomputed, the most of them keeping their attention
+                off = "ours@offload" in impls
+                j = keep_search(lambda j: time_step(ours_run(shape, True, glue, offload=off, keep=j), dev, 0, 1),
+                                layers, diff_peak[shape] if dev.type == "cuda" else math.inf)
+                record("ours@keep", shape, *timed(ours_run(shape, True, glue, offload=off, keep=j)),
+                       keep_attention_blocks=j, offload=off)
+            ours.set_activation_checkpointing(True)
             ours.offload_checkpoints = False
         park(ours)
     unpark(ours)
@@ -392,7 +427,7 @@ def table(rows) -> str:
     for r in rows:
         by.setdefault(r["S"], {})[r["impl"]] = r
     impls = ["diffusers@default", "diffusers@fast", "ours@fast", "ours@glue", "ours@compile", "ours@offload",
-             "ours@policy", "ours@trainer"]
+             "ours@policy", "ours@keep", "ours@trainer"]
     lines = ["| S | " + " | ".join(f"{i} ms (tok/s, GiB)" for i in impls) + " | ours@fast / diffusers@fast |",
              "|---|" + "---|" * (len(impls) + 1)]
     for S, d in sorted(by.items()):

@@ -60,6 +60,7 @@ def test_bucket_override_from_command_line():
     ("scheduling.m_mem=50", "scheduling.m_mem"),
     ("model.offload_checkpoints=true", "model.offload_checkpoints"),  # wan_tiny recomputes nothing
     ("model.glue_backend=fused", "model.glue_backend"),
+    ("model.keep_attention=true", "model.keep_attention"),  # wan_tiny recomputes nothing
 ])
 def test_bad_values_are_refused_naming_the_field(override, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):

@@ -243,6 +243,38 @@ def test_auto_checkpointing_recomputes_the_fewest_blocks_that_fit(tmp_path):
         assert s.cost_fn(1, T) == pytest.approx((1 - f) * fast.predict(1, T) + f * full.predict(1, T))
 
 
+def test_keep_attention_spends_memory_on_attention_outputs_first(tmp_path):
+    """model.keep_attention with checkpointing=auto: the recomputed blocks keep their attention outputs wherever
+    that fits (j = k), the predicted peak stays within the budget, and the fewest blocks recompute for that."""
+    from models.parallelize import checkpoint_policy
+    from scheduling.policy import PartialRecompute
+
+    cal = issue4_h200_calibration()
+    full_mem, full_cost = cal.memory_model("full"), cal.cost_model("full")
+    none_mem = MemoryModel(full_mem.c0, full_mem.c1 * 12)
+    L, budget, a = WAN13.layers, 40 * 2**30, 2.0 * WAN13.dim * (1 + 1 / 64)
+    pr = PartialRecompute(L, budget, none_mem, full_mem, full_cost, full_cost, attention_bytes=a)
+
+    def peak(T, k, j):
+        none, full = none_mem.predict(1, T), full_mem.predict(1, T)
+        return none - k / L * (none - full) + j * a * T
+
+    assert pr.decide(1, 1000) == (0, 0)  # fits without recompute
+    seen_partial = seen_full = False
+    for T in np.linspace(none_mem.m_mem(budget) + 1, full_mem.m_mem(budget), 25).astype(int):
+        k, j = pr.decide(1, int(T))
+        assert 0 < k <= L and 0 <= j <= k and peak(T, k, j) <= budget * (1 + 1e-9)
+        if k < L:
+            assert j == k and peak(T, k - 1, k - 1) > budget  # all kept, and one recompute fewer would not fit
+            seen_partial = True
+        else:
+            assert j == L or peak(T, L, j + 1) > budget
+            seen_full = True
+    assert seen_partial and seen_full
+    assert checkpoint_policy("full", None, keep_attention=True, layers=L)(1, 5) == (L, L)
+    assert checkpoint_policy("full", None)(1, 5) is True
+
+
 def test_conf_groups_compose_and_resolve_on_the_tiny_model(monkeypatch):
     from tests.helpers import ROOT, compose_config
 

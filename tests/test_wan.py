@@ -452,3 +452,42 @@ def test_lora_and_frozen_embedders_with_fused_glue_and_offload():
         y.backward()
     with pytest.raises(TypeError, match="block count"):
         model.set_activation_checkpointing(1.5)
+
+
+def test_keep_attention_skips_attention_in_the_recompute():
+    """set_activation_checkpointing(k, keep_attention=j): the first j recomputed blocks save SDPA's outputs, so
+    attention runs once for them (twice for the other recomputed blocks), with the same output and gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from models.layers import _attention_ops
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func in _attention_ops()
+            return func(*args, **(kwargs or {}))
+
+    _, model = make_pair(TINY)
+    x, t, ctx = inputs(TINY, frames=3)
+    L = TINY["num_layers"]
+    runs = {}
+    for k, j in [(0, 0), (L, 0), (L, L), (L, 1)]:
+        model.set_activation_checkpointing(k, keep_attention=j)
+        with Count() as c:
+            out = model(x, t, ctx)
+            grads = loss_and_grads(model, out)
+        runs[k, j] = (out, grads, c.n)
+    per_pass = runs[0, 0][2]  # self- and cross-attention of every block, once
+    assert per_pass == 2 * L
+    assert runs[L, 0][2] == 2 * per_pass  # everything recomputed
+    assert runs[L, L][2] == per_pass  # kept: no attention in the recompute
+    assert runs[L, 1][2] == per_pass + per_pass // L  # one block kept, the other recomputes its two attentions
+    for key in [(L, 0), (L, L), (L, 1)]:
+        assert torch.equal(runs[key][0], runs[0, 0][0])
+        for n, g in runs[0, 0][1].items():
+            assert torch.equal(runs[key][1][n], g), (key, n)
+    with pytest.raises(ValueError, match="keep_attention"):
+        model.set_activation_checkpointing(1, keep_attention=2)

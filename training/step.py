@@ -58,7 +58,8 @@ def train_step(model, objective: FlowMatching, batches: Iterable[Batch], num_sam
             t, noise = objective.draw(batch.keys, batch.latents.shape[1:], seed, epoch)
             batch = batch.to(ctx.device)
             t, noise = t.to(ctx.device), noise.to(ctx.device)
-            model.set_activation_checkpointing(checkpoint_policy(batch.B, batch.S))
+            decision = checkpoint_policy(batch.B, batch.S)  # k, or (k, blocks keeping attention)
+            model.set_activation_checkpointing(*(decision if isinstance(decision, tuple) else (decision,)))
             _sync(ctx.device)
             t0 = time.perf_counter()
             with autocast():
