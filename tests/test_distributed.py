@@ -42,8 +42,10 @@ def two_rank_run(tmp_path_factory):
     run_dir, cache = str(base / "two"), str(base / "cache")
     # train.py starts its own 2 processes (torch's launcher) when launch.num_processes asks for more than run
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    # every block recomputed around its kept attention (selective checkpointing under FSDP2): the one-process run
+    # below recomputes nothing and must still match
     args = tiny_overrides(run_dir, cache, *STEPS, "metrics.busy_every=5", "optim.ema_decay=0.9",
-                          "launch.num_processes=2")
+                          "launch.num_processes=2", "model.checkpointing=full", "model.keep_attention=true")
     out = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
