@@ -146,8 +146,9 @@ class WanConditionEmbedder(nn.Module):
 class WanTransformer(DiffusersFormat, PolicyKnobs, nn.Module):
     """Wan 2.1 text-to-video transformer; defaults are Wan2.1-T2V-14B. See the module docstring for the math."""
 
-    # Recomputed blocks keep their inputs in pinned host memory between forward and backward (models/offload.py):
-    # a third less peak memory at long S, single process only. Set on the model (scripts/bench_step.py does).
+    # Recomputed blocks keep their inputs in pinned host memory between forward and backward (models/offload.py;
+    # model.offload_checkpoints): on the H200 0.66× diffusers' peak at S = 75600 against 0.85× without, little at
+    # 32760 where the peak comes after the inputs are freed (results/step_h200.md). Single process only.
     offload_checkpoints = False
     _keep_in_fp32_modules = ["rope", "time_embedder", "scale_shift_table", "norm1", "norm2", "norm3"]
     _diffusers_class_name = "WanTransformer3DModel"  # from_pretrained / save_pretrained: models.layers.DiffusersFormat
