@@ -116,33 +116,42 @@ def step_fn(model, x, t, ctx, diffusers: bool, autocast: bool, dev):
     return run
 
 
+class Probe:
+    """measure(setting) → (ms, peak GiB), each setting measured once; out of memory reads as an infinite peak.
+    fits(setting): the peak stays within limit (a NaN peak — the CPU measures none — fits)."""
+
+    def __init__(self, measure, limit: float):
+        self.measure, self.limit, self.tried = measure, limit, {}
+
+    def __call__(self, setting):
+        if setting not in self.tried:
+            try:
+                self.tried[setting] = self.measure(setting)
+            except torch.OutOfMemoryError:
+                self.tried[setting] = (math.inf, math.inf)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        return self.tried[setting]
+
+    def fits(self, setting) -> bool:
+        return not self(setting)[1] > self.limit
+
+
 def peak_search(measure, layers: int, limit: float):
     """The fewest leading blocks k to recompute so that measure(k) → peak GiB stays ≤ limit: k = 0 when it fits,
     else interpolate between the measured peaks of k = L and k = L/2 (the peak falls linearly in k) and step up
     until it fits. Returns (k, ms, peak) of the chosen setting."""
-    tried = {}
-
-    def at(k):
-        if k not in tried:
-            try:
-                tried[k] = measure(k)
-            except torch.OutOfMemoryError:
-                tried[k] = (math.inf, math.inf)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        return tried[k]
-
-    fits = lambda k: not at(k)[1] > limit  # noqa: E731 - a NaN peak (CPU: not measured) fits
-    if fits(0):
+    at = Probe(measure, limit)
+    if at.fits(0):
         return (0, *at(0))
     full, half = at(layers)[1], at(layers // 2)[1]
-    if fits(layers // 2):
+    if at.fits(layers // 2):
         k = layers // 2
         if full < half < math.inf:  # per-block activation bytes from the two peaks; the fewest k that fit
             k = max(1, math.ceil(layers - (limit - full) / ((half - full) / (layers - layers // 2))))
     else:
         k = layers // 2 + 1
-    while k < layers and not fits(k):
+    while k < layers and not at.fits(k):
         k += 1
     return (k, *at(k))
 
@@ -186,25 +195,13 @@ def profile(run) -> dict:
 def keep_search(measure, layers: int, limit: float):
     """The most blocks j (of all L recomputed) that keep their attention outputs with measure(j) → peak ≤ limit:
     the peak grows linearly in j, so j = L, j = 0 and the interpolation between, then step down until it fits."""
-    tried = {}
-
-    def at(j):
-        if j not in tried:
-            try:
-                tried[j] = measure(j)
-            except torch.OutOfMemoryError:
-                tried[j] = (math.inf, math.inf)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        return tried[j]
-
-    fits = lambda j: not at(j)[1] > limit  # noqa: E731
-    if fits(layers):
+    at = Probe(measure, limit)
+    if at.fits(layers):
         return layers
     p0, pl = at(0)[1], at(layers)[1]
     j = int((limit - p0) / ((pl - p0) / layers)) if pl < math.inf and pl > p0 else layers // 2
     j = max(0, min(layers - 1, j))
-    while j > 0 and not fits(j):
+    while j > 0 and not at.fits(j):
         j -= 1
     return j
 
