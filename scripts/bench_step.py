@@ -192,6 +192,65 @@ def profile(run) -> dict:
     return out
 
 
+def memory_at_peak(run, top: int = 14) -> dict:
+    """What is alive at the peak of one step (torch's allocator trace): the GiB held before the step (parameters,
+    inputs) and the step's own allocations alive at the peak, grouped by the first frame in models/, ops/ or
+    diffusers (allocations from autograd's engine carry no Python frame: '<backward>') and by size."""
+    try:
+        return _memory_at_peak(run, top)
+    except Exception as e:  # noqa: BLE001 - a diagnostic: its failure is reported, the benchmark goes on
+        print(f"memory at peak: {type(e).__name__}: {e}", flush=True)
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _memory_at_peak(run, top):
+    run()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    try:
+        run()
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    trace = next(t for t in snap["device_traces"] if t)
+
+    def where(ev):
+        for f in ev.get("frames") or ():
+            name = f.get("filename", "")
+            if any(k in name for k in ("/models/", "/ops/", "/diffusers/", "/training/")):
+                return f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}"
+        return "<backward>" if not ev.get("frames") else "<other>"
+
+    live, now, peak, peak_at = {}, 0, 0, -1
+    for i, ev in enumerate(trace):
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+            now += ev["size"]
+        elif ev["action"] == "free_completed" and ev["addr"] in live:
+            now -= live.pop(ev["addr"])["size"]
+        if now > peak:
+            peak, peak_at = now, i
+    live = {}
+    for ev in trace[:peak_at + 1]:  # replay to the peak, then group what is alive there
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+        elif ev["action"] == "free_completed":
+            live.pop(ev["addr"], None)
+    groups = {}
+    for ev in live.values():
+        key = f"{where(ev)} [{ev['size'] / 2**20:.1f} MiB]"
+        n, b = groups.get(key, (0, 0))
+        groups[key] = (n + 1, b + ev["size"])
+    out = {"before_step_gib": round(base / 2**30, 3), "step_peak_gib": round(peak / 2**30, 3),
+           "peak_event": f"{peak_at}/{len(trace)}", "frame_at_peak": where(trace[peak_at]) if peak_at >= 0 else None,
+           "alive_at_peak": {k: f"{n}× = {b / 2**30:.3f} GiB"
+                             for k, (n, b) in sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]}}
+    print(f"memory at peak: {json.dumps(out, indent=1)}", flush=True)
+    return out
+
+
 def keep_search(measure, layers: int, limit: float):
     """The most blocks j (of all L recomputed) that keep their attention outputs with measure(j) → peak ≤ limit:
     the peak grows linearly in j, so j = L, j = 0 and the interpolation between, then step down until it fits."""
@@ -222,6 +281,8 @@ def main(argv=None) -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--profile", action="store_true",
                     help="device-time breakdown (attention / GEMM / fused Triton / other kernels) at the first shape")
+    ap.add_argument("--memtrace", action="store_true",
+                    help="what is alive at the peak of one step (diffusers, ours@glue, ours@offload) at the first shape")
     ap.add_argument("--longest", default="ours@offload", help="the column whose longest sequence is searched ('' skips)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -328,6 +389,8 @@ def main(argv=None) -> None:
         diff_peak[shape] = round(peak, 2)
         if args.profile and shape == shapes[0]:
             meta.setdefault("profile", {})["diffusers@fast"] = profile(step_fn(theirs, *args_, True, False, dev))
+        if args.memtrace and shape == shapes[0] and dev.type == "cuda":
+            meta.setdefault("memtrace", {})["diffusers@fast"] = memory_at_peak(step_fn(theirs, *args_, True, False, dev))
         park(theirs)
         unpark(ours)
         with sdpa_context(best):
@@ -347,6 +410,9 @@ def main(argv=None) -> None:
                 ours_run(shape, True)  # back to eager
             if args.profile and shape == shapes[0]:
                 meta.setdefault("profile", {})["ours@glue"] = profile(ours_run(shape, True, glue))
+            if args.memtrace and shape == shapes[0] and dev.type == "cuda":
+                for name, off in (("ours@glue", False), ("ours@offload", True)):
+                    meta.setdefault("memtrace", {})[name] = memory_at_peak(ours_run(shape, True, glue, offload=off))
             if "ours@offload" in impls:  # + the recomputed blocks' inputs in pinned host memory
                 record("ours@offload", shape, *timed(ours_run(shape, True, glue, offload=True)))
             if "ours@policy" in impls:  # (b): recompute the fewest leading blocks that fit diffusers' peak

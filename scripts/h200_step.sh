@@ -14,6 +14,7 @@ timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_gelu_ffn.py tests
   tests/test_adaln.py tests/test_wan.py -k "gpu or cuda or gelu or fused_glue" 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
 # 32760 first (the targets), then the short shapes; all columns, and the longest-sequence search
 timeout 270 python3 scripts/bench_step.py --out "$OUT/a" --shapes 3,0,1 --fast-backend native \
-  --impls diffusers@default,ours@fast,ours@glue,ours@compile,ours@offload,ours@policy,ours@keep 2>&1 | tee "$OUT/bench_a.log" | grep -E "impl|longest|Error" | tail -30
+  --memtrace \
+  --impls diffusers@default,ours@glue,ours@offload,ours@policy,ours@keep 2>&1 | tee "$OUT/bench_a.log" | grep -E "impl|longest|Error|memory at|GiB\"" | tail -80
 timeout 200 python3 scripts/bench_step.py --out "$OUT/b" --shapes 2,4 --fast-backend native --longest '' \
   --impls diffusers@default,ours@glue,ours@offload,ours@policy,ours@keep 2>&1 | tee "$OUT/bench_b.log" | grep -E "impl|Error" | tail -20
