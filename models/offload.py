@@ -3,9 +3,10 @@
 A recomputed block keeps only its input between forward and backward; over L blocks those inputs are L·B·S·D
 elements on the GPU (Wan 1.3B at S = 32760: 30 × 100 MB = 3 GB, a third of the step's peak). Here each input is
 copied to pinned host memory on a side stream as soon as the block has run, and copied back one block ahead of
-backward (while the block after it recomputes), so the GPU holds at most two of them. The copies overlap compute;
-the side stream and the caching allocator are told about every cross-stream use (record_stream), so no buffer is
-reused before its copy ends.
+backward (while the block after it recomputes), so the GPU holds at most two of them. The copies overlap compute.
+Each cross-stream use is ordered: a forward input is record_stream'd to the copy stream (its memory is not reused
+before the copy has read it); a prefetch buffer belongs to the compute stream, which waits for its copy before use,
+so its memory returns the moment backward drops it, however far the CPU runs ahead of the GPU.
 
     forward:   out = block(x) without autograd;  host[i] ← x  (side stream)
     backward:  x = host[i] (prefetched);  out = block(x) with autograd, under the forward's autocast state;
@@ -61,9 +62,15 @@ class HostStore:
     def _prefetch(self, i: int, device: torch.device) -> None:
         if i < 0 or i in self.gpu or self.host[i] is None:
             return
+        # Allocated on the compute stream, which uses and frees it: its memory comes back the moment the block's
+        # backward drops it. (Allocated on the side stream with record_stream, every free waited for an event, and
+        # with the CPU queueing backward blocks ahead of the GPU, seven inputs were alive at the peak, not two.)
+        # The copy waits until the compute stream is done with the memory's previous owner.
+        current = torch.cuda.current_stream(device)
+        x = torch.empty(self.host[i].shape, dtype=self.host[i].dtype, device=device)
+        self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(self.done[i])
-            x = torch.empty(self.host[i].shape, dtype=self.host[i].dtype, device=device)
             x.copy_(self.host[i], non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self.stream)
@@ -80,8 +87,7 @@ class HostStore:
         self._prefetch(i, device)
         x, ready = self.gpu.pop(i)
         current = torch.cuda.current_stream(device)
-        current.wait_event(ready)
-        x.record_stream(current)  # allocated on the side stream, used and freed on this one
+        current.wait_event(ready)  # every use of x on this stream comes after its copy
         self.host[i] = None
         self._prefetch(i - 1, device)
         return x

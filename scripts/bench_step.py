@@ -62,6 +62,9 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
+LAST_TIMES: list = []  # every rep of the last time_step, in ms (recorded with each row: outliers show)
+
+
 def time_step(run, dev, warmup: int, reps: int) -> tuple[float, float]:
     """(median ms, peak GiB) of run() = one forward + backward."""
     for _ in range(warmup):
@@ -76,6 +79,7 @@ def time_step(run, dev, warmup: int, reps: int) -> tuple[float, float]:
         sync(dev)
         times.append((time.perf_counter() - t0) * 1e3)
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
+    LAST_TIMES[:] = [round(t, 1) for t in times]
     return sorted(times)[len(times) // 2], peak
 
 
@@ -282,7 +286,7 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true",
                     help="device-time breakdown (attention / GEMM / fused Triton / other kernels) at the first shape")
     ap.add_argument("--memtrace", action="store_true",
-                    help="what is alive at the peak of one step (diffusers, ours@glue, ours@offload) at the first shape")
+                    help="what is alive at the peak of one ours@offload step at the first shape")
     ap.add_argument("--longest", default="ours@offload", help="the column whose longest sequence is searched ('' skips)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -308,7 +312,7 @@ def main(argv=None) -> None:
         flops = model_flops(B, S, TEXT_LEN, p_matmul, layers, dim)
         row = dict(impl=impl, B=B, S=S, ms=round(ms, 2), tokens_per_s=round(B * S / ms * 1e3, 1),
                    mfu=round(flops / (ms * 1e-3) / (args.peak_tflops * 1e12), 4) if dev.type == "cuda" else None,
-                   peak_gib=round(peak, 2), **extra)
+                   peak_gib=round(peak, 2), reps_ms=list(LAST_TIMES), **extra)
         rows.append(row)
         print(json.dumps(row), flush=True)
         stream.write(json.dumps(row) + "\n")
@@ -389,8 +393,6 @@ def main(argv=None) -> None:
         diff_peak[shape] = round(peak, 2)
         if args.profile and shape == shapes[0]:
             meta.setdefault("profile", {})["diffusers@fast"] = profile(step_fn(theirs, *args_, True, False, dev))
-        if args.memtrace and shape == shapes[0] and dev.type == "cuda":
-            meta.setdefault("memtrace", {})["diffusers@fast"] = memory_at_peak(step_fn(theirs, *args_, True, False, dev))
         park(theirs)
         unpark(ours)
         with sdpa_context(best):
@@ -411,8 +413,10 @@ def main(argv=None) -> None:
             if args.profile and shape == shapes[0]:
                 meta.setdefault("profile", {})["ours@glue"] = profile(ours_run(shape, True, glue))
             if args.memtrace and shape == shapes[0] and dev.type == "cuda":
-                for name, off in (("ours@glue", False), ("ours@offload", True)):
-                    meta.setdefault("memtrace", {})[name] = memory_at_peak(ours_run(shape, True, glue, offload=off))
+                # ours@offload only: under torch.utils.checkpoint (diffusers, ours@glue) torch 2.11's Python-stack
+                # recording failed with "SystemError: ... returned NULL without setting an exception"
+                meta.setdefault("memtrace", {})["ours@offload"] = memory_at_peak(ours_run(shape, True, glue,
+                                                                                          offload=True))
             if "ours@offload" in impls:  # + the recomputed blocks' inputs in pinned host memory
                 record("ours@offload", shape, *timed(ours_run(shape, True, glue, offload=True)))
             if "ours@policy" in impls:  # (b): recompute the fewest leading blocks that fit diffusers' peak

@@ -491,3 +491,32 @@ def test_keep_attention_skips_attention_in_the_recompute():
             assert torch.equal(runs[key][1][n], g), (key, n)
     with pytest.raises(ValueError, match="keep_attention"):
         model.set_activation_checkpointing(1, keep_attention=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_offload_holds_two_inputs_while_the_cpu_runs_ahead():
+    """models/offload.py: backward holds the current block's input and the prefetched next one, however far the CPU
+    queues ahead of the GPU (the GPU is held back by a sleep kernel, so every take() below is queued before the first
+    copy runs). Eight 64 MiB inputs: a prefetch buffer whose free waits for the GPU would keep all eight alive."""
+    from models.offload import HostStore
+
+    dev = torch.device("cuda")
+    n, mib = 8, 64
+    xs = [torch.full((mib * 2**20 // 4,), float(i), device=dev) for i in range(n)]
+    store = HostStore(dev)
+    idx = [store.put(x) for x in xs]
+    del xs
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the inputs' frees that waited on the copy stream complete before the baseline
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time: the loop below runs on the CPU long before
+    sums = []
+    for i in reversed(idx):
+        x = store.take(i, dev)
+        sums.append(x.sum())  # a use on the compute stream, then x is dropped
+        del x
+    torch.cuda.synchronize()
+    assert [float(s) for s in sums] == [float(i) * mib * 2**20 / 4 for i in reversed(range(n))]
+    extra = (torch.cuda.max_memory_allocated() - base) / 2**20
+    assert extra <= 2 * mib + 1, f"{extra:.0f} MiB alive in backward: more than the current and the prefetched input"
