@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gelu_ffn.py tests/test_wan.py \
   -k "gelu or grad_kernel or chunked or cuda_bf16_parity or cuda_offload or fused_glue" 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
 # the targets' shapes (32760, 14040) with the (b) column, the peak breakdown and the longest-sequence search ...
-timeout 220 python3 scripts/bench_step.py --out "$OUT/a" --shapes 3,2 --fast-backend native --reps 3 --memtrace \
+timeout 220 python3 scripts/bench_step.py --out "$OUT/a" --shapes 3,2 --fast-backend native --reps 3 --memtrace --profile \
   --impls diffusers@default,ours@glue,ours@offload,ours@keep 2>&1 | tee "$OUT/bench_a.log" | grep -E "impl|longest|Error|step_peak|frame_at" | tail -40
 # ... then the other three shapes, like for like ("never slower")
 timeout 200 python3 scripts/bench_step.py --out "$OUT/b" --shapes 0,1,4 --fast-backend native --reps 3 --longest '' \
