@@ -408,23 +408,27 @@ def test_fused_glue_model_equals_reference_model(monkeypatch):
         assert rel(grads["triton16"][n], g) <= 1.5 * rel(grads["torch16"][n], g) + 1e-3, n
 
 
-def test_lora_and_frozen_embedders_with_fused_glue_and_offload():
+def test_lora_and_frozen_embedders_with_fused_glue_and_offload(monkeypatch):
     """LoRA (dropout on) with every fused path: the adapted FFN runs its modules (the fused MLP would skip the
     adapters), and offloaded checkpoints — whose block inputs do not require grad once the embedders are frozen —
-    still give every adapter the plain model's gradient, with the forward's dropout mask redrawn in the recompute."""
+    still give every adapter the plain model's gradient, with the forward's dropout mask redrawn in the recompute.
+    On the GPU when there is one (Triton compiles there; on the CPU it interprets)."""
     import ops.gated_residual as gr
     from models.config import LoRAConfig
     from models.lora import apply_lora
 
     if not gr._HAS_TRITON:
         pytest.skip("triton is not installed")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # fp32 convolutions, as the reference's
     _, model = make_pair(TINY)
     apply_lora(model, LoRAConfig(rank=4, dropout=0.5))
+    model.to(dev)
     with torch.no_grad():  # B starts at zero: make the adapters visible
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_()
-    x, t, ctx = inputs(TINY, frames=3)
+    x, t, ctx = (a.to(dev) for a in inputs(TINY, frames=3))
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert any("ffn.net.0.proj.lora_B" in n for n in trainable) and not any("patch_embedding" in n for n in trainable)
 
@@ -434,7 +438,7 @@ def test_lora_and_frozen_embedders_with_fused_glue_and_offload():
         torch.manual_seed(3)  # the same dropout masks in every run
         out = model(x, t, ctx)
         model.zero_grad()
-        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(7))).sum().backward()
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(dev)).sum().backward()
         return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     ref_out, ref = run("torch", 0, False)
