@@ -15,6 +15,8 @@ Side by side in one run, forward + backward, no optimizer, random weights (the s
                       at that shape (none where it fits), with the fused glue (and offload when ours@offload runs)
   ours@keep           (b) too: every block recomputed, the most blocks that fit diffusers' peak keeping their
                       attention outputs (the recompute skips attention there), glue and offload as ours@policy
+  ours@unchunked      ours@offload with the MLP's ffn-sized temporaries whole (ops/gelu_ffn.py's row chunks off)
+  diffusers@again     diffusers measured again after our columns at each shape (drift between columns shows)
   ours@trainer        our trainer's precision: fp32 master weights under bf16 autocast (not held to memory targets)
 Reported per shape: ms (median), tokens/s, model-FLOPs utilisation (CONTRACTS §9), peak GiB; each row is appended
 to OUT/bench_step.jsonl as it is measured. Then the longest sequence: B = 1 at 480p (latent 60×104), latent frames
@@ -431,9 +433,22 @@ def main(argv=None) -> None:
                                 layers, diff_peak[shape] if dev.type == "cuda" else math.inf)
                 record("ours@keep", shape, *timed(ours_run(shape, True, glue, offload=off, keep=j)),
                        keep_attention_blocks=j, offload=off)
+            if "ours@unchunked" in impls:  # ours@offload with the MLP's temporaries whole (one chunk of rows)
+                import ops.gelu_ffn as gelu_ffn
+
+                chunk, gelu_ffn.CHUNK_BYTES = gelu_ffn.CHUNK_BYTES, 1 << 62
+                try:
+                    record("ours@unchunked", shape, *timed(ours_run(shape, True, glue, offload=True)))
+                finally:
+                    gelu_ffn.CHUNK_BYTES = chunk
             ours.set_activation_checkpointing(True)
             ours.offload_checkpoints = False
         park(ours)
+        if "diffusers@again" in impls:  # diffusers once more after ours: a drift (clocks, heat) shows as a change
+            unpark(theirs)
+            ms, peak = timed(step_fn(theirs, *args_, True, False, dev))
+            record("diffusers@again", shape, ms, peak)
+            park(theirs)
     unpark(ours)
     ours.set_activation_checkpointing(True)
     ours.glue_backend = "torch"
