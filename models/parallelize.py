@@ -38,7 +38,7 @@ class FSDPOptions:
 def checkpoint_policy(mode: str, recompute_blocks: Optional[Callable[[int, int], object]] = None,
                       keep_attention: bool = False, layers: int = 0) -> Callable[[int, int], object]:
     """(B, S) → which blocks this micro-batch recomputes in backward: True all, False none, k the first k, or
-    (k, j): the first j of them keep their attention outputs (set_activation_checkpointing's arguments). auto takes
+    (k, j): the last j of them keep their attention outputs (set_activation_checkpointing's arguments). auto takes
     the memory model's answer (scheduling.policy); full with keep_attention keeps it in every block."""
     if mode == "none":
         return lambda B, S: False

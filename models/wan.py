@@ -219,7 +219,7 @@ class WanTransformer(DiffusersFormat, PolicyKnobs, nn.Module):
         offload = self.offload_checkpoints and self._checkpointing > 0 and torch.is_grad_enabled()
         store = HostStore(x_BND.device) if offload else None
         for i, block in enumerate(self.blocks):
-            if self.recomputes(i) and store is not None and i >= self._keep_attention:  # input in host memory
+            if self.recomputes(i) and store is not None and not self.keeps_attention(i):  # input in host memory
                 x_BND = offloaded_checkpoint(lambda x, c, t, cos, sin, blk=block: blk(x, c, t, (cos, sin)), store,
                                              x_BND, ctx_BLD, tmod_BT6D, *rope)
             else:

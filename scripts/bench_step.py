@@ -14,7 +14,7 @@ Side by side in one run, forward + backward, no optimizer, random weights (the s
   ours@policy         (b): the fewest leading blocks recompute that keep the step under diffusers@fast's peak memory
                       at that shape (none where it fits), with the fused glue (and offload when ours@offload runs)
   ours@keep           (b) too: every block recomputed, the most blocks that fit diffusers' peak keeping their
-                      attention outputs (the recompute skips attention there), glue and offload as ours@policy
+                      attention outputs (the last ones: models/layers.py keeps_attention) (the recompute skips attention there), glue and offload as ours@policy
   ours@unchunked      ours@offload with the MLP's ffn-sized temporaries whole (ops/gelu_ffn.py's row chunks off)
   diffusers@again     diffusers measured again after our columns at each shape (drift between columns shows)
   ours@trainer        our trainer's precision: fp32 master weights under bf16 autocast (not held to memory targets)
@@ -258,17 +258,17 @@ def _memory_at_peak(run, top):
 
 
 def keep_search(measure, layers: int, limit: float):
-    """The most blocks j (of all L recomputed) that keep their attention outputs with measure(j) → peak ≤ limit:
-    the peak grows linearly in j, so j = L, j = 0 and the interpolation between, then step down until it fits."""
+    """The most blocks j (of all L recomputed) that keep their attention outputs with measure(j) → peak ≤ limit.
+    The peak does not fall as j grows (flat while the kept outputs die before the end-of-backward peak, then up),
+    so a bisection between 0 and L finds it in about log2(L) probes."""
     at = Probe(measure, limit)
     if at.fits(layers):
         return layers
-    p0, pl = at(0)[1], at(layers)[1]
-    j = int((limit - p0) / ((pl - p0) / layers)) if pl < math.inf and pl > p0 else layers // 2
-    j = max(0, min(layers - 1, j))
-    while j > 0 and not at.fits(j):
-        j -= 1
-    return j
+    lo, hi = 0, layers  # lo fits (or is 0), hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if at.fits(mid) else (lo, mid)
+    return lo
 
 
 def main(argv=None) -> None:

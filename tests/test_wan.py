@@ -459,7 +459,7 @@ def test_lora_and_frozen_embedders_with_fused_glue_and_offload(monkeypatch):
 
 
 def test_keep_attention_skips_attention_in_the_recompute():
-    """set_activation_checkpointing(k, keep_attention=j): the first j recomputed blocks save SDPA's outputs, so
+    """set_activation_checkpointing(k, keep_attention=j): the last j recomputed blocks save SDPA's outputs, so
     attention runs once for them (twice for the other recomputed blocks), with the same output and gradients."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -493,6 +493,10 @@ def test_keep_attention_skips_attention_in_the_recompute():
         assert torch.equal(runs[key][0], runs[0, 0][0])
         for n, g in runs[0, 0][1].items():
             assert torch.equal(runs[key][1][n], g), (key, n)
+    # which blocks: the last j of the k recomputed (backward frees their outputs before the peak at the first blocks)
+    for k, j, kept in [(L, 1, [L - 1]), (L - 1, 1, [L - 2]), (L, L, list(range(L))), (L, 0, [])]:
+        model.set_activation_checkpointing(k, keep_attention=j)
+        assert [i for i in range(L) if model.keeps_attention(i)] == kept
     with pytest.raises(ValueError, match="keep_attention"):
         model.set_activation_checkpointing(1, keep_attention=2)
 
