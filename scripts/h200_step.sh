@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 9 in one device call on the H200 (~7 minutes): the GPU tests of the fused ops and of Wan's parity with
 # diffusers, then scripts/bench_step.py at the five shapes in two processes, each with its own diffusers baseline:
-# the targets' shapes (memory breakdown, profile, longest-sequence search), then the other three. Results land in $OUT (or ./h200_step_out); copy them to results/step_h200/.
+# the targets' shapes (memory breakdown, profile, longest-sequence search), then the other three. Results land in
+# $OUT (or ./h200_step_out); copy them to results/step_h200/.
 # Needs .whl/ (bash ../shared/device/make_wheels.sh): the GPU image lacks diffusers.
 set -uo pipefail
 OUT=${OUT:-h200_step_out}; mkdir -p "$OUT"
