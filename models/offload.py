@@ -42,6 +42,16 @@ class HostStore:
         self.done: list = []   # event: the device-to-host copy finished
         self.gpu: dict = {}    # i → (device tensor, event: host-to-device copy finished), for prefetched inputs
 
+    def __del__(self):
+        # A prefetched input never taken (a backward that failed midway, e.g. out of memory) goes back to the
+        # compute stream's pool when this dies: that stream first waits for its copy, so no later allocation there
+        # is written by the copy still in flight.
+        try:
+            for x, ready in self.gpu.values():
+                torch.cuda.current_stream(x.device).wait_event(ready)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to protect
+            pass
+
     def put(self, x: torch.Tensor) -> int:
         x = x.detach()
         if not self.cuda:

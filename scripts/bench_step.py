@@ -65,6 +65,8 @@ def sync(dev):
 
 
 LAST_TIMES: list = []  # every rep of the last time_step, in ms (recorded with each row: outliers show)
+LAST_ACTIVE: list = []  # the last time_step's peak of active bytes, GiB: allocated + freed blocks that still wait on
+# another stream's events (not reusable yet, not counted by max_memory_allocated)
 
 
 def time_step(run, dev, warmup: int, reps: int) -> tuple[float, float]:
@@ -82,6 +84,8 @@ def time_step(run, dev, warmup: int, reps: int) -> tuple[float, float]:
         times.append((time.perf_counter() - t0) * 1e3)
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
     LAST_TIMES[:] = [round(t, 1) for t in times]
+    LAST_ACTIVE[:] = [round(torch.cuda.memory_stats(dev)["active_bytes.all.peak"] / 2**30, 2)] if dev.type == "cuda" \
+        else []
     return sorted(times)[len(times) // 2], peak
 
 
@@ -201,7 +205,9 @@ def profile(run) -> dict:
 def memory_at_peak(run, top: int = 14) -> dict:
     """What is alive at the peak of one step (torch's allocator trace): the GiB held before the step (parameters,
     inputs) and the step's own allocations alive at the peak, grouped by the first frame in models/, ops/ or
-    diffusers (allocations from autograd's engine carry no Python frame: '<backward>') and by size."""
+    diffusers (allocations from autograd's engine carry no Python frame: '<backward>') and by size. A block is alive
+    until its free completes, so freed blocks still waiting on another stream's events count — as in the active
+    bytes, not the allocated bytes (max_memory_allocated) of the rows."""
     try:
         return _memory_at_peak(run, top)
     except Exception as e:  # noqa: BLE001 - a diagnostic: its failure is reported, the benchmark goes on
@@ -249,6 +255,9 @@ def _memory_at_peak(run, top):
         key = f"{where(ev)} [{ev['size'] / 2**20:.1f} MiB]"
         n, b = groups.get(key, (0, 0))
         groups[key] = (n + 1, b + ev["size"])
+    if len(trace) >= 2_000_000:
+        print("memory at peak: the allocator trace filled its 2,000,000 entries — early allocations are missing",
+              flush=True)
     out = {"before_step_gib": round(base / 2**30, 3), "step_peak_gib": round(peak / 2**30, 3),
            "peak_event": f"{peak_at}/{len(trace)}", "frame_at_peak": where(trace[peak_at]) if peak_at >= 0 else None,
            "alive_at_peak": {k: f"{n}× = {b / 2**30:.3f} GiB"
@@ -315,6 +324,8 @@ def main(argv=None) -> None:
         row = dict(impl=impl, B=B, S=S, ms=round(ms, 2), tokens_per_s=round(B * S / ms * 1e3, 1),
                    mfu=round(flops / (ms * 1e-3) / (args.peak_tflops * 1e12), 4) if dev.type == "cuda" else None,
                    peak_gib=round(peak, 2), reps_ms=list(LAST_TIMES), **extra)
+        if LAST_ACTIVE:
+            row["active_peak_gib"] = LAST_ACTIVE[0]
         rows.append(row)
         print(json.dumps(row), flush=True)
         stream.write(json.dumps(row) + "\n")
@@ -431,8 +442,9 @@ def main(argv=None) -> None:
                 off = "ours@offload" in impls
                 j = keep_search(lambda j: time_step(ours_run(shape, True, glue, offload=off, keep=j), dev, 0, 1),
                                 layers, diff_peak[shape] if dev.type == "cuda" else math.inf)
-                record("ours@keep", shape, *timed(ours_run(shape, True, glue, offload=off, keep=j)),
-                       keep_attention_blocks=j, offload=off)
+                ms, peak = timed(ours_run(shape, True, glue, offload=off, keep=j))
+                record("ours@keep", shape, ms, peak, keep_attention_blocks=j, offload=off,
+                       fits=bool(not peak > diff_peak[shape]) if dev.type == "cuda" else None)
             if "ours@unchunked" in impls:  # ours@offload with the MLP's temporaries whole (one chunk of rows)
                 import ops.gelu_ffn as gelu_ffn
 
@@ -509,7 +521,8 @@ def table(rows) -> str:
     for r in rows:
         by.setdefault(r["S"], {})[r["impl"]] = r
     impls = ["diffusers@default", "diffusers@fast", "ours@fast", "ours@glue", "ours@compile", "ours@offload",
-             "ours@policy", "ours@keep", "ours@trainer"]
+             "ours@unchunked", "ours@policy", "ours@keep", "ours@trainer", "diffusers@again"]
+    impls = [i for i in impls if any(i in d for d in by.values())]  # the columns this run measured
     lines = ["| S | " + " | ".join(f"{i} ms (tok/s, GiB)" for i in impls) + " | ours@fast / diffusers@fast |",
              "|---|" + "---|" * (len(impls) + 1)]
     for S, d in sorted(by.items()):
