@@ -56,7 +56,8 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
     schedule = resolve_schedule(cfg.scheduling, {n: b.tokens for n, b in buckets.items()}, shape,
                                 proxy_tflops=cfg.metrics.peak_tflops or 100.0,
                                 checkpointing=cfg.model.checkpointing, world_size=ctx.world_size,
-                                keep_attention=cfg.model.keep_attention)
+                                keep_attention=cfg.model.keep_attention,
+                                offload_checkpoints=getattr(cfg.model, "offload_checkpoints", False))
     corpus = open_corpus(cfg.data, buckets, cfg.model.in_channels, cfg.model.text_dim, cfg.train.seed,
                          ctx.is_main, ctx.barrier, pooled_dim=getattr(cfg.model, "pooled_projection_dim", None))
     batch_sizes = [schedule.batch_sizes[n] for n in corpus.bucket_names]

@@ -109,6 +109,13 @@ class PartialRecompute:
         return float((1 - f) * self.none_cost.predict(B, S) + f * self.full_cost.predict(B, S))
 
 
+def kept_bytes_per_token(dim: int, offload_checkpoints: bool = False) -> float:
+    """Bytes a token that a recomputed block keeping its attention holds beyond a plain recomputed one: SDPA's bf16
+    output (2·dim) and fp32 log-sum-exp (4 bytes a head, heads = dim/128 → 2·dim/64); with offload on, also its bf16
+    input (2·dim), which a kept block keeps on the device."""
+    return 2.0 * dim * (1 + 1 / 64) + (2.0 * dim if offload_checkpoints else 0.0)
+
+
 def flops_cost_fn(shape: ModelShape, proxy_tflops: float = 100.0) -> Callable[[int, int], float]:
     return lambda B, S: model_flops(B, S, shape.text_len, shape.p_matmul, shape.layers, shape.dim) / (proxy_tflops * 1e9)
 
@@ -126,9 +133,12 @@ def _check_model(cal: Calibration, shape: ModelShape) -> None:
 
 def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: ModelShape,
                      proxy_tflops: float = 100.0, checkpointing: Optional[str] = None,
-                     world_size: Optional[int] = None, keep_attention: bool = False) -> Schedule:
+                     world_size: Optional[int] = None, keep_attention: bool = False,
+                     offload_checkpoints: bool = False) -> Schedule:
     """tokens: bucket name → S, in bucket order; checkpointing: model.checkpointing (picks the calibration's
-    record); world_size: picks the simulator's choice made for the nearest cluster size."""
+    record); world_size: picks the simulator's choice made for the nearest cluster size; keep_attention /
+    offload_checkpoints: the model's knobs of those names (a block that keeps its attention is not offloaded, so
+    with offload on, its bf16 input stays on the device too and is charged with the kept outputs)."""
     S_max = max(tokens.values())
     src: dict = {}
     val: dict = {}
@@ -154,7 +164,8 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
             if budget is not None:
                 partial = PartialRecompute(shape.layers, budget, cal.memory_model("none"), memory,
                                            cal.cost_model("none"), cost_model,
-                                           attention_bytes=2.0 * shape.dim * (1 + 1 / 64) if keep_attention else 0.0)
+                                           attention_bytes=kept_bytes_per_token(shape.dim, offload_checkpoints)
+                                           if keep_attention else 0.0)
                 recompute, cost_fn = (partial.decide if keep_attention else partial.blocks), partial.predict
                 src["cost"] = (f"calibration:auto(no recompute up to {partial.none_tokens} tokens, then as few "
                                f"of {shape.layers} blocks as {budget / 2**30:.1f} GiB allows)")

@@ -28,7 +28,8 @@ def print_buckets(cfg) -> None:
     shape = ModelShape(meta.num_matmul_params(), cfg.model.attention_layers, cfg.model.dim, cfg.model.text_len)
     schedule = resolve_schedule(sc, {n: b.tokens for n, b in table.items()}, shape,
                                 proxy_tflops=cfg.metrics.peak_tflops or 100.0, checkpointing=cfg.model.checkpointing,
-                                world_size=cfg.launch.num_processes)
+                                world_size=cfg.launch.num_processes, keep_attention=cfg.model.keep_attention,
+                                offload_checkpoints=getattr(cfg.model, "offload_checkpoints", False))
     print(f"config {cfg.name}: strategy {schedule.strategy}, {len(table)} buckets, values {schedule.values}")
     print(f"sources: {schedule.sources}")
     for note in schedule.notes:

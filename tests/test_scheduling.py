@@ -247,7 +247,7 @@ def test_keep_attention_spends_memory_on_attention_outputs_first(tmp_path):
     """model.keep_attention with checkpointing=auto: the recomputed blocks keep their attention outputs wherever
     that fits (j = k), the predicted peak stays within the budget, and the fewest blocks recompute for that."""
     from models.parallelize import checkpoint_policy
-    from scheduling.policy import PartialRecompute
+    from scheduling.policy import PartialRecompute, kept_bytes_per_token
 
     cal = issue4_h200_calibration()
     full_mem, full_cost = cal.memory_model("full"), cal.cost_model("full")
@@ -271,6 +271,13 @@ def test_keep_attention_spends_memory_on_attention_outputs_first(tmp_path):
             assert j == L or peak(T, L, j + 1) > budget
             seen_full = True
     assert seen_partial and seen_full
+    # with offload on, a kept block's input stays on the device too: charged, so fewer blocks keep where all recompute
+    a_off = kept_bytes_per_token(WAN13.dim, offload_checkpoints=True)
+    assert a == kept_bytes_per_token(WAN13.dim) and a_off == a + 2 * WAN13.dim
+    pr_off = PartialRecompute(L, budget, none_mem, full_mem, full_cost, full_cost, attention_bytes=a_off)
+    T = int(full_mem.m_mem(budget) * 0.9)
+    (k, j), (k_off, j_off) = pr.decide(1, T), pr_off.decide(1, T)
+    assert k == k_off == L and j_off < j and full_mem.predict(1, T) + j_off * a_off * T <= budget
     assert checkpoint_policy("full", None, keep_attention=True, layers=L)(1, 5) == (L, L)
     assert checkpoint_policy("full", None)(1, 5) is True
 
