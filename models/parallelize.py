@@ -44,7 +44,9 @@ def checkpoint_policy(mode: str, recompute_blocks: Optional[Callable[[int, int],
         return lambda B, S: False
     if mode == "full" or recompute_blocks is None:
         if mode == "auto":
-            log.info("model.checkpointing=auto without a memory model: checkpointing every micro-batch")
+            log.info("model.checkpointing=auto needs a calibration with both modes, `none` and `full` (python "
+                     "scripts/calibrate.py conf=... model.checkpointing=auto scans both): until then every "
+                     "micro-batch recomputes every block")
         return (lambda B, S: (layers, layers)) if keep_attention else (lambda B, S: True)
     return recompute_blocks
 
