@@ -3,13 +3,7 @@
 # (world size 1, the same path as CPU runs). Logs and metrics go to $OUT (or ./h200_out).
 # Needs .whl/ (bash ../shared/device/make_wheels.sh) on the GPU image, which lacks hydra/omegaconf/wandb/diffusers.
 set -uo pipefail
-OUT=${OUT:-h200_out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+source scripts/h200_env.sh h200_out
 python3 -m pytest -q -p no:cacheprovider tests/test_precision_gpu.py tests/test_wan.py -k "cuda or fsdp2" 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
 STEPS=${STEPS:-8}
 python3 train.py conf=wan21_1p3b name=h200_1p3b run_dir="$OUT/run" data.cache_dir=/tmp/cache train.steps=$STEPS \

@@ -5,12 +5,7 @@
 # $OUT (or ./h200_step_out); copy them to results/step_h200/.
 # Needs .whl/ (bash ../shared/device/make_wheels.sh): the GPU image lacks diffusers.
 set -uo pipefail
-OUT=${OUT:-h200_step_out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+source scripts/h200_env.sh h200_step_out
 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gelu_ffn.py tests/test_wan.py \
   -k "gelu or grad_kernel or chunked or cuda_bf16_parity or cuda_offload or fused_glue" 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
 # the targets' shapes (32760, 14040) with the (b) column, the peak breakdown and the longest-sequence search ...
