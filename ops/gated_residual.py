@@ -43,7 +43,7 @@ import math
 
 import torch
 
-from ops.adaln import (KernelConfig, _cdiv, _interpreting, _mod_layout, _next_pow2, _on_device, _rows_last, _span,
+from ops.adaln import (BACKENDS, _DTYPES, KernelConfig, _cdiv, _interpreting, _mod_layout, _next_pow2, _on_device, _rows_last, _span,
                        import_triton, require_triton, store_cast)
 
 # Imported on first use by _kernels(), as in ops/adaln.py: triton.language must see TRITON_INTERPRET as the tests
@@ -53,8 +53,6 @@ tl = None
 _cast = None  # jitted by _kernels()
 _HAS_TRITON = importlib.util.find_spec("triton") is not None  # a module constant: torch.compile traces the checks
 
-BACKENDS = ("auto", "triton", "torch")
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def gated_residual_reference(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

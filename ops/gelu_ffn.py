@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import math
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +27,6 @@ import torch.nn.functional as F
 from ops.adaln import BACKENDS, _interpreting, import_triton, require_triton, store_cast
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
-_C = math.sqrt(2.0 / math.pi)
 _BLOCK = 1024
 triton = tl = _cast = None  # set on first use by _kernel() (the tests set TRITON_INTERPRET first)
 

@@ -44,7 +44,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ops.adaln import (BACKENDS, MAX_D, KernelConfig, _cdiv, _interpreting, _on_device, _rows_last, _segments,
+from ops.adaln import (_DTYPES, BACKENDS, MAX_D, KernelConfig, _cdiv, _interpreting, _on_device, _rows_last, _segments,
                        _span, import_triton, require_triton)
 
 # Imported on first use by _kernels(), as in ops.adaln: the tests set TRITON_INTERPRET only after finding no CUDA.
@@ -53,7 +53,6 @@ tl = None
 _rne_bf16 = _load_angles = _rotate = None  # helpers of the kernels, jitted by _kernels()
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def qk_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
