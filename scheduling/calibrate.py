@@ -29,7 +29,7 @@ from typing import Callable, Mapping, Optional
 
 import numpy as np
 
-from scheduling.cost_model import CostModel, MemoryModel, fit_both, fit_cost_model, fit_memory_model
+from scheduling.cost_model import CostModel, MemoryModel, best_fit, fit_both, fit_memory_model
 
 FORMAT = "adaptiveload-calibration/1"
 HBM_FRACTION = 0.9  # the memory budget when none is given: 90 % of the device's memory
@@ -159,8 +159,8 @@ def fit_mode(points: list[Point], scale: float = 1.0, L: Optional[float] = None,
     B, S, t = (np.array([getattr(p, k) for p in fitted], dtype=np.float64) for k in ("B", "S", "ms"))
     L_arr = np.full(len(t), float(L)) if joint and L is not None else None
     fits = fit_both(B, S, t, L=L_arr, joint=L_arr is not None)
-    best = fit_cost_model(B, S, t, form="auto", L=L_arr, joint=L_arr is not None)
-    for m in (*fits.values(), best):
+    best = best_fit(fits)  # form="auto"'s choice, without fitting both forms again
+    for m in fits.values():
         m.L = L
     rec["fits"] = {f: m.scaled(scale).to_dict() for f, m in fits.items()}
     rec["cost_model"] = best.scaled(scale).to_dict()
@@ -262,7 +262,9 @@ def refit(cal: Calibration, min_tokens: Optional[float]) -> Calibration:
     scale = float(ext.get("scale", 1.0))
     for mode, rec in list(cal.data["modes"].items()):
         points = [Point(**p) for p in rec["points"]]
-        new = fit_mode(points, scale=scale, memory_valid=rec.get("memory_model") is not None, min_tokens=min_tokens)
+        cost = rec.get("cost_model") or {}  # an MMDiT scan fitted joint attention over S + L: so does the refit
+        new = fit_mode(points, scale=scale, L=cost.get("L"), joint=bool(cost.get("joint")),
+                       memory_valid=rec.get("memory_model") is not None, min_tokens=min_tokens)
         for k in ("memory_model", "memory_model_k_blocks"):  # measured memory stays as the scan fitted it
             if k in rec:
                 new[k] = rec[k]

@@ -222,10 +222,13 @@ def fit_cost_model(B: Sequence[float], S: Sequence[float], t: Sequence[float], f
         model.loo_rel_rmse = _loo(f, B, S, t, Lv, joint) if len(t) > n_params[f] else float("nan")
         model.L = None if Lv is None else float(np.mean(Lv))
         fits[f] = model
-    if form != "auto":
-        return fits[form]
-    key = lambda f: fits[f].loo_rel_rmse if math.isfinite(fits[f].loo_rel_rmse) else fits[f].rel_rmse
-    return fits[min(forms, key=key)]
+    return fits[form] if form != "auto" else best_fit(fits)
+
+
+def best_fit(fits: dict[str, "CostModel"]) -> "CostModel":
+    """form="auto"'s choice among fitted forms: the lower leave-one-out relative error (the in-sample one where
+    there are too few points to leave one out)."""
+    return min(fits.values(), key=lambda m: m.loo_rel_rmse if math.isfinite(m.loo_rel_rmse) else m.rel_rmse)
 
 
 def fit_both(B, S, t, L=None, joint=False) -> dict[str, CostModel]:

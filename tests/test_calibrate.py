@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from scheduling.calibrate import Calibration, Infeasible, Point, StepResult, fit_mode, scan
+from scheduling.cost_model import CostModel
 from scheduling.config import SchedulingConfig
 from scheduling.policy import ModelShape, resolve_schedule
 
@@ -106,6 +107,17 @@ def test_launch_bound_points_stay_in_the_file_but_out_of_the_fit(tmp_path):
     assert fit_mode(pts)["fit_errors"]["quadratic"]["rel_rmse"] > 0.05  # with it, the fit is worse everywhere
     cal = new_calibration({"full": fit_mode(pts)}, model={}, source="t", device="t", date="t", command="t")
     assert refit(cal, 10_000).data["modes"]["full"]["fit_points"] == 6
+
+    # an MMDiT scan (joint attention over S + L) refits as joint: planted parameters come back exactly
+    L = 256
+    joint = lambda B, S: 20 + 0.02 * B * (S + L) + 2e-6 * B * (S + L) ** 2
+    pts = [Point("b", S, B, True, joint(B, S), [], 1.0, C0 + C1 * B * S)
+           for B, S in [(4, 4000), (1, 16000), (2, 16000), (1, 32000), (3, 32000), (1, 75000)]]
+    cal = new_calibration({"full": fit_mode(pts, L=L, joint=True)}, model={}, source="t", device="t", date="t",
+                          command="t")
+    cm = refit(cal, None).data["modes"]["full"]["cost_model"]
+    assert cm["form"] == "quadratic" and cm["joint"] and cm["L"] == L
+    assert CostModel.from_dict(cm).predict(2, 20000) == pytest.approx(joint(2, 20000), rel=1e-6)
 
 
 def test_the_committed_h200_calibration(monkeypatch):
