@@ -86,6 +86,10 @@ def test_mmdit_refuses_the_wan_only_glue_and_offload():
     with pytest.raises(ValueError, match="model.glue_backend=triton"):
         compose_config(["conf=mmdit_tiny", "model.glue_backend=triton"])
     assert compose_config(["conf=mmdit_tiny"]).model.glue_backend == "auto"
+    with pytest.raises(ValueError, match="offload_checkpoints"):
+        compose_config(["conf=mmdit_tiny", "model.checkpointing=full", "+model.offload_checkpoints=true"])
+    with pytest.raises(ValueError, match="train.sample_every"):  # Wan's sampler lacks MMDiT's mask and pooled text
+        compose_config(["conf=mmdit_tiny", "train.sample_every=5"])
 
 
 def test_offload_is_refused_under_fsdp():

@@ -151,6 +151,10 @@ def _check_cross_fields(cfg: TrainConfig) -> None:
     from data.buckets import bucket_table
 
     table = bucket_table(cfg.data.buckets)  # validates every bucket
+    if cfg.train.sample_every and cfg.model.name != "wan":
+        raise ValueError(f"train.sample_every={cfg.train.sample_every} samples validation clips with Wan's sampler; "
+                         f"model.name={cfg.model.name} needs its text mask and pooled text there, not yet wired: set "
+                         "train.sample_every=0")
     if cfg.sample.bucket is not None and cfg.sample.bucket not in table:
         raise ValueError(f"sample.bucket={cfg.sample.bucket!r} is not in data.buckets ({sorted(table)})")
     if cfg.data.synthetic.mix and cfg.data.index is None and cfg.data.sources is None:
