@@ -5,6 +5,7 @@ CPU, fp32; odd latent grids (F=3, H=6, W=10; temporal patch 2 in the second conf
 (default PyTorch init, so every modulation is non-zero and every path carries signal).
 """
 import json
+import logging
 import math
 import os
 
@@ -346,7 +347,7 @@ def test_tiny_preset_trains_and_its_val_loss_falls(tmp_path):
                                           return_dict=False, **kw)[0], atol=1e-5, rtol=1e-5)
 
 
-def test_calibration_fits_joint_attention_and_balanced_plans_train(tmp_path):
+def test_calibration_fits_joint_attention_and_balanced_plans_train(tmp_path, caplog):
     import json
 
     from scripts.calibrate import calibrate_config
@@ -360,10 +361,12 @@ def test_calibration_fits_joint_attention_and_balanced_plans_train(tmp_path):
     quad = rec["fits"]["quadratic"]
     assert quad["joint"] is True and quad["L"] == cfg.model.text_len  # (S + L)²: text joins the attention
     run_dir = str(tmp_path / "bal")
-    run_training(["conf=mmdit_tiny", "scheduling=balanced", f"scheduling.calibration={cal}",
-                  *tiny_overrides(run_dir, str(tmp_path / "cache"), "train.steps=3", "train.val_every=3")])
-    rows = read_metrics(run_dir)
-    assert rows[-1]["step"] == 3 and rows[-1]["balance/compute_cv_pred"] == 0.0  # one rank: nothing to balance
+    with caplog.at_level(logging.INFO, logger="train"):
+        run_training(["conf=mmdit_tiny", "scheduling=balanced", f"scheduling.calibration={cal}",
+                      *tiny_overrides(run_dir, str(tmp_path / "cache"), "train.steps=3", "train.val_every=3")])
+    assert read_metrics(run_dir)[-1]["step"] == 3
+    sources = next(r.args[1] for r in caplog.records if r.msg.startswith("scheduling values"))
+    assert sources["cost"].startswith("calibration:") and sources["cost"].endswith(":" + rec["cost_model"]["form"])
 
 
 def test_llama_clip_text_side_feeds_pooled_text_to_the_mmdit_from_raw_shards(tmp_path, monkeypatch):
