@@ -109,6 +109,18 @@ class PartialRecompute:
         return float((1 - f) * self.none_cost.predict(B, S) + f * self.full_cost.predict(B, S))
 
 
+def schedule_for(cfg, tokens: Mapping[str, int], p_matmul: int, world_size: int) -> Schedule:
+    """The run's schedule from a training config, as train.py and scripts/show_buckets.py both need it: tokens
+    (bucket → S), the model's shape (p_matmul: its matmul parameter count) and checkpointing knobs, the scheduling
+    group."""
+    m = cfg.model
+    shape = ModelShape(p_matmul, m.attention_layers, m.dim, m.text_len)
+    return resolve_schedule(cfg.scheduling, tokens, shape,
+                            proxy_tflops=cfg.metrics.peak_tflops or 100.0, checkpointing=m.checkpointing,
+                            world_size=world_size, keep_attention=m.keep_attention,
+                            offload_checkpoints=m.offload_checkpoints)
+
+
 def kept_bytes_per_token(dim: int, offload_checkpoints: bool = False) -> float:
     """Bytes a token that a recomputed block keeping its attention holds beyond a plain recomputed one: SDPA's bf16
     output (2·dim) and fp32 log-sum-exp (4 bytes a head, heads = dim/128 → 2·dim/64); with offload on, also its bf16

@@ -20,16 +20,13 @@ def print_buckets(cfg) -> None:
     from dataclasses import replace
 
     from models.build import build_model
-    from scheduling.policy import ModelShape, resolve_schedule
+    from scheduling.policy import schedule_for
 
     table = bucket_table(cfg.data.buckets)
     sc = cfg.scheduling
     meta = build_model(replace(cfg.model, pretrained=None), "meta")  # parameter counts without memory
-    shape = ModelShape(meta.num_matmul_params(), cfg.model.attention_layers, cfg.model.dim, cfg.model.text_len)
-    schedule = resolve_schedule(sc, {n: b.tokens for n, b in table.items()}, shape,
-                                proxy_tflops=cfg.metrics.peak_tflops or 100.0, checkpointing=cfg.model.checkpointing,
-                                world_size=cfg.launch.num_processes, keep_attention=cfg.model.keep_attention,
-                                offload_checkpoints=getattr(cfg.model, "offload_checkpoints", False))
+    schedule = schedule_for(cfg, {n: b.tokens for n, b in table.items()}, meta.num_matmul_params(),
+                            cfg.launch.num_processes)
     print(f"config {cfg.name}: strategy {schedule.strategy}, {len(table)} buckets, values {schedule.values}")
     print(f"sources: {schedule.sources}")
     for note in schedule.notes:
