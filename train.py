@@ -24,7 +24,7 @@ from models.flow_matching import FlowMatching
 from models.lora import has_lora, save_lora
 from models.parallelize import FSDPOptions, checkpoint_policy
 from scheduling.balance import advance, plan_step
-from scheduling.policy import schedule_for
+from scheduling.policy import ModelShape, schedule_for
 from scripts.sample import ValidationSampler
 from training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from training.config import TrainConfig, load_config
@@ -52,7 +52,8 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
     buckets = bucket_table(cfg.data.buckets)
     model = build_parallel_model(cfg.model, ctx.rank, ctx.world_size, ctx.device, FSDPOptions(**fsdp_options_from_env()))
     inputs = functools.partial(model_inputs, cfg.model)
-    schedule = schedule_for(cfg, {n: b.tokens for n, b in buckets.items()}, model.num_matmul_params(), ctx.world_size)
+    shape = ModelShape.of(cfg.model, model.num_matmul_params())
+    schedule = schedule_for(cfg, {n: b.tokens for n, b in buckets.items()}, shape, ctx.world_size)
     corpus = open_corpus(cfg.data, buckets, cfg.model.in_channels, cfg.model.text_dim, cfg.train.seed,
                          ctx.is_main, ctx.barrier, pooled_dim=getattr(cfg.model, "pooled_projection_dim", None))
     batch_sizes = [schedule.batch_sizes[n] for n in corpus.bucket_names]

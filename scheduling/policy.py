@@ -33,6 +33,11 @@ class ModelShape:
     dim: int
     text_len: int
 
+    @classmethod
+    def of(cls, model_cfg, p_matmul: int) -> "ModelShape":
+        """From a model config (attention_layers, dim, text_len) and the built model's matmul parameter count."""
+        return cls(p_matmul, model_cfg.attention_layers, model_cfg.dim, model_cfg.text_len)
+
 
 @dataclass
 class Schedule:
@@ -109,12 +114,10 @@ class PartialRecompute:
         return float((1 - f) * self.none_cost.predict(B, S) + f * self.full_cost.predict(B, S))
 
 
-def schedule_for(cfg, tokens: Mapping[str, int], p_matmul: int, world_size: int) -> Schedule:
+def schedule_for(cfg, tokens: Mapping[str, int], shape: ModelShape, world_size: int) -> Schedule:
     """The run's schedule from a training config, as train.py and scripts/show_buckets.py both need it: tokens
-    (bucket → S), the model's shape (p_matmul: its matmul parameter count) and checkpointing knobs, the scheduling
-    group."""
+    (bucket → S), the model's shape and checkpointing knobs, the scheduling group."""
     m = cfg.model
-    shape = ModelShape(p_matmul, m.attention_layers, m.dim, m.text_len)
     return resolve_schedule(cfg.scheduling, tokens, shape,
                             proxy_tflops=cfg.metrics.peak_tflops or 100.0, checkpointing=m.checkpointing,
                             world_size=world_size, keep_attention=m.keep_attention,

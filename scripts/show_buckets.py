@@ -20,13 +20,13 @@ def print_buckets(cfg) -> None:
     from dataclasses import replace
 
     from models.build import build_model
-    from scheduling.policy import schedule_for
+    from scheduling.policy import ModelShape, schedule_for
 
     table = bucket_table(cfg.data.buckets)
     sc = cfg.scheduling
     meta = build_model(replace(cfg.model, pretrained=None), "meta")  # parameter counts without memory
-    schedule = schedule_for(cfg, {n: b.tokens for n, b in table.items()}, meta.num_matmul_params(),
-                            cfg.launch.num_processes)
+    shape = ModelShape.of(cfg.model, meta.num_matmul_params())
+    schedule = schedule_for(cfg, {n: b.tokens for n, b in table.items()}, shape, cfg.launch.num_processes)
     print(f"config {cfg.name}: strategy {schedule.strategy}, {len(table)} buckets, values {schedule.values}")
     print(f"sources: {schedule.sources}")
     for note in schedule.notes:
