@@ -14,12 +14,15 @@ keep diffusers' state-dict keys. Formulas:
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 
 class FP32LayerNorm(nn.LayerNorm):
@@ -187,12 +190,8 @@ def masked_attention(q_BNHD: torch.Tensor, k_BLHD: torch.Tensor, v_BLHD: torch.T
 
 
 def _no_cudnn_sdpa(t: torch.Tensor):
-    import contextlib
-
     if not t.is_cuda:
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
@@ -340,8 +339,6 @@ def _attention_ops() -> tuple:
 def keep_attention_context():
     """Selective checkpointing (torch.utils.checkpoint): SDPA's kernels are saved in forward, everything else is
     recomputed — the recompute then reuses the attention output and log-sum-exp instead of running attention."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
     ops = _attention_ops()
 
     def policy(ctx, op, *args, **kwargs):
@@ -409,8 +406,6 @@ class PolicyKnobs:
         """Block i as this forward runs it: plainly, recomputed in backward, or recomputed around its kept attention."""
         if not self.recomputes(i):
             return block(*args)
-        from torch.utils.checkpoint import checkpoint
-
         if self.keeps_attention(i):
             return checkpoint(block, *args, use_reentrant=False, context_fn=keep_attention_context)
         return checkpoint(block, *args, use_reentrant=False)

@@ -322,7 +322,6 @@ class MMDiT(DiffusersFormat, PolicyKnobs, nn.Module):
         self.proj_out = nn.Linear(dim, math.prod(self.patch) * out_channels)
         self._zero_modulation()
         self.adaln_backend = adaln_backend
-        self._checkpointing = 0
 
     def _zero_modulation(self) -> None:
         """AdaLN-Zero: every gate, scale and shift starts at 0, so each block starts as the identity."""

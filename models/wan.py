@@ -192,7 +192,6 @@ class WanTransformer(DiffusersFormat, PolicyKnobs, nn.Module):
         self.proj_out = nn.Linear(dim, out_channels * math.prod(patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
         self.adaln_backend = adaln_backend
-        self._checkpointing = 0
 
     # ----------------------------------------------------------------------------------------------- forward
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor,

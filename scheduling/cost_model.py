@@ -283,7 +283,3 @@ def fit_memory_model(B: Sequence[float], S: Sequence[float], peak_bytes: Sequenc
     c, _ = _weighted_nnls(X, y)
     rel = (X @ c - y) / y
     return MemoryModel(float(c[0]), float(c[1]), float(np.sqrt(np.mean(rel ** 2))), len(y))
-
-
-def m_mem_from_budget(memory: MemoryModel, mem_budget_gib: float) -> int:
-    return memory.m_mem(mem_budget_gib * 2**30)
