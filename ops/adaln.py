@@ -319,17 +319,21 @@ TUNED = {
 }
 
 
+def nearest_tuned(table: dict, prefix: tuple, D: int) -> tuple[int, KernelConfig]:
+    """(D0, config) of the tuned entry whose key is prefix + (D0,) with D0 nearest D on a log scale (the ops'
+    TUNED tables: a width not tuned starts from its nearest tuned neighbour)."""
+    key = min((k for k in table if k[:-1] == prefix), key=lambda k: abs(math.log2(k[-1] / D)))
+    return key[-1], table[key]
+
+
 def default_config(kind: str, D: int, device: torch.device, per_token: bool = False) -> KernelConfig:
     """Launch shape for a kernel ("fwd", "bwd", "dtile") at width D."""
     if device.type != "cuda":  # the interpreter pays ~1 ms per program and per loop step: few, wide programs
         return KernelConfig(rows=4, num_warps=4, programs_per_sm=2, block_d=64 if kind == "dtile" else 0)
-    per_token = per_token and kind != "dtile"
-    keys = [k for k in TUNED if k[0] == kind and k[1] == per_token]
-    key = min(keys, key=lambda k: abs(math.log2(k[2] / D)))
-    cfg = TUNED[key]
-    if kind == "dtile" or key[2] == D:
+    D0, cfg = nearest_tuned(TUNED, (kind, per_token and kind != "dtile"), D)
+    if kind == "dtile" or D0 == D:
         return cfg
-    rows = max(1, min(64, cfg.rows * _next_pow2(key[2]) // _next_pow2(D)))
+    rows = max(1, min(64, cfg.rows * _next_pow2(D0) // _next_pow2(D)))
     return dataclasses.replace(cfg, rows=rows, split=None)
 
 

@@ -39,12 +39,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-import math
 
 import torch
 
-from ops.adaln import (BACKENDS, _DTYPES, KernelConfig, _cdiv, _interpreting, _mod_layout, _next_pow2, _on_device, _rows_last, _span,
-                       import_triton, require_triton, store_cast)
+from ops.adaln import (BACKENDS, _cdiv, _DTYPES, import_triton, _interpreting, KernelConfig, _mod_layout, nearest_tuned,
+                       _next_pow2, _on_device, require_triton, _rows_last, _span, store_cast)
 
 # Imported on first use by _kernels(), as in ops/adaln.py: triton.language must see TRITON_INTERPRET as the tests
 # set it, after they find no CUDA.
@@ -172,11 +171,10 @@ def default_config(kind: str, D: int, device: torch.device, per_token: bool = Fa
     """Launch shape for a kernel ("fwd", "bwd") at width D."""
     if device.type != "cuda":  # the interpreter pays ~1 ms per program and per loop step: few, wide programs
         return KernelConfig(rows=4, num_warps=4, programs_per_sm=2, block_d=_next_pow2(D))
-    key = min((k for k in TUNED if k[0] == kind and k[1] == per_token), key=lambda k: abs(math.log2(k[2] / D)))
-    cfg = TUNED[key]
-    if key[2] == D:
+    D0, cfg = nearest_tuned(TUNED, (kind, per_token), D)
+    if D0 == D:
         return cfg
-    tile = cfg.rows * _block_d(key[2], cfg)
+    tile = cfg.rows * _block_d(D0, cfg)
     cfg = dataclasses.replace(cfg, block_d=0)  # this D's own feature tile
     return dataclasses.replace(cfg, rows=max(1, min(64, tile // _block_d(D, cfg))))
 

@@ -39,13 +39,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import math
 
 import torch
 import torch.nn.functional as F
 
-from ops.adaln import (_DTYPES, BACKENDS, MAX_D, KernelConfig, _cdiv, _interpreting, _on_device, _rows_last, _segments,
-                       _span, import_triton, require_triton)
+from ops.adaln import (BACKENDS, _cdiv, _DTYPES, import_triton, _interpreting, KernelConfig, MAX_D, nearest_tuned,
+                       _next_pow2, _on_device, require_triton, _rows_last, _segments, _span)
 
 # Imported on first use by _kernels(), as in ops.adaln: the tests set TRITON_INTERPRET only after finding no CUDA.
 triton = None
@@ -225,11 +224,10 @@ def default_config(kind: str, D: int, device: torch.device) -> KernelConfig:
     """Launch shape for a kernel ("fwd", "bwd") at width D."""
     if device.type != "cuda":  # the interpreter pays ~1 ms per program and per loop step: few, wide programs
         return KernelConfig(rows=4, num_warps=4, programs_per_sm=2)
-    key = min((k for k in TUNED if k[0] == kind), key=lambda k: abs(math.log2(k[1] / D)))
-    cfg = TUNED[key]
-    if key[1] == D:
+    D0, cfg = nearest_tuned(TUNED, (kind,), D)
+    if D0 == D:
         return cfg
-    rows = max(1, min(64, cfg.rows * (1 << (key[1] - 1).bit_length()) // (1 << (D - 1).bit_length())))
+    rows = max(1, min(64, cfg.rows * _next_pow2(D0) // _next_pow2(D)))
     return KernelConfig(rows, cfg.num_warps, cfg.programs_per_sm, num_stages=cfg.num_stages)
 
 

@@ -238,3 +238,20 @@ def test_gpu_model_sizes_deterministic(kind, D):
     if kind == "sample":
         dtile = adaln_backward(dy, x, scale, mean, rstd, shift.shape, shift.dtype, dmod="dtile")
         assert rel_err(dtile[1], ds64) < TOL[torch.float32] and rel_err(dtile[2], dh64) < TOL[torch.float32]
+
+
+def test_launch_config_from_the_nearest_tuned_width():
+    """On CUDA each op starts from its tuned entry at the nearest width (log scale): the entry itself at a tuned
+    width, rows scaled by the power-of-two widths elsewhere (a pure function of numbers: runs on the CPU)."""
+    import ops.adaln as adaln
+    import ops.qk_norm_rope as qk
+
+    cuda = torch.device("cuda")
+    assert adaln.nearest_tuned({("a", 1): 1, ("a", 8): 2, ("b", 2): 3}, ("a",), 2) == (1, 1)  # |log2 2/1| < |log2 2/8|
+    assert adaln.nearest_tuned({("a", 1): 1, ("a", 8): 2, ("b", 2): 3}, ("a",), 5) == (8, 2)
+    for (kind, per_token, D), cfg in adaln.TUNED.items():
+        assert adaln.default_config(kind, D, cuda, per_token) == cfg
+    fwd = adaln.TUNED["fwd", False, 1536]
+    assert adaln.default_config("fwd", 1024, cuda).rows == max(1, min(64, fwd.rows * 2048 // 1024))
+    for (kind, D), cfg in qk.TUNED.items():
+        assert qk.default_config(kind, D, cuda) == cfg
