@@ -483,20 +483,16 @@ def main(argv=None) -> None:
         limit = diff_peak[ref_shape]
         glue_backend = glue if args.longest in ("ours@glue", "ours@offload") else "torch"
         offload = args.longest == "ours@offload"
-        peaks = {}
 
-        def peak_at(frames):
-            if frames not in peaks:
-                shape = (1, frames, ref_shape[2], ref_shape[3])
-                with sdpa_context(best):
-                    try:
-                        peaks[frames] = time_step(ours_run(shape, True, glue_backend, offload=offload), dev, 0,
-                                                  1)[1]
-                    except torch.OutOfMemoryError:
-                        peaks[frames] = math.inf
-                torch.cuda.empty_cache()
-                print(f"longest: {frames} frames → {peaks[frames]:.2f} GiB (limit {limit})", flush=True)
-            return peaks[frames]
+        def measure(frames):
+            with sdpa_context(best):
+                peak = time_step(ours_run((1, frames, ref_shape[2], ref_shape[3]), True, glue_backend,
+                                          offload=offload), dev, 0, 1)[1]
+            print(f"longest: {frames} frames → {peak:.2f} GiB (limit {limit})", flush=True)
+            return math.nan, peak
+
+        probe = Probe(measure, limit)  # memoised; out of memory reads as an infinite peak
+        peak_at = lambda frames: probe(frames)[1]  # noqa: E731
 
         f0, f1 = ref_shape[1], 2 * ref_shape[1]
         p0, p1 = peak_at(f0), peak_at(f1)
@@ -509,7 +505,8 @@ def main(argv=None) -> None:
         S = f * ref_shape[2] * ref_shape[3] // 4
         meta["longest"] = {"impl": args.longest, "limit_gib": limit,
                            "at_diffusers_S": ref_shape[1] * ref_shape[2] * ref_shape[3] // 4,
-                           "frames": f, "S": S, "peak_gib": round(peaks[f], 2), "peaks": peaks}
+                           "frames": f, "S": S, "peak_gib": round(peak_at(f), 2),
+                           "peaks": {fr: p for fr, (_, p) in probe.tried.items()}}
         print(f"longest: {meta['longest']}", flush=True)
     with open(os.path.join(args.out, "bench_step.json"), "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
