@@ -84,27 +84,33 @@ def make_inputs(kind, N, D, device, seed=0):
     return x, scale.detach(), shift.detach(), dy
 
 
-def saved_bytes(fn, x, scale, shift):
-    """(bytes of every tensor autograd saves, bytes of those that are new allocations), unique storages; the
-    modulation table is not counted (the model keeps it anyway), x is (the issue counts it: 2 bytes/element)."""
+def saved_bytes_of(fn, args, kept=(), callers=()):
+    """(bytes of every tensor autograd saves while fn(*args) runs, bytes of those that are new allocations), unique
+    storages. kept: tensors whose storage is not counted (the model holds them anyway); callers: inputs counted but
+    not as new (saving them keeps alive what would otherwise be freed)."""
     import torch
 
+    ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    skip, old = {ptr(t) for t in kept}, {ptr(t) for t in callers}
     seen, total, new = set(), 0, 0
-    inputs = {t.untyped_storage().data_ptr() for t in (x, scale, shift)}
-    mod = {t.untyped_storage().data_ptr() for t in (scale, shift)}
 
     def pack(t):
         nonlocal total, new
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in seen and ptr not in mod:
-            seen.add(ptr)
+        p = ptr(t)
+        if p not in seen and p not in skip:
+            seen.add(p)
             total += t.untyped_storage().nbytes()
-            new += 0 if ptr in inputs else t.untyped_storage().nbytes()
+            new += 0 if p in old else t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(x, scale, shift)
+        fn(*args)
     return total, new
+
+
+def saved_bytes(fn, x, scale, shift):
+    """The modulation table is not counted (the model keeps it anyway), x is (the issue counts it: 2 bytes/element)."""
+    return saved_bytes_of(fn, (x, scale, shift), kept=(scale, shift), callers=(x,))
 
 
 def rel_err(a, ref):

@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.bench_adaln import fmt, rel_err, run_bench  # noqa: E402
+from scripts.bench_adaln import fmt, rel_err, run_bench, saved_bytes_of  # noqa: E402
 
 FLOOR_BYTES = {("sample", "fwd"): 6, ("sample", "bwd"): 6, ("token", "fwd"): 10, ("token", "bwd"): 14}
 
@@ -59,26 +59,9 @@ def make_inputs(kind, N, D, device, seed=0):
 
 
 def saved_bytes(fn, x, y, gate):
-    """(bytes of every tensor autograd saves, bytes of those that are new allocations), unique storages; the gate's
-    table is not counted (the model keeps it anyway), y is (the branch output would otherwise be freed)."""
-    import torch
-
-    seen, total, new = set(), 0, 0
-    inputs = {t.untyped_storage().data_ptr() for t in (x, y)}
-    table = gate.untyped_storage().data_ptr()
-
-    def pack(t):
-        nonlocal total, new
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in seen and ptr != table:
-            seen.add(ptr)
-            total += t.untyped_storage().nbytes()
-            new += 0 if ptr in inputs else t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(x, y, gate)
-    return total, new
+    """saved_bytes_of: the gate's table is not counted (the model keeps it anyway), y is (the branch output would
+    otherwise be freed)."""
+    return saved_bytes_of(fn, (x, y, gate), kept=(gate,), callers=(x, y))
 
 
 def diffusers_formula(x, y, gate):

@@ -23,7 +23,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.bench_adaln import fmt, rel_err, run_bench  # noqa: E402  (one timer and session for every op bench)
+# one timer and session for every op bench
+from scripts.bench_adaln import fmt, rel_err, run_bench, saved_bytes_of  # noqa: E402
 
 
 def parse_args():
@@ -106,26 +107,9 @@ def eager_traffic(fn, x, weight, cos, sin, dy):
 
 
 def saved_bytes(fn, x, weight, cos, sin):
-    """(bytes of every tensor autograd saves, bytes of those that are new allocations), unique storages; weight and
-    cos/sin are not counted (the model keeps them anyway), x is (nothing else keeps a projection's output)."""
-    import torch
-
-    seen, total, new = set(), 0, 0
-    kept = {t.untyped_storage().data_ptr() for t in (weight, cos, sin)}
-    x_ptr = x.untyped_storage().data_ptr()
-
-    def pack(t):
-        nonlocal total, new
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in seen and ptr not in kept:
-            seen.add(ptr)
-            total += t.untyped_storage().nbytes()
-            new += 0 if ptr == x_ptr else t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(x, weight, cos, sin)
-    return total, new
+    """saved_bytes_of: weight and cos/sin are not counted (the model keeps them anyway), x is (nothing else keeps a
+    projection's output)."""
+    return saved_bytes_of(fn, (x, weight, cos, sin), kept=(weight, cos, sin), callers=(x,))
 
 
 def impls(compile_cache):
