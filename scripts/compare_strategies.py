@@ -51,7 +51,7 @@ def write_corpus(out: str, tiny: bool, samples: int) -> str:
     from data.buckets import bucket_table
     from data.index import SampleIndex
     from data.synthetic import write_synthetic_corpus
-    from tests.helpers import compose_config
+    from scripts.sample import compose as compose_config
 
     root = os.path.join(out, "corpus")
     try:
