@@ -159,12 +159,17 @@ def epoch_length(samples: SampleTable) -> int:
 
 def deal_balanced(pred: np.ndarray, world_size: int, slots: int, pad_ms: float = 0.0) -> np.ndarray:
     """(R, slots) indices into pred (−1: padding): sorted groups of R per slot, LPT across ranks within a slot."""
+    if len(pred) > world_size * slots:
+        raise ValueError(f"{len(pred)} micro-batches do not fit {world_size} ranks × {slots} slots")
+    return _lpt(_sorted_groups(pred, world_size, slots), pred, world_size, pad_ms)
+
+
+def _sorted_groups(pred, R: int, n_groups: int) -> np.ndarray:
+    """(n_groups, R) indices into pred, costliest first, padded with −1: the micro-batches sharing a slot."""
     order = np.argsort(-np.asarray(pred, dtype=np.float64), kind="stable")
-    if len(order) > world_size * slots:
-        raise ValueError(f"{len(order)} micro-batches do not fit {world_size} ranks × {slots} slots")
-    groups = np.full(world_size * slots, -1, dtype=np.int64)
+    groups = np.full(n_groups * R, -1, dtype=np.int64)
     groups[:len(order)] = order
-    return _lpt(groups.reshape(slots, world_size), pred, world_size, pad_ms)
+    return groups.reshape(n_groups, R)
 
 
 def _lpt(groups_KR: np.ndarray, pred: np.ndarray, world_size: int, pad_ms: float) -> np.ndarray:
@@ -246,11 +251,8 @@ def _window_step(lay: _Layout, samples: SampleTable, pos: int, R: int, M: int, W
     J1 = min(J0 + size, len(lay))
     mbs = [_micro_batch(lay, samples, j, cost_fn) for j in range(J0, J1)]
     pred = np.array([mb.pred_ms for mb in mbs])
-    order = np.argsort(-pred, kind="stable")
     n_groups = math.ceil(len(mbs) / R)
-    groups = np.full(n_groups * R, -1, dtype=np.int64)
-    groups[:len(order)] = order
-    groups = groups.reshape(n_groups, R)
+    groups = _sorted_groups(pred, R, n_groups)
     n_steps = math.ceil(n_groups / M)
     per_step: list[list[np.ndarray]] = [[] for _ in range(n_steps)]
     for g in range(n_groups):  # snake: 0 1 2 … n−1 n−1 … 1 0 0 1 …
