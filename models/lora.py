@@ -18,6 +18,7 @@ the plain keys that `save_pretrained` writes as a full diffusers model.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from typing import Iterable, Optional
@@ -30,6 +31,7 @@ ADAPTER = "default"                                 # peft's adapter name inside
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 METADATA_KEY = "lora_adapter_metadata"              # diffusers' LORA_ADAPTER_METADATA_KEY
 PREFIX = "transformer"                              # diffusers' WanPipeline component name
+log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------- applying
@@ -77,6 +79,10 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, target_modules: Optional
     if not hit:
         raise ValueError(f"model.lora.targets={list(targets)} match no Linear module of the model (Wan block "
                          f"Linears end in to_q, to_k, to_v, to_out.0, ffn.net.0.proj, ffn.net.2)")
+    missed = [t for t in targets if not any(n == t or n.endswith("." + t) for n in hit)]
+    if missed:  # e.g. Wan's default targets on the MMDiT, whose feed-forwards are ff.net.*, not ffn.net.*
+        log.warning("model.lora.targets %s match no Linear of this model: adapting the %d modules the others match",
+                    missed, len(hit))
     peft_cfg = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha or cfg.rank, lora_dropout=cfg.dropout, target_modules=hit,
                           rank_pattern=rank_pattern or {}, alpha_pattern=alpha_pattern or {},
                           init_lora_weights=True)

@@ -425,3 +425,19 @@ def test_pooled_text_of_its_own_width_comes_from_the_corpus(tmp_path, monkeypatc
     with pytest.raises(ValueError, match="pooled text of width 8 but the corpus has none"):
         run_training(["conf=mmdit_tiny", "model.pooled_projection_dim=8", f"data.index={plain[0]}",
                       *tiny_overrides(str(tmp_path / "c"), cache, "train.steps=1")])
+
+
+def test_lora_targets_that_match_nothing_are_reported(caplog):
+    """Wan's default targets on the MMDiT: the attention projections match, the Wan FFN names (ffn.net.*) do not —
+    the run says so instead of silently adapting attention alone; ff.net.* names the MMDiT's feed-forwards."""
+    from models.config import LoRAConfig
+    from models.lora import apply_lora, lora_modules
+
+    with caplog.at_level(logging.WARNING, logger="models.lora"):
+        model = apply_lora(MMDiT(**TINY), LoRAConfig(rank=2))
+    assert any("ffn.net.0.proj" in r.getMessage() and "ffn.net.2" in r.getMessage() for r in caplog.records)
+    assert not any(n.endswith(("ff.net.0.proj", "ff.net.2")) for n in lora_modules(model))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="models.lora"):
+        model = apply_lora(MMDiT(**TINY), LoRAConfig(rank=2, targets=["to_q", "ff.net.0.proj"]))
+    assert not caplog.records and any(n.endswith("ff.net.0.proj") for n in lora_modules(model))
