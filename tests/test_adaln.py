@@ -12,12 +12,9 @@ import torch
 
 from ops import adaln
 from ops.adaln import KernelConfig, adaln_backward, adaln_forward, adaln_modulate, adaln_reference
+from tests.op_helpers import DEV, TOL, gpu, rel_err
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-# ‖out − ref‖ / ‖ref‖ against fp64 on the same rounded inputs: the output's own rounding dominates
-TOL = {torch.float32: 1e-5, torch.float16: 1.5e-3, torch.bfloat16: 1e-2}
 HALF = {torch.float32: torch.bfloat16, torch.float16: torch.float16, torch.bfloat16: torch.bfloat16}
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 pytestmark = pytest.mark.skipif(not adaln._HAS_TRITON, reason="triton is not installed")
 
@@ -28,10 +25,6 @@ def ref64(x, scale, shift, eps=1e-6):
     var = ((x - mu) ** 2).mean(-1, keepdim=True)
     return (x - mu) / torch.sqrt(var + eps) * (1 + scale.double()) + shift.double()
 
-
-def rel_err(out, ref):
-    assert torch.isfinite(out).all()
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 TABLE_SHAPE = {  # the leaf each kind's scale/shift are views of, as diffusers hands them over

@@ -17,19 +17,12 @@ from ops import gated_residual as gr
 from ops.adaln import KernelConfig
 from ops.gated_residual import (gated_residual, gated_residual_backward, gated_residual_forward,
                                 gated_residual_reference)
+from tests.op_helpers import DEV, TOL, gpu, rel_err
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-# ‖out − ref‖ / ‖ref‖ against fp64 on the same rounded inputs: the output's own rounding dominates
-TOL = {torch.float32: 1e-5, torch.float16: 1.5e-3, torch.bfloat16: 1e-2}
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 pytestmark = pytest.mark.skipif(not gr._HAS_TRITON, reason="triton is not installed")
 
-
-def rel_err(out, ref):
-    assert torch.isfinite(out).all()
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def assert_rounded_from(got, value_f32):

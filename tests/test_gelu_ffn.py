@@ -5,12 +5,11 @@ On CPU the GELU-gradient kernel runs under TRITON_INTERPRET=1 (tests/conftest.py
 last program masked)."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from ops import gelu_ffn as op
 from ops.gelu_ffn import gelu_ffn, gelu_ffn_reference, gelu_grad_
+from tests.op_helpers import DEV, rel_err
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not op._HAS_TRITON, reason="triton is not installed")
 
 
@@ -29,9 +28,6 @@ def grads(fn, x, ps, dout):
     return out.detach(), [t.grad.detach() if t is not None and t.grad is not None else None for t in [x, *ps]]
 
 
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
 
 def test_gelu_grad_kernel_equals_aten_gelu_backward():
     g = torch.Generator().manual_seed(1)
@@ -45,7 +41,7 @@ def test_gelu_grad_kernel_equals_aten_gelu_backward():
     assert (err <= 4 * err_aten + 2e-7 * (1 + ref64.abs())).all(), err.max()  # fp32 rounding, as aten's own
     da16, h16 = da.bfloat16(), h.bfloat16()
     ref16 = torch.ops.aten.gelu_backward(da16.float(), h16.float(), approximate="tanh")
-    assert rel(gelu_grad_(da16.clone(), h16).float(), ref16) < 8e-3  # one bf16 rounding
+    assert rel_err(gelu_grad_(da16.clone(), h16).float(), ref16) < 8e-3  # one bf16 rounding
     with pytest.raises(ValueError, match="contiguous"):
         gelu_grad_(da.transpose(1, 2), h.transpose(1, 2))
 
@@ -66,7 +62,7 @@ def test_matches_fp64_reference_and_eager_bits(bias):
     assert torch.equal(gr[3], gr_e[3])  # dW2 = doutᵀ·a with a recomputed by the same kernel
     for a, b in zip(gr, gr64):
         if b is not None:
-            assert rel(a, b) < 1e-5
+            assert rel_err(a, b) < 1e-5
     assert (gr[2] is None) == (not bias)
 
 
@@ -82,9 +78,9 @@ def test_chunked_rows_match_fp64_and_one_chunk(rows):
     out_1, gr_1 = grads(lambda *a: gelu_ffn(*a, backend="triton"), x, ps, dout)
     x64 = x.detach().double().requires_grad_()
     out64, gr64 = grads(gelu_ffn_reference, x64, [p.detach().double().requires_grad_() for p in ps], dout.double())
-    assert rel(out_c, out64) < 1e-6
+    assert rel_err(out_c, out64) < 1e-6
     for a, b, c in zip(gr_c, gr64, gr_1):
-        assert a.dtype == c.dtype and rel(a, b) < 1e-5 and rel(a, c) < 1e-5
+        assert a.dtype == c.dtype and rel_err(a, b) < 1e-5 and rel_err(a, c) < 1e-5
     assert op.chunk_rows(32760, 8960, 2) == 7488 and op.chunk_rows(100, 8960, 2) == 100  # 128 MiB of bf16 rows
 
 
@@ -102,13 +98,13 @@ def test_bf16_and_autocast_keep_fp32_master_grads():
     assert out.dtype == out_e.dtype == torch.bfloat16
     for a, e, b in zip(gr, gr_e, gr64):
         assert a.dtype == torch.float32  # fp32 params get fp32 grads through the cast
-        assert rel(a, b) <= 1.5 * rel(e, b) + 1e-3  # no worse than eager autocast
+        assert rel_err(a, b) <= 1.5 * rel_err(e, b) + 1e-3  # no worse than eager autocast
     ps16 = [p.detach().bfloat16().requires_grad_() for p in ps]
     with pytest.raises(ValueError, match="share a dtype"):
         gelu_ffn(x, *ps16, backend="triton")
     out16, gr16 = grads(lambda *a: gelu_ffn(*a, backend="triton"), x.detach().bfloat16().requires_grad_(), ps16,
                         dout.bfloat16())
-    assert all(t.dtype == torch.bfloat16 for t in gr16) and rel(out16, out_e) < 2e-2
+    assert all(t.dtype == torch.bfloat16 for t in gr16) and rel_err(out16, out_e) < 2e-2
 
 
 def test_saves_less_than_eager():
@@ -164,4 +160,4 @@ def test_frozen_weights_get_no_gradient_and_x_still_does(rows):
     assert CountMM.n == 2 * chunks
     dx, db2 = x.grad.clone(), b2.grad.clone()
     _, gr_e = grads(gelu_ffn_reference, x.detach().clone().requires_grad_(), [w1, b1, w2, b2], dout)
-    assert rel(dx, gr_e[0]) < 1e-6 and rel(db2, gr_e[4]) < 1e-6
+    assert rel_err(dx, gr_e[0]) < 1e-6 and rel_err(db2, gr_e[4]) < 1e-6

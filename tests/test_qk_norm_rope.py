@@ -17,12 +17,8 @@ from ops import adaln
 from ops import qk_norm_rope as op
 from ops.adaln import KernelConfig
 from ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_backward, qk_norm_rope_forward, qk_norm_rope_reference
+from tests.op_helpers import DEV, TOL, gpu, rel_err
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-# ‖out − ref‖ / ‖ref‖ against fp64 on the same rounded inputs: the output's own rounding (twice, for the rounded
-# RMSNorm output) dominates
-TOL = {torch.float32: 1e-5, torch.float16: 1.5e-3, torch.bfloat16: 1e-2}
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 pytestmark = pytest.mark.skipif(not op._HAS_TRITON, reason="triton is not installed")
 
@@ -59,10 +55,6 @@ def reference_grads(x, w, cos, sin, dy, eps=1e-6):
     rstd64 = torch.rsqrt(x64.detach().square().mean(-1) + eps)
     return y64.detach(), rstd64, x64.grad, w64.grad
 
-
-def rel_err(out, ref):
-    assert torch.isfinite(out).all()
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def assert_equal_to_rounding(y, ref, min_exact):

@@ -1,0 +1,15 @@
+"""What the op tests (adaln, gated_residual, qk_norm_rope, gelu_ffn) share: the device, the tolerances against fp64,
+the relative error, the CUDA-only marker. Kept apart from tests/helpers.py, which imports Hydra."""
+import pytest
+import torch
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Triton compiles on CUDA, else interprets
+# ‖out − ref‖ / ‖ref‖ against fp64 on the same rounded inputs: the output's own rounding dominates
+TOL = {torch.float32: 1e-5, torch.float16: 1.5e-3, torch.bfloat16: 1e-2}
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in fp64; out must be finite."""
+    assert torch.isfinite(out).all()
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
