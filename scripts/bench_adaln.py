@@ -84,6 +84,20 @@ def make_inputs(kind, N, D, device, seed=0):
     return x, scale.detach(), shift.detach(), dy
 
 
+def add_rates(rec: dict, floor_of, elems: int, copy_bw: float) -> None:
+    """Per phase measured: GB/s of the phase's floor bytes (floor_of(phase)) and its share of the device-copy
+    bandwidth; saved bytes per element where measured."""
+    for phase in ("fwd", "bwd"):
+        ms = rec.get(f"{phase}_ms")
+        if ms is not None:
+            floor = floor_of(phase)
+            rec[f"{phase}_GBps"] = floor / (ms * 1e-3) / 1e9
+            rec[f"{phase}_pct_copy"] = 100 * floor / copy_bw / (ms * 1e-3)
+    if "saved_bytes" in rec:
+        rec["saved_B_per_elem"] = rec["saved_bytes"] / elems
+        rec["saved_new_B_per_elem"] = rec["saved_new_bytes"] / elems
+
+
 def saved_bytes_of(fn, args, kept=(), callers=()):
     """(bytes of every tensor autograd saves while fn(*args) runs, bytes of those that are new allocations), unique
     storages. kept: tensors whose storage is not counted (the model holds them anyway); callers: inputs counted but
@@ -175,15 +189,7 @@ def run_table(args, bench, device, copy_bw, save):
                     shape_rows.append(rec)
                 rows += shape_rows
                 for rec in shape_rows:
-                    for phase in ("fwd", "bwd"):
-                        ms = rec.get(f"{phase}_ms")
-                        if ms is not None:
-                            floor = FLOOR_BYTES[(kind, phase)] * elems
-                            rec[f"{phase}_GBps"] = floor / (ms * 1e-3) / 1e9
-                            rec[f"{phase}_pct_copy"] = 100 * floor / copy_bw / (ms * 1e-3)
-                    if "saved_bytes" in rec:
-                        rec["saved_B_per_elem"] = rec["saved_bytes"] / elems
-                        rec["saved_new_B_per_elem"] = rec["saved_new_bytes"] / elems
+                    add_rates(rec, lambda phase: FLOOR_BYTES[(kind, phase)] * elems, elems, copy_bw)
                     print_row(rec)
                 save(rows)
                 del x, scale, shift, dy, mean, rstd

@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.bench_adaln import fmt, rel_err, run_bench, saved_bytes_of  # noqa: E402
+from scripts.bench_adaln import add_rates, fmt, rel_err, run_bench, saved_bytes_of  # noqa: E402
 
 FLOOR_BYTES = {("sample", "fwd"): 6, ("sample", "bwd"): 6, ("token", "fwd"): 10, ("token", "bwd"): 14}
 
@@ -123,15 +123,7 @@ def run_table(args, bench, device, copy_bw, save):
                         out = grads = None
                     except Exception as e:  # noqa: BLE001
                         rec["bwd_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                    for phase in ("fwd", "bwd"):
-                        ms = rec.get(f"{phase}_ms")
-                        if ms is not None:
-                            floor = FLOOR_BYTES[(kind, phase)] * elems
-                            rec[f"{phase}_GBps"] = floor / (ms * 1e-3) / 1e9
-                            rec[f"{phase}_pct_copy"] = 100 * floor / copy_bw / (ms * 1e-3)
-                    if "saved_bytes" in rec:
-                        rec["saved_B_per_elem"] = rec["saved_bytes"] / elems
-                        rec["saved_new_B_per_elem"] = rec["saved_new_bytes"] / elems
+                    add_rates(rec, lambda phase: FLOOR_BYTES[(kind, phase)] * elems, elems, copy_bw)
                     print_row(rec)
                 save(rows)
                 x = y = gate = dout = None  # free before the next shape

@@ -24,7 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # one timer and session for every op bench
-from scripts.bench_adaln import fmt, rel_err, run_bench, saved_bytes_of  # noqa: E402
+from scripts.bench_adaln import add_rates, fmt, rel_err, run_bench, saved_bytes_of  # noqa: E402
 
 
 def parse_args():
@@ -171,16 +171,11 @@ def run_table(args, bench, device, copy_bw, save):
                            "fwd_ms": bench(lambda: qk_norm_rope_forward(x, weight, cos, sin)),
                            "bwd_ms": bench(lambda: qk_norm_rope_backward(dy, x, weight, cos, sin, rstd))})
         for rec in shape_rows:
+            floor_of = lambda phase: floor_bytes(phase, N, D, K, x.element_size())  # noqa: E731
+            add_rates(rec, floor_of, elems, copy_bw)
             for phase in ("fwd", "bwd"):
-                ms = rec.get(f"{phase}_ms")
-                if ms is not None:
-                    floor = floor_bytes(phase, N, D, K, x.element_size())
-                    rec[f"{phase}_floor_B_per_elem"] = floor / elems
-                    rec[f"{phase}_GBps"] = floor / (ms * 1e-3) / 1e9
-                    rec[f"{phase}_pct_copy"] = 100 * floor / copy_bw / (ms * 1e-3)
-            if "saved_bytes" in rec:
-                rec["saved_B_per_elem"] = rec["saved_bytes"] / elems
-                rec["saved_new_B_per_elem"] = rec["saved_new_bytes"] / elems
+                if rec.get(f"{phase}_ms") is not None:
+                    rec[f"{phase}_floor_B_per_elem"] = floor_of(phase) / elems
             print_row(rec)
         rows += shape_rows
         save(rows)
