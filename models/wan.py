@@ -34,8 +34,9 @@ from models.layers import (MLP, DiffusersFormat, FeedForward, PolicyKnobs, FP32L
                            gated_residual, timestep_embedding)
 from models.offload import HostStore, offloaded_checkpoint
 from ops.adaln import adaln_modulate
+from ops.adaln_linear import adaln_gelu_ffn, adaln_linear, fuses_adaln
 from ops.gelu_ffn import _HAS_TRITON, gelu_ffn
-from ops.qk_norm_rope import qk_norm_rope
+from ops.rope_attention import rope_attention
 
 
 
@@ -61,22 +62,43 @@ class WanAttention(nn.Module):
         self.norm_k = RMSNorm(dim, eps)
 
     def forward(self, x_BND: torch.Tensor, ctx_BLD: torch.Tensor | None = None,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None, glue: str = "torch") -> torch.Tensor:
-        kv_BLD = x_BND if ctx_BLD is None else ctx_BLD
-        v = self.to_v(kv_BLD).unflatten(-1, (self.heads, -1))
-        if glue != "torch":  # RMSNorm and RoPE of q, then of k, one pass each (cross-attention: angle 0, norm only)
-            rope_q = rope_k = rope
-            if rope is None:
-                rope_q, rope_k = _no_rotation(x_BND, self.heads), _no_rotation(kv_BLD, self.heads)
-            q = qk_norm_rope(self.to_q(x_BND), self.norm_q.weight, *rope_q, self.norm_q.eps, backend=glue)
-            k = qk_norm_rope(self.to_k(kv_BLD), self.norm_k.weight, *rope_k, self.norm_k.eps, backend=glue)
-            q, k = q.unflatten(-1, (self.heads, -1)), k.unflatten(-1, (self.heads, -1))
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None, glue: str = "torch",
+                norm: tuple | None = None) -> torch.Tensor:
+        """norm = (scale, shift, eps, backend): x_BND is the residual stream and the attention's input is
+        AdaLN(x; scale, shift) — under the fused glue made inside the projections that read it (ops/adaln_linear.py:
+        not saved for backward); with glue "torch" made first, as diffusers does."""
+        if glue == "torch":
+            if norm is not None:
+                x_BND = adaln_modulate(x_BND, norm[0], norm[1], norm[2], backend=norm[3])
+            kv_BLD = x_BND if ctx_BLD is None else ctx_BLD
+            v = self.to_v(kv_BLD).unflatten(-1, (self.heads, -1))
+            q = self.norm_q(self.to_q(x_BND)).unflatten(-1, (self.heads, -1))  # (B, N, H, Dh)
+            k = self.norm_k(self.to_k(kv_BLD)).unflatten(-1, (self.heads, -1))  # (B, L, H, Dh)
+            if rope is not None:
+                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             return self.to_out[0](attention(q, k, v))
-        q = self.norm_q(self.to_q(x_BND)).unflatten(-1, (self.heads, -1))  # (B, N, H, Dh)
-        k = self.norm_k(self.to_k(kv_BLD)).unflatten(-1, (self.heads, -1))  # (B, L, H, Dh)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return self.to_out[0](attention(q, k, v))
+        # the fused glue: q/k RMSNorm + RoPE inside attention (saving q, k once: ops/rope_attention.py)
+        reads_x = [self.to_q] if ctx_BLD is not None else [self.to_q, self.to_k, self.to_v]
+        if norm is not None and all(type(m) is nn.Linear for m in reads_x) and fuses_adaln(x_BND, *norm[:2], norm[3]):
+            scale, shift, eps, backend = norm
+            projected = adaln_linear(x_BND, scale, shift, eps, [(m.weight, m.bias) for m in reads_x], backend=backend)
+            if ctx_BLD is None:
+                q, k, v = projected
+            else:  # v before k: a LoRA-wrapped one draws its dropout in the reference path's order
+                q, v = projected[0], self.to_v(ctx_BLD)
+                k = self.to_k(ctx_BLD)
+        else:  # a LoRA-wrapped projection runs its module, on a saved AdaLN output, in the reference path's order
+            if norm is not None:
+                x_BND = adaln_modulate(x_BND, norm[0], norm[1], norm[2], backend=norm[3])
+            kv_BLD = x_BND if ctx_BLD is None else ctx_BLD
+            v = self.to_v(kv_BLD)
+            q, k = self.to_q(x_BND), self.to_k(kv_BLD)
+        rope_q = rope_k = rope
+        if rope is None:  # cross-attention: angle 0, the norm only
+            rope_q, rope_k = _no_rotation(q, self.heads), _no_rotation(k, self.heads)
+        o = rope_attention(q, k, v, self.heads, self.norm_q.weight, self.norm_k.weight, rope_q, rope_k,
+                           self.norm_q.eps, self.norm_k.eps, backend=glue)
+        return self.to_out[0](o)
 
 
 class WanBlock(nn.Module):
@@ -102,23 +124,27 @@ class WanBlock(nn.Module):
         glue = self.glue_backend
         if glue == "auto":  # the fused glue on CUDA, the reference path (bit for bit diffusers' math) elsewhere
             glue = "triton" if x_BND.is_cuda and _HAS_TRITON else "torch"
-        h = adaln_modulate(x_BND, scale_msa, shift_msa, self.eps, backend=self.adaln_backend)
-        x_BND = gated_residual(x_BND, self.attn1(h, rope=rope, glue=glue), gate_msa, glue)
+        x_BND = gated_residual(x_BND, self.attn1(x_BND, rope=rope, glue=glue,
+                                                 norm=(scale_msa, shift_msa, self.eps, self.adaln_backend)), gate_msa, glue)
 
         if glue != "torch" and isinstance(self.norm2, FP32LayerNorm):  # LN·w + b = AdaLN with scale w − 1, shift b
             w, b = self.norm2.weight.float(), self.norm2.bias.float()
-            h = adaln_modulate(x_BND, (w - 1)[None, None], b[None, None], self.norm2.eps, backend=glue)
+            x_BND = x_BND + self.attn2(x_BND, ctx_BLD, glue=glue,
+                                       norm=((w - 1)[None, None], b[None, None], self.norm2.eps, glue))
         else:
-            h = self.norm2(x_BND)
-        x_BND = x_BND + self.attn2(h, ctx_BLD, glue=glue)
+            x_BND = x_BND + self.attn2(self.norm2(x_BND), ctx_BLD, glue=glue)
 
-        h = adaln_modulate(x_BND, scale_ff, shift_ff, self.eps, backend=self.adaln_backend)
         proj, out = self.ffn.net[0].proj, self.ffn.net[2]
         if glue != "torch" and type(proj) is nn.Linear and type(out) is nn.Linear:
-            # the MLP saving x and its pre-activation only (ops/gelu_ffn.py); a LoRA-wrapped layer runs its module
-            y = gelu_ffn(h, proj.weight, proj.bias, out.weight, out.bias, backend=glue)
-        else:
-            y = self.ffn(h)
+            # the MLP saving x and its pre-activation only (ops/gelu_ffn.py), AdaLN's output not at all
+            if fuses_adaln(x_BND, scale_ff, shift_ff, self.adaln_backend):
+                y = adaln_gelu_ffn(x_BND, scale_ff, shift_ff, self.eps, proj.weight, proj.bias, out.weight, out.bias,
+                                   backend=self.adaln_backend)
+            else:
+                h = adaln_modulate(x_BND, scale_ff, shift_ff, self.eps, backend=self.adaln_backend)
+                y = gelu_ffn(h, proj.weight, proj.bias, out.weight, out.bias, backend=glue)
+        else:  # the reference path, or a LoRA-wrapped layer running its module
+            y = self.ffn(adaln_modulate(x_BND, scale_ff, shift_ff, self.eps, backend=self.adaln_backend))
         return gated_residual(x_BND, y, gate_ff, glue)
 
 

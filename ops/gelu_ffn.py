@@ -78,67 +78,91 @@ def chunk_rows(rows: int, ffn_dim: int, elem_size: int) -> int:
     return min(rows, r)
 
 
+def ffn_forward(x, w1, b1, w2, b2, rows_per_chunk):
+    """(out, h, R): the MLP's output, its pre-activation (what backward needs besides x) and the chunk rows used."""
+    h = F.linear(x, w1, b1)
+    h2, lead = h.reshape(-1, h.shape[-1]), x.shape[:-1]
+    R = rows_per_chunk or chunk_rows(h2.shape[0], h2.shape[1], h2.element_size())
+    if R >= h2.shape[0]:
+        return F.linear(F.gelu(h, approximate="tanh"), w2, b2), h, R
+    out2 = h2.new_empty(h2.shape[0], w2.shape[0])  # a = GELU(h) lives one chunk at a time
+    for r in range(0, h2.shape[0], R):
+        out2[r:r + R] = F.linear(F.gelu(h2[r:r + R], approximate="tanh"), w2, b2)
+    return out2.view(*lead, w2.shape[0]), h, R
+
+
+def ffn_backward(dout, x, w1, w2, h, R, needs, has_b1, has_b2):
+    """(dx, dw1, db1, dw2, db2) of ffn_forward from its input x and saved h; needs: the five inputs' needs_input_grad."""
+    need_x, need_w1, need_b1, need_w2, need_b2 = needs
+    need_b1, need_b2 = need_b1 and has_b1, need_b2 and has_b2
+    need_dh = need_x or need_w1 or need_b1
+    x2, h2 = x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1])
+    dout2 = dout.reshape(-1, dout.shape[-1])
+    M = h2.shape[0]
+    dx = dw1 = db1 = dw2 = db2 = None
+    if R >= M:  # one chunk: the matmuls as eager autograd runs them
+        if need_w2:
+            dw2 = dout2.t() @ F.gelu(h2, approximate="tanh")  # a recomputed, freed at once
+        db2 = dout2.sum(0) if need_b2 else None
+        if need_dh:
+            dh = gelu_grad_((dout2 @ w2).contiguous(), h2)  # da, turned into dh in place
+            dw1 = dh.t() @ x2 if need_w1 else None
+            db1 = dh.sum(0) if need_b1 else None
+            dx = (dh @ w1).view(x.shape) if need_x else None
+        return dx, dw1, db1, dw2, db2
+    # chunks of rows: one chunk's a and da/dh at a time; weight gradients accumulate in place (addmm, fp32
+    # inside the matmul, one rounding to the weight's dtype per chunk), bias gradients in fp32
+    dx2 = torch.empty_like(x2) if need_x else None
+    dw1 = torch.zeros_like(w1) if need_w1 else None
+    dw2 = torch.zeros_like(w2) if need_w2 else None
+    db1 = torch.zeros(w1.shape[0], dtype=torch.float32, device=w1.device) if need_b1 else None
+    db2 = torch.zeros(w2.shape[0], dtype=torch.float32, device=w2.device) if need_b2 else None
+    for r in range(0, M, R):
+        h_c, do_c = h2[r:r + R], dout2[r:r + R]
+        if need_w2:
+            dw2.addmm_(do_c.t(), F.gelu(h_c, approximate="tanh"))
+        if need_b2:
+            db2 += do_c.sum(0, dtype=torch.float32)
+        if need_dh:
+            dh = gelu_grad_((do_c @ w2).contiguous(), h_c)
+            if need_w1:
+                dw1.addmm_(dh.t(), x2[r:r + R])
+            if need_b1:
+                db1 += dh.sum(0, dtype=torch.float32)
+            if need_x:
+                torch.mm(dh, w1, out=dx2[r:r + R])
+            del dh
+    return (dx2.view(x.shape) if need_x else None, dw1, db1.to(w1.dtype) if need_b1 else None, dw2,
+            db2.to(w2.dtype) if need_b2 else None)
+
+
 class _GeluFFN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, rows_per_chunk):
-        h = F.linear(x, w1, b1)
-        h2, lead = h.reshape(-1, h.shape[-1]), x.shape[:-1]
-        R = rows_per_chunk or chunk_rows(h2.shape[0], h2.shape[1], h2.element_size())
-        if R >= h2.shape[0]:
-            out = F.linear(F.gelu(h, approximate="tanh"), w2, b2)
-        else:  # a = GELU(h) lives one chunk at a time
-            out2 = h2.new_empty(h2.shape[0], w2.shape[0])
-            for r in range(0, h2.shape[0], R):
-                out2[r:r + R] = F.linear(F.gelu(h2[r:r + R], approximate="tanh"), w2, b2)
-            out = out2.view(*lead, w2.shape[0])
+        out, h, ctx.R = ffn_forward(x, w1, b1, w2, b2, rows_per_chunk)
         ctx.save_for_backward(x, w1, w2, h)
-        ctx.has_b1, ctx.has_b2, ctx.R = b1 is not None, b2 is not None, R
+        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
         return out
 
     @staticmethod
     def backward(ctx, dout):
         x, w1, w2, h = ctx.saved_tensors
-        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
-        need_b1, need_b2 = need_b1 and ctx.has_b1, need_b2 and ctx.has_b2
-        need_dh = need_x or need_w1 or need_b1
-        x2, h2 = x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1])
-        dout2 = dout.reshape(-1, dout.shape[-1])
-        M, R = h2.shape[0], ctx.R
-        dx = dw1 = db1 = dw2 = db2 = None
-        if R >= M:  # one chunk: the matmuls as eager autograd runs them
-            if need_w2:
-                dw2 = dout2.t() @ F.gelu(h2, approximate="tanh")  # a recomputed, freed at once
-            db2 = dout2.sum(0) if need_b2 else None
-            if need_dh:
-                dh = gelu_grad_((dout2 @ w2).contiguous(), h2)  # da, turned into dh in place
-                dw1 = dh.t() @ x2 if need_w1 else None
-                db1 = dh.sum(0) if need_b1 else None
-                dx = (dh @ w1).view(x.shape) if need_x else None
-            return dx, dw1, db1, dw2, db2, None
-        # chunks of rows: one chunk's a and da/dh at a time; weight gradients accumulate in place (addmm, fp32
-        # inside the matmul, one rounding to the weight's dtype per chunk), bias gradients in fp32
-        dx2 = torch.empty_like(x2) if need_x else None
-        dw1 = torch.zeros_like(w1) if need_w1 else None
-        dw2 = torch.zeros_like(w2) if need_w2 else None
-        db1 = torch.zeros(w1.shape[0], dtype=torch.float32, device=w1.device) if need_b1 else None
-        db2 = torch.zeros(w2.shape[0], dtype=torch.float32, device=w2.device) if need_b2 else None
-        for r in range(0, M, R):
-            h_c, do_c = h2[r:r + R], dout2[r:r + R]
-            if need_w2:
-                dw2.addmm_(do_c.t(), F.gelu(h_c, approximate="tanh"))
-            if need_b2:
-                db2 += do_c.sum(0, dtype=torch.float32)
-            if need_dh:
-                dh = gelu_grad_((do_c @ w2).contiguous(), h_c)
-                if need_w1:
-                    dw1.addmm_(dh.t(), x2[r:r + R])
-                if need_b1:
-                    db1 += dh.sum(0, dtype=torch.float32)
-                if need_x:
-                    torch.mm(dh, w1, out=dx2[r:r + R])
-                del dh
-        return (dx2.view(x.shape) if need_x else None, dw1, db1.to(w1.dtype) if need_b1 else None, dw2,
-                db2.to(w2.dtype) if need_b2 else None, None)
+        return (*ffn_backward(dout, x, w1, w2, h, ctx.R, ctx.needs_input_grad[:5], ctx.has_b1, ctx.has_b2), None)
+
+
+def autocast_args(x: torch.Tensor, *params):
+    """The dtype the function's matmuls run in, and params cast to it as autocast would — outside the function, so
+    that fp32 master weights receive fp32 gradients through the cast. Outside autocast every param must share
+    x's dtype."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+        return dtype, [p.to(dtype) if p is not None else None for p in params]
+    given = [p for p in params if p is not None]
+    if any(p.dtype != x.dtype for p in given):
+        raise ValueError(f"x ({x.dtype}) and the weights ({[p.dtype for p in given]}) must share a dtype outside "
+                         "autocast")
+    return x.dtype, list(params)
 
 
 def gelu_ffn(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
@@ -153,16 +177,9 @@ def gelu_ffn(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: tor
     require_triton("gelu_ffn", _HAS_TRITON)
     if x.device.type != "cuda" and not _interpreting():
         raise RuntimeError("gelu_ffn: backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before first use")
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev):  # cast as autocast would, outside the function: fp32 grads reach fp32 params
-        dtype = torch.get_autocast_dtype(dev)
-        x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
-        b1 = b1.to(dtype) if b1 is not None else None
-        b2 = b2.to(dtype) if b2 is not None else None
-        with torch.autocast(dev, enabled=False):
-            return _GeluFFN.apply(x, w1, b1, w2, b2, rows_per_chunk)
-    params = [w1, w2] + [b for b in (b1, b2) if b is not None]
-    if any(p.dtype != x.dtype for p in params):
-        raise ValueError(f"gelu_ffn: x ({x.dtype}) and the weights ({[p.dtype for p in params]}) must share a dtype "
-                         "outside autocast")
-    return _GeluFFN.apply(x, w1, b1, w2, b2, rows_per_chunk)
+    try:
+        dtype, (w1, b1, w2, b2) = autocast_args(x, w1, b1, w2, b2)
+    except ValueError as e:
+        raise ValueError(f"gelu_ffn: {e}") from None
+    with torch.autocast(x.device.type, enabled=False):
+        return _GeluFFN.apply(x.to(dtype), w1, b1, w2, b2, rows_per_chunk)

@@ -16,6 +16,7 @@ Side by side in one run, forward + backward, no optimizer, random weights (the s
   ours@keep           (b) too: every block recomputed, the most blocks that fit diffusers' peak keeping their
                       attention outputs (the last ones: models/layers.py keeps_attention) (the recompute skips attention there), glue and offload as ours@policy
   ours@unchunked      ours@offload with the MLP's ffn-sized temporaries whole (ops/gelu_ffn.py's row chunks off)
+  ours@chunkN         ours@offload with those temporaries in chunks of N MiB of rows (the default is 128)
   diffusers@again     diffusers measured again after our columns at each shape (drift between columns shows)
   ours@trainer        our trainer's precision: fp32 master weights under bf16 autocast (not held to memory targets)
 Reported per shape: ms (median), tokens/s, model-FLOPs utilisation (CONTRACTS §9), peak GiB; each row is appended
@@ -445,12 +446,14 @@ def main(argv=None) -> None:
                 ms, peak = timed(ours_run(shape, True, glue, offload=off, keep=j))
                 record("ours@keep", shape, ms, peak, keep_attention_blocks=j, offload=off,
                        fits=bool(not peak > diff_peak[shape]) if dev.type == "cuda" else None)
-            if "ours@unchunked" in impls:  # ours@offload with the MLP's temporaries whole (one chunk of rows)
+            for impl in [i for i in impls if i == "ours@unchunked" or i.startswith("ours@chunk")]:
+                # ours@offload with the MLP's ffn-sized temporaries in other chunks (ops/gelu_ffn.py; default 128 MiB)
                 import ops.gelu_ffn as gelu_ffn
 
-                chunk, gelu_ffn.CHUNK_BYTES = gelu_ffn.CHUNK_BYTES, 1 << 62
+                mib = None if impl == "ours@unchunked" else int(impl[len("ours@chunk"):])
+                chunk, gelu_ffn.CHUNK_BYTES = gelu_ffn.CHUNK_BYTES, (mib or 1 << 22) << 20
                 try:
-                    record("ours@unchunked", shape, *timed(ours_run(shape, True, glue, offload=True)))
+                    record(impl, shape, *timed(ours_run(shape, True, glue, offload=True)), chunk_mib=mib)
                 finally:
                     gelu_ffn.CHUNK_BYTES = chunk
             ours.set_activation_checkpointing(True)
@@ -519,6 +522,8 @@ def table(rows) -> str:
         by.setdefault(r["S"], {})[r["impl"]] = r
     impls = ["diffusers@default", "diffusers@fast", "ours@fast", "ours@glue", "ours@compile", "ours@offload",
              "ours@unchunked", "ours@policy", "ours@keep", "ours@trainer", "diffusers@again"]
+    chunks = sorted({i for d in by.values() for i in d if i.startswith("ours@chunk")}, key=lambda i: int(i[10:]))
+    impls = impls[:7] + chunks + impls[7:]
     impls = [i for i in impls if any(i in d for d in by.values())]  # the columns this run measured
     lines = ["| S | " + " | ".join(f"{i} ms (tok/s, GiB)" for i in impls) + " | ours@fast / diffusers@fast |",
              "|---|" + "---|" * (len(impls) + 1)]

@@ -343,33 +343,28 @@ def test_cuda_bf16_parity_with_diffusers_at_wan_1p3b_width(glue):
 
 
 def test_fused_glue_model_equals_reference_model(monkeypatch):
-    """glue_backend="triton" (the interpreter on CPU): the fused gated residual, q/k RMSNorm-RoPE (self- and
-    cross-attention), the cross-attention LayerNorm as AdaLN and the recomputing MLP in every block give the
-    reference model's output and parameter gradients."""
+    """glue_backend="triton" (the interpreter on CPU): the fused gated residual, the AdaLN feeding the q/k/v
+    projections and the MLP without saving its output, attention over the q/k RMSNorm-RoPE saving q and k once (self-
+    and cross-attention, whose LayerNorm runs as AdaLN) in every block give the reference model's output and
+    parameter gradients."""
     import models.wan as wan
     import ops.gated_residual as gr
-    import ops.qk_norm_rope as qr
 
     if not gr._HAS_TRITON:
         pytest.skip("triton is not installed")
-    calls = {"gr": 0, "qk": 0, "ffn": 0}
-    real_gr, real_qk, real_ffn = gr.gated_residual, qr.qk_norm_rope, wan.gelu_ffn
+    calls = {"gated_residual": 0, "rope_attention": 0, "adaln_linear": 0, "adaln_gelu_ffn": 0}
 
-    def spy_gr(*a, **k):
-        calls["gr"] += 1
-        return real_gr(*a, **k)
+    def spy(mod, name):
+        real = getattr(mod, name)
 
-    def spy_qk(*a, **k):
-        calls["qk"] += 1
-        return real_qk(*a, **k)
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return real(*a, **k)
+        monkeypatch.setattr(mod, name, wrapped)
 
-    def spy_ffn(*a, **k):
-        calls["ffn"] += 1
-        return real_ffn(*a, **k)
-
-    monkeypatch.setattr(gr, "gated_residual", spy_gr)
-    monkeypatch.setattr(wan, "qk_norm_rope", spy_qk)
-    monkeypatch.setattr(wan, "gelu_ffn", spy_ffn)
+    spy(gr, "gated_residual")
+    for name in ("rope_attention", "adaln_linear", "adaln_gelu_ffn"):
+        spy(wan, name)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Triton compiles on CUDA, else interprets
     # fp32 throughout (matmuls are by default): a TF32 convolution rounds the two passes' (1e-7-apart)
     # inputs 1e-3 apart (seen on the H200)
@@ -378,11 +373,12 @@ def test_fused_glue_model_equals_reference_model(monkeypatch):
     x, t, ctx = (a.to(dev) for a in inputs(TINY, frames=3))
     outs, grads = {}, {}
     for backend in ("torch", "triton"):
-        model.glue_backend = backend
+        model.glue_backend = model.adaln_backend = backend  # the AdaLN kernel too (auto: the reference on CPU)
         outs[backend] = model(x, t, ctx)
         grads[backend] = loss_and_grads(model, outs[backend])
     L = TINY["num_layers"]
-    assert calls == {"gr": 2 * L, "qk": 4 * L, "ffn": L}  # only the triton pass
+    assert calls == {"gated_residual": 2 * L, "rope_attention": 2 * L, "adaln_linear": 2 * L,
+                     "adaln_gelu_ffn": L}  # only the triton pass
     torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-5, rtol=1e-5)
     for n, g in grads["torch"].items():
         torch.testing.assert_close(grads["triton"][n], g, atol=1e-5, rtol=1e-4, msg=n)
@@ -393,7 +389,7 @@ def test_fused_glue_model_equals_reference_model(monkeypatch):
     # no further from the fp32 truth than the reference glue under the same autocast
     model.set_activation_checkpointing(True)
     for backend in ("torch", "triton"):
-        model.glue_backend = backend
+        model.glue_backend = model.adaln_backend = backend
         with torch.autocast(dev.type, dtype=torch.bfloat16):
             out = model(x, t, ctx)
         assert out.dtype == torch.bfloat16
@@ -458,12 +454,18 @@ def test_lora_and_frozen_embedders_with_fused_glue_and_offload(monkeypatch):
         model.set_activation_checkpointing(1.5)
 
 
-def test_keep_attention_skips_attention_in_the_recompute():
+@pytest.mark.parametrize("glue", ["torch", "triton"])
+def test_keep_attention_skips_attention_in_the_recompute(glue):
     """set_activation_checkpointing(k, keep_attention=j): the last j recomputed blocks save SDPA's outputs, so
-    attention runs once for them (twice for the other recomputed blocks), with the same output and gradients."""
+    attention runs once for them (twice for the other recomputed blocks), with the same output and gradients —
+    also under the fused glue, whose attention (ops/rope_attention.py) calls SDPA's kernels through their ops."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    import ops.gated_residual as gr
     from models.layers import _attention_ops
+
+    if glue == "triton" and (not gr._HAS_TRITON or torch.cuda.is_available()):
+        pytest.skip("the fused glue on CPU tensors (the interpreter); the GPU runs it in the H200 tests")
 
     class Count(TorchDispatchMode):
         def __init__(self):
@@ -475,10 +477,12 @@ def test_keep_attention_skips_attention_in_the_recompute():
             return func(*args, **(kwargs or {}))
 
     _, model = make_pair(TINY)
+    model.glue_backend = model.adaln_backend = glue
     x, t, ctx = inputs(TINY, frames=3)
     L = TINY["num_layers"]
     runs = {}
-    for k, j in [(0, 0), (L, 0), (L, L), (L, 1)]:
+    configs = [(0, 0), (L, 0), (L, L), (L, 1)] if glue == "torch" else [(0, 0), (L, 1)]  # the interpreter is slow
+    for k, j in configs:
         model.set_activation_checkpointing(k, keep_attention=j)
         with Count() as c:
             out = model(x, t, ctx)
@@ -486,13 +490,16 @@ def test_keep_attention_skips_attention_in_the_recompute():
         runs[k, j] = (out, grads, c.n)
     per_pass = runs[0, 0][2]  # self- and cross-attention of every block, once
     assert per_pass == 2 * L
-    assert runs[L, 0][2] == 2 * per_pass  # everything recomputed
-    assert runs[L, L][2] == per_pass  # kept: no attention in the recompute
-    assert runs[L, 1][2] == per_pass + per_pass // L  # one block kept, the other recomputes its two attentions
-    for key in [(L, 0), (L, L), (L, 1)]:
+    expected = {(L, 0): 2 * per_pass,  # everything recomputed
+                (L, L): per_pass,  # kept: no attention in the recompute
+                (L, 1): per_pass + per_pass // L}  # one block kept, the other recomputes its two attentions
+    for key in configs[1:]:
+        assert runs[key][2] == expected[key], key
         assert torch.equal(runs[key][0], runs[0, 0][0])
         for n, g in runs[0, 0][1].items():
             assert torch.equal(runs[key][1][n], g), (key, n)
+    if glue != "torch":
+        return  # which blocks keep, and offload's interplay, do not depend on the glue
     # which blocks: the last j of the k recomputed (backward frees their outputs before the peak at the first blocks)
     for k, j, kept in [(L, 1, [L - 1]), (L - 1, 1, [L - 2]), (L, L, list(range(L))), (L, 0, [])]:
         model.set_activation_checkpointing(k, keep_attention=j)
