@@ -12,6 +12,9 @@ so its memory returns the moment backward drops it, however far the CPU runs ahe
     backward:  x = host[i] (prefetched);  out = block(x) with autograd, under the forward's autocast state;
                out.backward(dout);  prefetch host[i−1];  return dx and the gradients of the block's other inputs
 
+A selective policy (context_fn, as torch.utils.checkpoint takes it) may keep some ops' outputs from the forward for
+the recompute: model.keep_attention's blocks offload their inputs too and keep only attention's output.
+
 The recompute is the same forward as torch.utils.checkpoint's (autocast state and random state restored), so
 outputs and gradients equal the plain model's (tested, also with frozen embedders). Limits, each refused with a
 message: one backward per forward, `.backward()` only (not torch.autograd.grad), a single process (FSDP2's hooks
@@ -20,6 +23,7 @@ On the CPU the "host copy" is a clone (same code path, nothing to save).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -105,13 +109,14 @@ class HostStore:
 
 class _OffloadedCheckpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run: Callable, store: HostStore, anchor: torch.Tensor, x: torch.Tensor,
+    def forward(ctx, run: Callable, store: HostStore, context_fn, anchor: torch.Tensor, x: torch.Tensor,
                 *args: torch.Tensor) -> torch.Tensor:
         dev = x.device
         ctx.run, ctx.store, ctx.device = run, store, dev
         ctx.autocast = (torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type))
         ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
-        with torch.no_grad():
+        forward_context, ctx.recompute_context = context_fn() if context_fn is not None else (nullcontext(), None)
+        with torch.no_grad(), forward_context:
             out = run(x, *args)
         ctx.index = store.put(x)
         ctx.save_for_backward(*args)  # the small inputs (text, modulation, RoPE angles) stay where they are
@@ -122,8 +127,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError("model.offload_checkpoints recomputes blocks inside backward: it works with "
                                ".backward(), not torch.autograd.grad() or backward(inputs=...)")
-        x = ctx.store.take(ctx.index, ctx.device).requires_grad_(ctx.needs_input_grad[3])
-        args = [a.detach().requires_grad_(need) for a, need in zip(ctx.saved_tensors, ctx.needs_input_grad[4:])]
+        x = ctx.store.take(ctx.index, ctx.device).requires_grad_(ctx.needs_input_grad[4])
+        args = [a.detach().requires_grad_(need) for a, need in zip(ctx.saved_tensors, ctx.needs_input_grad[5:])]
         enabled, dtype = ctx.autocast
         cuda = ctx.device.type == "cuda"
         # the forward's random state (e.g. LoRA dropout), so the recompute draws what the forward drew
@@ -131,10 +136,12 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             torch.set_rng_state(ctx.rng[0])
             if cuda:
                 torch.cuda.set_rng_state(ctx.rng[1], ctx.device)
-            with torch.enable_grad(), torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled):
+            recompute_context, ctx.recompute_context = ctx.recompute_context or nullcontext(), None
+            with torch.enable_grad(), torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled), \
+                    recompute_context:
                 out = ctx.run(x, *args)
         torch.autograd.backward(out, dout)
-        return (None, None, None, x.grad if x.requires_grad else None,
+        return (None, None, None, None, x.grad if x.requires_grad else None,
                 *(a.grad if a.requires_grad else None for a in args))
 
 
@@ -143,6 +150,13 @@ class _OffloadedCheckpoint(torch.autograd.Function):
 _ANCHOR = torch.empty(0, requires_grad=True)
 
 
-def offloaded_checkpoint(run: Callable, store: HostStore, x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
-    """run(x, *args) (tensors only) recomputed in backward from a host copy of x."""
-    return _OffloadedCheckpoint.apply(run, store, _ANCHOR, x, *args)
+def offloaded_checkpoint(run: Callable, store: HostStore, x: torch.Tensor, *args: torch.Tensor,
+                         context_fn: Callable | None = None) -> torch.Tensor:
+    """run(x, *args) (tensors only) recomputed in backward from a host copy of x.
+
+    context_fn: as torch.utils.checkpoint's — () → (forward context, recompute context), e.g. a selective policy
+    (models.layers.keep_attention_context) whose forward caches what the recompute then reuses. The forward runs
+    without autograd here: an op must be called alike with and without it (ops/rope_attention.py's attention is; a
+    bare F.scaled_dot_product_attention may skip its log-sum-exp without autograd, so the torch glue does not offload
+    blocks that keep attention)."""
+    return _OffloadedCheckpoint.apply(run, store, context_fn, _ANCHOR, x, *args)

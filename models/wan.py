@@ -31,13 +31,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.layers import (MLP, DiffusersFormat, FeedForward, PolicyKnobs, FP32LayerNorm, RMSNorm, RoPE3D, apply_rope, attention,
-                           gated_residual, timestep_embedding)
+                           gated_residual, keep_attention_context, timestep_embedding)
 from models.offload import HostStore, offloaded_checkpoint
 from ops.adaln import adaln_modulate
 from ops.adaln_linear import adaln_gelu_ffn, adaln_linear, fuses_adaln
 from ops.gelu_ffn import _HAS_TRITON, gelu_ffn
 from ops.rope_attention import rope_attention
 
+
+
+def resolve_glue(glue: str, x: torch.Tensor) -> str:
+    """"auto": the fused glue on CUDA, the reference path (bit for bit diffusers' math) elsewhere."""
+    if glue == "auto":
+        return "triton" if x.is_cuda and _HAS_TRITON else "torch"
+    return glue
 
 
 def _no_rotation(x_BND: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,9 +128,7 @@ class WanBlock(nn.Module):
         shift_msa, scale_msa, gate_msa, shift_ff, scale_ff, gate_ff = (
             self.scale_shift_table[None] + tmod_BT6D.float()).unbind(2)
 
-        glue = self.glue_backend
-        if glue == "auto":  # the fused glue on CUDA, the reference path (bit for bit diffusers' math) elsewhere
-            glue = "triton" if x_BND.is_cuda and _HAS_TRITON else "torch"
+        glue = resolve_glue(self.glue_backend, x_BND)
         x_BND = gated_residual(x_BND, self.attn1(x_BND, rope=rope, glue=glue,
                                                  norm=(scale_msa, shift_msa, self.eps, self.adaln_backend)), gate_msa, glue)
 
@@ -243,10 +248,15 @@ class WanTransformer(DiffusersFormat, PolicyKnobs, nn.Module):
 
         offload = self.offload_checkpoints and self._checkpointing > 0 and torch.is_grad_enabled()
         store = HostStore(x_BND.device) if offload else None
+        # a block keeping its attention offloads too under the fused glue, whose attention the offloaded forward
+        # (no autograd) calls as its recompute will (models/offload.py); the torch glue's SDPA call may not
+        keep_offloads = resolve_glue(self.glue_backend, x_BND) != "torch"
         for i, block in enumerate(self.blocks):
-            if self.recomputes(i) and store is not None and not self.keeps_attention(i):  # input in host memory
+            keeps = self.keeps_attention(i)
+            if self.recomputes(i) and store is not None and (keep_offloads or not keeps):  # input in host memory
                 x_BND = offloaded_checkpoint(lambda x, c, t, cos, sin, blk=block: blk(x, c, t, (cos, sin)), store,
-                                             x_BND, ctx_BLD, tmod_BT6D, *rope)
+                                             x_BND, ctx_BLD, tmod_BT6D, *rope,
+                                             context_fn=keep_attention_context if keeps else None)
             else:
                 x_BND = self.run_block(i, block, x_BND, ctx_BLD, tmod_BT6D, rope)
 

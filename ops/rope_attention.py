@@ -121,7 +121,9 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int
         qr, kr = qk_norm_rope_reference(q, wq, *rope_q, eps_q), qk_norm_rope_reference(k, wk, *rope_k, eps_k)
         return _sdpa(qr, kr, v, heads)
     kind = None
-    if not torch.compiler.is_compiling() and q.dtype == k.dtype == v.dtype and q.stride(-1) == 1:
+    # head_dim a multiple of 8 on CUDA: SDPA pads other widths before its kernels, whose ops refuse them
+    if (not torch.compiler.is_compiling() and q.dtype == k.dtype == v.dtype and q.stride(-1) == 1
+            and (q.device.type == "cpu" or q.shape[-1] // heads % 8 == 0)):
         kind = _kernel_kind(_heads(q, heads), _heads(k, heads), _heads(v, heads))
     if kind is None:  # SDPA's math path (or a kernel this file does not call): the plain composition
         qr = qk_norm_rope(q, wq, *rope_q, eps_q, backend=backend)

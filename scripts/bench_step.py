@@ -15,6 +15,7 @@ Side by side in one run, forward + backward, no optimizer, random weights (the s
                       at that shape (none where it fits), with the fused glue (and offload when ours@offload runs)
   ours@keep           (b) too: every block recomputed, the most blocks that fit diffusers' peak keeping their
                       attention outputs (the last ones: models/layers.py keeps_attention) (the recompute skips attention there), glue and offload as ours@policy
+  ours@keep+unchunked ours@keep with the MLP's temporaries whole (as ours@unchunked)
   ours@unchunked      ours@offload with the MLP's ffn-sized temporaries whole (ops/gelu_ffn.py's row chunks off)
   ours@chunkN         ours@offload with those temporaries in chunks of N MiB of rows (the default is 128)
   diffusers@again     diffusers measured again after our columns at each shape (drift between columns shows)
@@ -36,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import ops.gelu_ffn as gelu_ffn  # noqa: E402 - CHUNK_BYTES is a column's knob
 from scheduling.metrics import model_flops  # noqa: E402
 
 WAN_1P3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
@@ -439,17 +441,22 @@ def main(argv=None) -> None:
                                       diff_peak[shape] if dev.type == "cuda" else math.inf)  # one step a probe
                 record("ours@policy", shape, *timed(ours_run(shape, k, glue, offload=off)), recompute_blocks=k,
                        offload=off)
-            if "ours@keep" in impls:  # (b): every block recomputed, the most of them keeping their attention
+            for impl in [i for i in impls if i in ("ours@keep", "ours@keep+unchunked")]:
+                # (b): every block recomputed, the most of them keeping their attention (+ the MLP unchunked)
                 off = "ours@offload" in impls
-                j = keep_search(lambda j: time_step(ours_run(shape, True, glue, offload=off, keep=j), dev, 0, 1),
-                                layers, diff_peak[shape] if dev.type == "cuda" else math.inf)
-                ms, peak = timed(ours_run(shape, True, glue, offload=off, keep=j))
-                record("ours@keep", shape, ms, peak, keep_attention_blocks=j, offload=off,
+                chunk = gelu_ffn.CHUNK_BYTES
+                if impl.endswith("+unchunked"):
+                    gelu_ffn.CHUNK_BYTES = 1 << 62
+                try:
+                    j = keep_search(lambda j: time_step(ours_run(shape, True, glue, offload=off, keep=j), dev, 0, 1),
+                                    layers, diff_peak[shape] if dev.type == "cuda" else math.inf)
+                    ms, peak = timed(ours_run(shape, True, glue, offload=off, keep=j))
+                finally:
+                    gelu_ffn.CHUNK_BYTES = chunk
+                record(impl, shape, ms, peak, keep_attention_blocks=j, offload=off,
                        fits=bool(not peak > diff_peak[shape]) if dev.type == "cuda" else None)
             for impl in [i for i in impls if i == "ours@unchunked" or i.startswith("ours@chunk")]:
                 # ours@offload with the MLP's ffn-sized temporaries in other chunks (ops/gelu_ffn.py; default 128 MiB)
-                import ops.gelu_ffn as gelu_ffn
-
                 mib = None if impl == "ours@unchunked" else int(impl[len("ours@chunk"):])
                 chunk, gelu_ffn.CHUNK_BYTES = gelu_ffn.CHUNK_BYTES, (mib or 1 << 22) << 20
                 try:
@@ -521,7 +528,7 @@ def table(rows) -> str:
     for r in rows:
         by.setdefault(r["S"], {})[r["impl"]] = r
     impls = ["diffusers@default", "diffusers@fast", "ours@fast", "ours@glue", "ours@compile", "ours@offload",
-             "ours@unchunked", "ours@policy", "ours@keep", "ours@trainer", "diffusers@again"]
+             "ours@unchunked", "ours@policy", "ours@keep", "ours@keep+unchunked", "ours@trainer", "diffusers@again"]
     chunks = sorted({i for d in by.values() for i in d if i.startswith("ours@chunk")}, key=lambda i: int(i[10:]))
     impls = impls[:7] + chunks + impls[7:]
     impls = [i for i in impls if any(i in d for d in by.values())]  # the columns this run measured

@@ -498,8 +498,25 @@ def test_keep_attention_skips_attention_in_the_recompute(glue):
         assert torch.equal(runs[key][0], runs[0, 0][0])
         for n, g in runs[0, 0][1].items():
             assert torch.equal(runs[key][1][n], g), (key, n)
-    if glue != "torch":
-        return  # which blocks keep, and offload's interplay, do not depend on the glue
+    if glue != "torch":  # the fused glue's kept blocks offload their inputs too (models/offload.py's context_fn)
+        from models.offload import HostStore
+
+        model.offload_checkpoints = True
+        model.set_activation_checkpointing(L, keep_attention=1)
+        put, puts = HostStore.put, []
+        HostStore.put = lambda self, x_: puts.append(1) or put(self, x_)
+        try:
+            with Count() as c:
+                out = model(x, t, ctx)
+                grads = loss_and_grads(model, out)
+        finally:
+            model.offload_checkpoints = False
+            HostStore.put = put
+        assert len(puts) == L  # every block's input in host memory, the kept one's too
+        assert c.n == expected[L, 1] and torch.equal(out, runs[0, 0][0])
+        for n, g in runs[0, 0][1].items():  # offload sums the text/modulation gradients per block in another order
+            torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-6, msg=n)
+        return  # which blocks keep does not depend on the glue
     # which blocks: the last j of the k recomputed (backward frees their outputs before the peak at the first blocks)
     for k, j, kept in [(L, 1, [L - 1]), (L - 1, 1, [L - 2]), (L, L, list(range(L))), (L, 0, [])]:
         model.set_activation_checkpointing(k, keep_attention=j)
