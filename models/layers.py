@@ -337,12 +337,17 @@ def _attention_ops() -> tuple:
 
 
 def keep_attention_context():
-    """Selective checkpointing (torch.utils.checkpoint): SDPA's kernels are saved in forward, everything else is
-    recomputed — the recompute then reuses the attention output and log-sum-exp instead of running attention."""
+    """Selective checkpointing (torch.utils.checkpoint): the self-attention's SDPA kernel is saved in forward,
+    everything else is recomputed — the recompute then reuses its output and log-sum-exp instead of running it.
+    Self-attention only (keys as many as queries): a cross-attention to 512 text tokens costs 512/S of it to rerun
+    but holds as many output bytes (on the H200 at S = 32760, keeping both let 23 blocks keep within diffusers'
+    peak; results/step_h200.md)."""
     ops = _attention_ops()
 
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+        if op in ops and args[0].shape[-2] == args[1].shape[-2]:  # q, k: [B, H, N, Dh], [B, H, L, Dh]
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
 

@@ -115,9 +115,16 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.run, ctx.store, ctx.device = run, store, dev
         ctx.autocast = (torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type))
         ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
-        forward_context, ctx.recompute_context = context_fn() if context_fn is not None else (nullcontext(), None)
-        with torch.no_grad(), forward_context:
-            out = run(x, *args)
+        if context_fn is None:
+            ctx.recompute_context = None
+            with torch.no_grad():
+                out = run(x, *args)
+        else:  # as the recompute will run it (autograd on, the same inputs needing grad): a selective policy's ops
+            # must be called alike in both (SDPA computes its log-sum-exp only for autograd); the graph dies here
+            forward_context, ctx.recompute_context = context_fn()
+            needs = ctx.needs_input_grad[4:]
+            with torch.enable_grad(), forward_context:
+                out = run(*[a.detach().requires_grad_(n) for a, n in zip((x, *args), needs)]).detach()
         ctx.index = store.put(x)
         ctx.save_for_backward(*args)  # the small inputs (text, modulation, RoPE angles) stay where they are
         return out
@@ -155,8 +162,6 @@ def offloaded_checkpoint(run: Callable, store: HostStore, x: torch.Tensor, *args
     """run(x, *args) (tensors only) recomputed in backward from a host copy of x.
 
     context_fn: as torch.utils.checkpoint's — () → (forward context, recompute context), e.g. a selective policy
-    (models.layers.keep_attention_context) whose forward caches what the recompute then reuses. The forward runs
-    without autograd here: an op must be called alike with and without it (ops/rope_attention.py's attention is; a
-    bare F.scaled_dot_product_attention may skip its log-sum-exp without autograd, so the torch glue does not offload
-    blocks that keep attention)."""
+    (models.layers.keep_attention_context) whose forward caches what the recompute then reuses. With one, the
+    forward runs under autograd as the recompute will (its graph freed at once), so that every op is called alike."""
     return _OffloadedCheckpoint.apply(run, store, context_fn, _ANCHOR, x, *args)

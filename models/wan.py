@@ -36,6 +36,7 @@ from models.offload import HostStore, offloaded_checkpoint
 from ops.adaln import adaln_modulate
 from ops.adaln_linear import adaln_gelu_ffn, adaln_linear, fuses_adaln
 from ops.gelu_ffn import _HAS_TRITON, gelu_ffn
+from ops.qk_norm_rope import qk_norm_rope
 from ops.rope_attention import rope_attention
 
 
@@ -70,10 +71,11 @@ class WanAttention(nn.Module):
 
     def forward(self, x_BND: torch.Tensor, ctx_BLD: torch.Tensor | None = None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, glue: str = "torch",
-                norm: tuple | None = None) -> torch.Tensor:
+                norm: tuple | None = None, recompute: bool = True) -> torch.Tensor:
         """norm = (scale, shift, eps, backend): x_BND is the residual stream and the attention's input is
         AdaLN(x; scale, shift) — under the fused glue made inside the projections that read it (ops/adaln_linear.py:
-        not saved for backward); with glue "torch" made first, as diffusers does."""
+        not saved for backward); with glue "torch" made first, as diffusers does. recompute=False (fused glue):
+        AdaLN's output and the rotated q/k are saved for backward instead of remade (WanBlock.recompute_glue)."""
         if glue == "torch":
             if norm is not None:
                 x_BND = adaln_modulate(x_BND, norm[0], norm[1], norm[2], backend=norm[3])
@@ -86,7 +88,8 @@ class WanAttention(nn.Module):
             return self.to_out[0](attention(q, k, v))
         # the fused glue: q/k RMSNorm + RoPE inside attention (saving q, k once: ops/rope_attention.py)
         reads_x = [self.to_q] if ctx_BLD is not None else [self.to_q, self.to_k, self.to_v]
-        if norm is not None and all(type(m) is nn.Linear for m in reads_x) and fuses_adaln(x_BND, *norm[:2], norm[3]):
+        if (recompute and norm is not None and all(type(m) is nn.Linear for m in reads_x)
+                and fuses_adaln(x_BND, *norm[:2], norm[3])):
             scale, shift, eps, backend = norm
             projected = adaln_linear(x_BND, scale, shift, eps, [(m.weight, m.bias) for m in reads_x], backend=backend)
             if ctx_BLD is None:
@@ -103,6 +106,11 @@ class WanAttention(nn.Module):
         rope_q = rope_k = rope
         if rope is None:  # cross-attention: angle 0, the norm only
             rope_q, rope_k = _no_rotation(q, self.heads), _no_rotation(k, self.heads)
+        if not recompute:
+            q = qk_norm_rope(q, self.norm_q.weight, *rope_q, self.norm_q.eps, backend=glue)
+            k = qk_norm_rope(k, self.norm_k.weight, *rope_k, self.norm_k.eps, backend=glue)
+            return self.to_out[0](attention(q.unflatten(-1, (self.heads, -1)), k.unflatten(-1, (self.heads, -1)),
+                                            v.unflatten(-1, (self.heads, -1))))
         o = rope_attention(q, k, v, self.heads, self.norm_q.weight, self.norm_k.weight, rope_q, rope_k,
                            self.norm_q.eps, self.norm_k.eps, backend=glue)
         return self.to_out[0](o)
@@ -110,6 +118,10 @@ class WanAttention(nn.Module):
 
 class WanBlock(nn.Module):
     """One Wan transformer block: AdaLN self-attention, cross-attention to text, AdaLN feed-forward."""
+
+    # Under the fused glue, AdaLN's outputs and the rotated q/k are remade in backward rather than saved: 0.56 GiB
+    # less at S = 32760 on Wan 1.3B for six extra passes a block (results/step_h200.md). False saves them.
+    recompute_glue = True
 
     def __init__(self, dim: int, ffn_dim: int, heads: int, cross_attn_norm: bool, eps: float):
         super().__init__()
@@ -129,12 +141,13 @@ class WanBlock(nn.Module):
             self.scale_shift_table[None] + tmod_BT6D.float()).unbind(2)
 
         glue = resolve_glue(self.glue_backend, x_BND)
-        x_BND = gated_residual(x_BND, self.attn1(x_BND, rope=rope, glue=glue,
+        rec = self.recompute_glue
+        x_BND = gated_residual(x_BND, self.attn1(x_BND, rope=rope, glue=glue, recompute=rec,
                                                  norm=(scale_msa, shift_msa, self.eps, self.adaln_backend)), gate_msa, glue)
 
         if glue != "torch" and isinstance(self.norm2, FP32LayerNorm):  # LN·w + b = AdaLN with scale w − 1, shift b
             w, b = self.norm2.weight.float(), self.norm2.bias.float()
-            x_BND = x_BND + self.attn2(x_BND, ctx_BLD, glue=glue,
+            x_BND = x_BND + self.attn2(x_BND, ctx_BLD, glue=glue, recompute=rec,
                                        norm=((w - 1)[None, None], b[None, None], self.norm2.eps, glue))
         else:
             x_BND = x_BND + self.attn2(self.norm2(x_BND), ctx_BLD, glue=glue)
@@ -142,7 +155,7 @@ class WanBlock(nn.Module):
         proj, out = self.ffn.net[0].proj, self.ffn.net[2]
         if glue != "torch" and type(proj) is nn.Linear and type(out) is nn.Linear:
             # the MLP saving x and its pre-activation only (ops/gelu_ffn.py), AdaLN's output not at all
-            if fuses_adaln(x_BND, scale_ff, shift_ff, self.adaln_backend):
+            if rec and fuses_adaln(x_BND, scale_ff, shift_ff, self.adaln_backend):
                 y = adaln_gelu_ffn(x_BND, scale_ff, shift_ff, self.eps, proj.weight, proj.bias, out.weight, out.bias,
                                    backend=self.adaln_backend)
             else:
@@ -248,12 +261,9 @@ class WanTransformer(DiffusersFormat, PolicyKnobs, nn.Module):
 
         offload = self.offload_checkpoints and self._checkpointing > 0 and torch.is_grad_enabled()
         store = HostStore(x_BND.device) if offload else None
-        # a block keeping its attention offloads too under the fused glue, whose attention the offloaded forward
-        # (no autograd) calls as its recompute will (models/offload.py); the torch glue's SDPA call may not
-        keep_offloads = resolve_glue(self.glue_backend, x_BND) != "torch"
         for i, block in enumerate(self.blocks):
-            keeps = self.keeps_attention(i)
-            if self.recomputes(i) and store is not None and (keep_offloads or not keeps):  # input in host memory
+            keeps = self.keeps_attention(i)  # its input offloaded too, its kept attention output stays on the device
+            if self.recomputes(i) and store is not None:  # input in host memory
                 x_BND = offloaded_checkpoint(lambda x, c, t, cos, sin, blk=block: blk(x, c, t, (cos, sin)), store,
                                              x_BND, ctx_BLD, tmod_BT6D, *rope,
                                              context_fn=keep_attention_context if keeps else None)

@@ -9,6 +9,7 @@ Side by side in one run, forward + backward, no optimizer, random weights (the s
   ours@fast           our model, bf16 parameters and gradients (the fp32 modules of diffusers' list kept fp32), full
                       checkpointing, the same attention backend (torch's sdpa_kernel)
   ours@glue           the same with model.glue_backend=triton (fused gated residual, q/k RMSNorm-RoPE)
+  ours@saved          ours@glue saving AdaLN's outputs and the rotated q/k for backward (WanBlock.recompute_glue off)
   ours@compile        ours@fast with block.compile() (inductor fuses the torch glue instead of our kernels)
   ours@offload        ours@glue with the recomputed blocks' inputs in pinned host memory (models/offload.py)
   ours@policy         (b): the fewest leading blocks recompute that keep the step under diffusers@fast's peak memory
@@ -369,9 +370,11 @@ def main(argv=None) -> None:
     glue = "triton" if dev.type == "cuda" else "torch"
 
     def ours_run(shape, recompute, glue_backend="torch", compiled=False, dtype=torch.bfloat16, autocast=False,
-                 offload=False, keep=0):
+                 offload=False, keep=0, recompute_glue=True):
         ours.set_activation_checkpointing(recompute, keep_attention=keep)
         ours.glue_backend = glue_backend
+        for block in ours.blocks:
+            block.recompute_glue = recompute_glue
         ours.offload_checkpoints = offload
         for block in ours.blocks:
             if compiled and getattr(block, "_compiled_call_impl", None) is None:
@@ -414,6 +417,8 @@ def main(argv=None) -> None:
         with sdpa_context(best):
             if "ours@fast" in impls:
                 record("ours@fast", shape, *timed(ours_run(shape, True)))
+            if "ours@saved" in impls:  # the fused glue saving AdaLN's outputs and the rotated q/k (as before)
+                record("ours@saved", shape, *timed(ours_run(shape, True, glue, recompute_glue=False)))
             if "ours@glue" in impls:  # + fused gated residual, q/k RMSNorm-RoPE
                 record("ours@glue", shape, *timed(ours_run(shape, True, glue)))
             if "ours@compile" in impls:  # block.compile() on the torch glue (inductor fuses it instead)
@@ -428,6 +433,8 @@ def main(argv=None) -> None:
                 ours_run(shape, True)  # back to eager
             if args.profile and shape == shapes[0]:
                 meta.setdefault("profile", {})["ours@glue"] = profile(ours_run(shape, True, glue))
+                if "ours@saved" in impls:
+                    meta["profile"]["ours@saved"] = profile(ours_run(shape, True, glue, recompute_glue=False))
             if args.memtrace and shape == shapes[0] and dev.type == "cuda":
                 # ours@offload only: under torch.utils.checkpoint (diffusers, ours@glue) torch 2.11's Python-stack
                 # recording failed with "SystemError: ... returned NULL without setting an exception"
@@ -527,10 +534,11 @@ def table(rows) -> str:
     by = {}
     for r in rows:
         by.setdefault(r["S"], {})[r["impl"]] = r
-    impls = ["diffusers@default", "diffusers@fast", "ours@fast", "ours@glue", "ours@compile", "ours@offload",
-             "ours@unchunked", "ours@policy", "ours@keep", "ours@keep+unchunked", "ours@trainer", "diffusers@again"]
+    impls = ["diffusers@default", "diffusers@fast", "ours@fast", "ours@saved", "ours@glue", "ours@compile",
+             "ours@offload", "ours@unchunked", "ours@policy", "ours@keep", "ours@keep+unchunked", "ours@trainer",
+             "diffusers@again"]
     chunks = sorted({i for d in by.values() for i in d if i.startswith("ours@chunk")}, key=lambda i: int(i[10:]))
-    impls = impls[:7] + chunks + impls[7:]
+    impls = impls[:8] + chunks + impls[8:]
     impls = [i for i in impls if any(i in d for d in by.values())]  # the columns this run measured
     lines = ["| S | " + " | ".join(f"{i} ms (tok/s, GiB)" for i in impls) + " | ours@fast / diffusers@fast |",
              "|---|" + "---|" * (len(impls) + 1)]
