@@ -28,6 +28,7 @@ raised until the --longest column's peak exceeds diffusers@fast's peak at S = 32
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -73,6 +74,9 @@ LAST_ACTIVE: list = []  # the last time_step's peak of active bytes, GiB: alloca
 # another stream's events (not reusable yet, not counted by max_memory_allocated)
 
 
+GC_OFF = False  # --gc-off: Python's collector paused inside each timed step (collected before it, untimed)
+
+
 def time_step(run, dev, warmup: int, reps: int) -> tuple[float, float]:
     """(median ms, peak GiB) of run() = one forward + backward."""
     for _ in range(warmup):
@@ -81,10 +85,16 @@ def time_step(run, dev, warmup: int, reps: int) -> tuple[float, float]:
         torch.cuda.reset_peak_memory_stats(dev)
     times = []
     for _ in range(reps):
+        if GC_OFF:
+            gc.collect()
+            gc.disable()
         sync(dev)
         t0 = time.perf_counter()
-        run()
-        sync(dev)
+        try:
+            run()
+            sync(dev)
+        finally:
+            gc.enable()
         times.append((time.perf_counter() - t0) * 1e3)
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
     LAST_TIMES[:] = [round(t, 1) for t in times]
@@ -303,7 +313,11 @@ def main(argv=None) -> None:
     ap.add_argument("--memtrace", action="store_true",
                     help="what is alive at the peak of one ours@offload step at the first shape")
     ap.add_argument("--longest", default="ours@offload", help="the column whose longest sequence is searched ('' skips)")
+    ap.add_argument("--gc-off", action="store_true", help="pause Python's garbage collector inside timed steps "
+                    "(collected between them, untimed)")
     args = ap.parse_args(argv)
+    global GC_OFF
+    GC_OFF = args.gc_off
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg, shapes = (TINY, TINY_SHAPES) if args.tiny else (WAN_1P3B, SHAPES)
     ref_shape = shapes[3] if not args.tiny else shapes[-1]  # the longest-sequence reference (S = 32760)
