@@ -32,7 +32,7 @@ from training.dist import fsdp_options_from_env, init_distributed, maybe_launch,
 from training.metrics_log import MetricsLogger
 from training.optim import EMA, build_optimizer
 from training.busy import StepProfiler
-from training.step import autocast_for, train_step, validation_loss
+from training.step import autocast_for, collector_every, train_step, validation_loss
 from training.step_metrics import StepMetrics
 
 log = logging.getLogger("train")
@@ -41,6 +41,11 @@ WARMUP_STEPS = 3  # steps left out of throughput (compilation, allocator warm-up
 
 def run(cfg: TrainConfig, config_yaml: str) -> dict:
     """Train as configured; returns the last logged metrics (for tests and scripts)."""
+    with collector_every(cfg.train.gc_every) as gc_tick:  # Python's collector between steps, not inside them
+        return _run(cfg, config_yaml, gc_tick)
+
+
+def _run(cfg: TrainConfig, config_yaml: str, gc_tick) -> dict:
     ctx = init_distributed()
     torch.manual_seed(cfg.train.seed)
     if ctx.is_main:
@@ -132,6 +137,7 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
         step_s = time.perf_counter() - t_step
         state.update(step=state["step"] + 1, epoch=nxt_epoch, pos=nxt_pos,
                      samples_seen=state["samples_seen"] + plan.num_samples)
+        gc_tick(state["step"])
         state["bad_in_a_row"] = state["bad_in_a_row"] + 1 if st.skipped else 0
         state["skipped_steps"] += int(st.skipped)
 

@@ -138,3 +138,38 @@ def test_keep_last_prunes_old_checkpoints(tmp_path, cache):
 def test_resume_from_a_missing_checkpoint_is_a_clear_error(tmp_path, cache):
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         run_training(tiny_overrides(str(tmp_path / "r"), cache, "train.steps=1", f"resume={tmp_path}/step_7"))
+
+
+def test_collector_every_pauses_python_gc_between_ticks_and_restores_it():
+    """train.gc_every: no collection inside a step (a cycle made there lives until the tick of a multiple of N);
+    the collector is back on afterwards, also after an error; 0 leaves Python's own schedule."""
+    import gc
+    import weakref
+
+    from training.config import LoopConfig
+    from training.step import collector_every
+
+    class Node:
+        pass
+
+    assert gc.isenabled()
+    with collector_every(3) as tick:
+        assert not gc.isenabled()
+        node = Node()
+        node.me = node  # a reference cycle: only the collector frees it
+        alive = weakref.ref(node)
+        del node
+        tick(1)
+        tick(2)
+        assert alive() is not None
+        tick(3)
+        assert alive() is None
+    assert gc.isenabled()
+    with pytest.raises(KeyError):
+        with collector_every(5):
+            raise KeyError("a failing step")
+    assert gc.isenabled()
+    with collector_every(0):
+        assert gc.isenabled()
+    with pytest.raises(ValueError, match="train.gc_every"):
+        LoopConfig(gc_every=-1)

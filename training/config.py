@@ -39,13 +39,15 @@ class LoopConfig:
     max_bad_steps: int = 5      # NaN/Inf losses in a row before the run stops
     progress: bool = True
     sample_every: int = 0       # steps between validation clips (sample:) in run_dir/samples/; 0: never
+    gc_every: int = 50          # steps between Python garbage collections (paused inside steps); 0: Python's own
 
     def __post_init__(self):
         for name in ("steps", "micro_batches", "log_every", "val_every", "max_bad_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be ≥ 1, got {getattr(self, name)}")
-        if self.sample_every < 0:
-            raise ValueError(f"train.sample_every must be ≥ 0 (0: never), got {self.sample_every}")
+        for name, what in (("sample_every", "never"), ("gc_every", "Python's own schedule")):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name} must be ≥ 0 (0: {what}), got {getattr(self, name)}")
 
 
 @dataclass
