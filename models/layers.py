@@ -373,18 +373,18 @@ class PolicyKnobs:
         for block in self.blocks:
             block.adaln_backend = backend
 
-    _keep_attention = 0  # of the recomputed blocks, how many (the last of them) keep their attention outputs
+    _keep_attention = 0  # of the recomputed blocks, how many (the last of them) keep their self-attention outputs
 
     def set_activation_checkpointing(self, enabled, keep_attention: int = 0) -> None:
         """Which blocks recompute their activations in backward (the trainer decides per micro-batch): True every
         block, False none, an int k the first k blocks. The first ones, because backward reaches them last: by then
         the later blocks' saved activations are freed, so k recomputed blocks lower the peak by k blocks' worth.
 
-        keep_attention = j ≤ k: the last j recomputed blocks (k − j … k − 1) keep their attention's output and
-        log-sum-exp from the forward (selective checkpointing), so their recompute skips attention, the costliest op
-        at long S, for B·S·D·2 bytes a block (plus B·heads·S·4). The last ones, because backward reaches them first:
-        their kept outputs are freed before the first blocks' backward, where the step peaks (every parameter's
-        gradient is alive there), so they hold memory only while it is to spare."""
+        keep_attention = j ≤ k: the last j recomputed blocks (k − j … k − 1) keep their self-attention's output and
+        log-sum-exp from the forward (selective checkpointing: keep_attention_context), so their recompute skips it,
+        the costliest op at long S, for B·S·D·2 bytes a block (plus B·heads·S·4). The last ones, because backward
+        reaches them first: their kept outputs are freed before the first blocks' backward, where the step peaks
+        (every parameter's gradient is alive there), so they hold memory only while it is to spare."""
         n = len(self.blocks)
         if isinstance(enabled, bool) or (hasattr(enabled, "dtype") and getattr(enabled, "dtype", None) == bool):
             k = n if enabled else 0
@@ -404,7 +404,7 @@ class PolicyKnobs:
         return i < self._checkpointing and torch.is_grad_enabled()
 
     def keeps_attention(self, i: int) -> bool:
-        """Whether block i, recomputed, keeps its attention outputs (the last keep_attention recomputed blocks)."""
+        """Whether block i, recomputed, keeps its self-attention outputs (the last keep_attention recomputed blocks)."""
         return self._checkpointing - self._keep_attention <= i < self._checkpointing
 
     def run_block(self, i: int, block, *args):

@@ -120,15 +120,14 @@ def schedule_for(cfg, tokens: Mapping[str, int], shape: ModelShape, world_size: 
     m = cfg.model
     return resolve_schedule(cfg.scheduling, tokens, shape,
                             proxy_tflops=cfg.metrics.peak_tflops or 100.0, checkpointing=m.checkpointing,
-                            world_size=world_size, keep_attention=m.keep_attention,
-                            offload_checkpoints=m.offload_checkpoints)
+                            world_size=world_size, keep_attention=m.keep_attention)
 
 
-def kept_bytes_per_token(dim: int, offload_checkpoints: bool = False) -> float:
-    """Bytes a token that a recomputed block keeping its attention holds beyond a plain recomputed one: SDPA's bf16
-    output (2·dim) and fp32 log-sum-exp (4 bytes a head, heads = dim/128 → 2·dim/64); with offload on, also its bf16
-    input (2·dim), which a kept block keeps on the device."""
-    return 2.0 * dim * (1 + 1 / 64) + (2.0 * dim if offload_checkpoints else 0.0)
+def kept_bytes_per_token(dim: int) -> float:
+    """Bytes a token that a recomputed block keeping its self-attention holds beyond a plain recomputed one: SDPA's
+    bf16 output (2·dim) and fp32 log-sum-exp (4 bytes a head, heads = dim/128 → 2·dim/64). With offload on, its input
+    goes to host memory like every recomputed block's (models/offload.py)."""
+    return 2.0 * dim * (1 + 1 / 64)
 
 
 def flops_cost_fn(shape: ModelShape, proxy_tflops: float = 100.0) -> Callable[[int, int], float]:
@@ -148,12 +147,10 @@ def _check_model(cal: Calibration, shape: ModelShape) -> None:
 
 def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: ModelShape,
                      proxy_tflops: float = 100.0, checkpointing: Optional[str] = None,
-                     world_size: Optional[int] = None, keep_attention: bool = False,
-                     offload_checkpoints: bool = False) -> Schedule:
+                     world_size: Optional[int] = None, keep_attention: bool = False) -> Schedule:
     """tokens: bucket name → S, in bucket order; checkpointing: model.checkpointing (picks the calibration's
-    record); world_size: picks the simulator's choice made for the nearest cluster size; keep_attention /
-    offload_checkpoints: the model's knobs of those names (a block that keeps its attention is not offloaded, so
-    with offload on, its bf16 input stays on the device too and is charged with the kept outputs)."""
+    record); world_size: picks the simulator's choice made for the nearest cluster size; keep_attention: the
+    model's knob of that name (checkpointing=auto then spends memory on kept self-attention outputs first)."""
     S_max = max(tokens.values())
     src: dict = {}
     val: dict = {}
@@ -179,7 +176,7 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
             if budget is not None:
                 partial = PartialRecompute(shape.layers, budget, cal.memory_model("none"), memory,
                                            cal.cost_model("none"), cost_model,
-                                           attention_bytes=kept_bytes_per_token(shape.dim, offload_checkpoints)
+                                           attention_bytes=kept_bytes_per_token(shape.dim)
                                            if keep_attention else 0.0)
                 recompute, cost_fn = (partial.decide if keep_attention else partial.blocks), partial.predict
                 src["cost"] = (f"calibration:auto(no recompute up to {partial.none_tokens} tokens, then as few "
