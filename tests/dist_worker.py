@@ -1,5 +1,7 @@
 """Run under `torchrun --nproc_per_node 2` by tests/test_distributed.py: FSDP2 (gloo) with deliberately unequal
-work per rank. Checks nothing itself; writes rank 0's findings as JSON to argv[1]:
+work per rank; argv[2] (optional) is the model's glue and AdaLN backend ("triton": the fused ops, which call the
+block's weights inside their own autograd functions, under the interpreter on CPU). Checks nothing itself; writes
+rank 0's findings as JSON to argv[1]:
   - the sharded gradients (full tensors) and the single-process gradients of the same samples and loss;
   - measured busy seconds per (rank, slot) and their CV.
 """
@@ -33,10 +35,13 @@ def micro_batch(B, F, H, W, weights, tag):
     return collate(lat, txt, keys, tag, F * H * W // 4, weights, CFG.text_len)
 
 
-# rank 0 carries far more work than rank 1; rank 1's last slot is padding (weight 0)
-PLAN = {0: [micro_batch(8, 5, 16, 16, [1.0] * 8, "big"), micro_batch(4, 5, 8, 16, [1.0] * 4, "mid")],
-        1: [micro_batch(1, 1, 4, 4, [1.0], "small"), micro_batch(1, 1, 4, 4, [0.0], "pad")]}
-NUM_REAL = 13
+def make_plan(small: bool):
+    """rank 0 carries far more work than rank 1; rank 1's last slot is padding (weight 0). small: fewer tokens (the
+    Triton interpreter's pace), the same structure."""
+    big, mid = ((2, 3, 8, 8), (1, 3, 4, 8)) if small else ((8, 5, 16, 16), (4, 5, 8, 16))
+    plan = {0: [micro_batch(*big, [1.0] * big[0], "big"), micro_batch(*mid, [1.0] * mid[0], "mid")],
+            1: [micro_batch(1, 1, 4, 4, [1.0], "small"), micro_batch(1, 1, 4, 4, [0.0], "pad")]}
+    return plan, big[0] + mid[0] + 1
 
 
 class CaptureGrads(torch.optim.SGD):
@@ -53,11 +58,13 @@ class CaptureGrads(torch.optim.SGD):
             self.grads[n] = g.detach().clone()
 
 
-def main(out_path):
+def main(out_path, glue="torch"):
     torch.set_num_threads(1)
     ctx = init_distributed()
     torch.manual_seed(0)
     model = build_parallel_model(CFG, ctx.rank, ctx.world_size, ctx.device)
+    model.glue_backend = model.adaln_backend = glue
+    PLAN, NUM_REAL = make_plan(small=glue != "torch")
     objective = FlowMatching(ObjectiveConfig(t_sampling="uniform"))
     opt = CaptureGrads(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -68,7 +75,7 @@ def main(out_path):
     busy = ctx.all_gather_floats(prof.finish(1, 2)).numpy()
     if ctx.rank == 0:
         torch.manual_seed(0)
-        ref = build_model(CFG)  # the same init, one process, every sample in one loss
+        ref = build_model(CFG)  # the same init, one process, every sample in one loss, the reference glue
         total = 0.0
         for batches in PLAN.values():
             for b in batches:
@@ -87,4 +94,4 @@ def main(out_path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

@@ -1,4 +1,5 @@
 """Two CPU ranks (torchrun, gloo, FSDP2 through models/parallelize.py) against one process."""
+import importlib.util
 import json
 import os
 import shutil
@@ -16,17 +17,22 @@ pytestmark = pytest.mark.slow
 STEPS = ("train.steps=10", "train.val_every=5", "checkpoint.every=5", "checkpoint.keep_last=2")
 
 
-def torchrun(*args, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def torchrun(*args, timeout=300, **env_extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
 
-def test_unequal_work_per_rank_gives_single_process_gradients_and_high_busy_cv(tmp_path):
+@pytest.mark.parametrize("glue", ["torch", "triton"])
+def test_unequal_work_per_rank_gives_single_process_gradients_and_high_busy_cv(tmp_path, glue):
+    """glue "triton": the fused ops (their own autograd functions reading the block's weights) under FSDP2's
+    per-block gathers, against the one-process reference glue; the interpreter runs them on CPU."""
+    if glue == "triton" and (torch.cuda.is_available() or not importlib.util.find_spec("triton")):
+        pytest.skip("the fused glue on CPU ranks (gloo) needs the interpreter and triton")
     out = str(tmp_path / "worker.json")
-    torchrun("tests/dist_worker.py", out)
+    torchrun("tests/dist_worker.py", out, glue, **({"TRITON_INTERPRET": "1"} if glue == "triton" else {}))
     with open(out) as f:
         r = json.load(f)
     assert r["num_params"] > 50
