@@ -341,7 +341,7 @@ def keep_attention_context():
     everything else is recomputed — the recompute then reuses its output and log-sum-exp instead of running it.
     Self-attention only (keys as many as queries): a cross-attention to 512 text tokens costs 512/S of it to rerun
     but holds as many output bytes (on the H200 at S = 32760, keeping both let 23 blocks keep within diffusers'
-    peak; results/step_h200.md)."""
+    peak; results/step_h200.md). A cross-attention to exactly as many tokens as queries is kept too (memory only)."""
     ops = _attention_ops()
 
     def policy(ctx, op, *args, **kwargs):

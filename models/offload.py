@@ -8,7 +8,8 @@ Each cross-stream use is ordered: a forward input is record_stream'd to the copy
 before the copy has read it); a prefetch buffer belongs to the compute stream, which waits for its copy before use,
 so its memory returns the moment backward drops it, however far the CPU runs ahead of the GPU.
 
-    forward:   out = block(x) without autograd;  host[i] ← x  (side stream)
+    forward:   out = block(x) without autograd (with a selective policy: under it, the graph dropped at once);
+               host[i] ← x  (side stream)
     backward:  x = host[i] (prefetched);  out = block(x) with autograd, under the forward's autocast state;
                out.backward(dout);  prefetch host[i−1];  return dx and the gradients of the block's other inputs
 

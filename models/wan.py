@@ -75,7 +75,9 @@ class WanAttention(nn.Module):
         """norm = (scale, shift, eps, backend): x_BND is the residual stream and the attention's input is
         AdaLN(x; scale, shift) — under the fused glue made inside the projections that read it (ops/adaln_linear.py:
         not saved for backward); with glue "torch" made first, as diffusers does. recompute=False (fused glue):
-        AdaLN's output and the rotated q/k are saved for backward instead of remade (WanBlock.recompute_glue)."""
+        AdaLN's output and the rotated q/k are saved for backward instead of remade (WanBlock.recompute_glue).
+        The remaking path reads the projections' weights directly: hooks on a plain nn.Linear do not run there
+        (a LoRA-wrapped one runs its module)."""
         if glue == "torch":
             if norm is not None:
                 x_BND = adaln_modulate(x_BND, norm[0], norm[1], norm[2], backend=norm[3])
@@ -150,7 +152,7 @@ class WanBlock(nn.Module):
             x_BND = x_BND + self.attn2(x_BND, ctx_BLD, glue=glue, recompute=rec,
                                        norm=((w - 1)[None, None], b[None, None], self.norm2.eps, glue))
         else:
-            x_BND = x_BND + self.attn2(self.norm2(x_BND), ctx_BLD, glue=glue)
+            x_BND = x_BND + self.attn2(self.norm2(x_BND), ctx_BLD, glue=glue, recompute=rec)
 
         proj, out = self.ffn.net[0].proj, self.ffn.net[2]
         if glue != "torch" and type(proj) is nn.Linear and type(out) is nn.Linear:

@@ -10,7 +10,8 @@ y again — one read of x and one write of y, bit-identical to the forward's y �
 frees it before the norm's backward. At S = 32760, D = 1536, bf16 that is 96 MiB less per norm held through a
 recomputed Wan block's backward (three norms a block), for ≈ 0.05 ms of bandwidth each on an H200.
 
-Backward: dy = Σ_i dout_i · W_i (addmm into one buffer: one rounding per term, as eager's gradient accumulation),
+Backward: dy = Σ_i dout_i · W_i (addmm into one buffer: one rounding per term, as eager's gradient accumulation;
+under autocast each term is rounded to the matmul dtype and summed in x's dtype, as eager's casts do),
 dW_i = dout_iᵀ · y, db_i = Σ_rows dout_i; then ops.adaln's backward kernel turns dy into dx, dscale, dshift.
 
 Under autocast the weights are cast outside the function (fp32 masters get fp32 gradients through the cast) and y
@@ -41,7 +42,12 @@ class _Linears:
             d2 = dout.reshape(-1, dout.shape[-1])
             grads.append(d2.t() @ y2 if needs[2 * i] else None)
             grads.append(d2.sum(0) if needs[2 * i + 1] and ctx.has_bias[i] else None)
-            dy = d2 @ w if dy is None else dy.addmm_(d2, w)
+            if dy is None:
+                dy = (d2 @ w).to(ctx.x_dtype)
+            elif dy.dtype == d2.dtype:
+                dy.addmm_(d2, w)
+            else:  # autocast: each term rounded to the matmul dtype, summed in x's (eager's casts do the same)
+                dy += d2 @ w
         return dy.view(y.shape), grads
 
 
@@ -73,6 +79,7 @@ class _AdaLNThen(torch.autograd.Function):
         outs, saved = consumer.forward(y.to(compute_dtype), params)
         del y
         ctx.consumer, ctx.compute_dtype, ctx.has_bias, ctx.eps = consumer, compute_dtype, has_bias, eps
+        ctx.x_dtype = x.dtype
         ctx.shift_shape, ctx.shift_dtype = list(shift.shape), shift.dtype
         ctx.n_saved = len(saved)
         ctx.save_for_backward(x, scale, shift, mean, rstd, *saved)

@@ -120,6 +120,9 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int
     if backend == "torch":
         qr, kr = qk_norm_rope_reference(q, wq, *rope_q, eps_q), qk_norm_rope_reference(k, wk, *rope_k, eps_k)
         return _sdpa(qr, kr, v, heads)
+    if any(t.requires_grad for t in (*rope_q, *rope_k)):
+        raise ValueError("rope_attention: the Triton backend gives no gradient to cos/sin (RoPE3D's are constants); "
+                         "detach them or use backend='torch'")
     kind = None
     # head_dim a multiple of 8 on CUDA: SDPA pads other widths before its kernels, whose ops refuse them
     if (not torch.compiler.is_compiling() and q.dtype == k.dtype == v.dtype and q.stride(-1) == 1

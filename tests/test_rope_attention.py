@@ -125,7 +125,9 @@ def test_keep_attention_policy_skips_its_recompute_and_math_falls_back():
         assert mode.calls == calls
         for a, b in zip(gr_c, gr):
             assert torch.equal(a, b)
+    assert type(fn(*leaves).grad_fn).__name__ == "_RoPEAttentionBackward"  # the remaking function
     with sdpa_kernel([SDPBackend.MATH]):  # SDPA would take its math path: so does rope_attention
+        assert type(fn(*leaves).grad_fn).__name__ != "_RoPEAttentionBackward"
         out_m, gr_m = _run(fn, leaves, dout)
     l64 = [t.detach().double().requires_grad_() for t in leaves]
     out64, gr64 = _run(_reference(rq, rk), l64, dout.double())
@@ -147,9 +149,10 @@ def test_cuda_kernels_bf16_match_the_unfused_composition(kernel):
         leaves[4] += 1
     rq = rk = RoPE3D((44, 42, 42))(3, 111, 1, dev)
     dout = torch.randn(1, N, heads * 128, generator=g).to(dev, torch.bfloat16)
+    fused = lambda q, k, v, wq, wk: rope_attention(q, k, v, heads, wq, wk, rq, rk, backend="triton")  # noqa: E731
     with sdpa_kernel([kernel]):
-        out, gr = _run(lambda q, k, v, wq, wk: rope_attention(q, k, v, heads, wq, wk, rq, rk, backend="triton"),
-                       leaves, dout)
+        assert type(fused(*leaves).grad_fn).__name__ == "_RoPEAttentionBackward"  # through the kernel's own ops
+        out, gr = _run(fused, leaves, dout)
         out_u, gr_u = _run(_unfused(rq, rk, heads), leaves, dout)
     assert torch.equal(out, out_u)  # the kernel SDPA ran, called through its op
     l64 = [t.detach().double().requires_grad_() for t in leaves]

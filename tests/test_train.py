@@ -141,8 +141,9 @@ def test_resume_from_a_missing_checkpoint_is_a_clear_error(tmp_path, cache):
 
 
 def test_collector_every_pauses_python_gc_between_ticks_and_restores_it():
-    """train.gc_every: no collection inside a step (a cycle made there lives until the tick of a multiple of N);
-    the collector is back on afterwards, also after an error; 0 leaves Python's own schedule."""
+    """train.gc_every: no collection inside a step (a cycle made there lives until the tick of a multiple of N), old
+    cycles freed by every tenth collection; the collector is back on afterwards, also after an error; 0 leaves
+    Python's own schedule."""
     import gc
     import weakref
 
@@ -163,6 +164,19 @@ def test_collector_every_pauses_python_gc_between_ticks_and_restores_it():
         tick(2)
         assert alive() is not None
         tick(3)
+        assert alive() is None
+    with collector_every(1) as tick:  # a cycle that lived through two collections (generation 2), then died
+        node = Node()
+        node.me = node
+        alive, holder = weakref.ref(node), [node]
+        del node
+        tick(1)
+        tick(2)
+        holder.clear()
+        for step in range(3, 10):
+            tick(step)
+            assert alive() is not None, step  # generations 0 and 1 only
+        tick(10)  # the 10th collection sweeps all three
         assert alive() is None
     assert gc.isenabled()
     with pytest.raises(KeyError):

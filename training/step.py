@@ -114,21 +114,29 @@ def validation_loss(model, objective: FlowMatching, batches: list[Batch], ctx: D
     return total / max(1, count)
 
 
+FULL_EVERY_TICKS = 10  # every 10th collection also sweeps the oldest generation
+
+
 @contextlib.contextmanager
 def collector_every(every: int):
-    """Python's garbage collector paused and run between steps, every `every` steps (generations 0 and 1), instead of
+    """Python's garbage collector paused and run between steps, every `every` steps (generations 0 and 1; every
+    FULL_EVERY_TICKS-th time all three, so that cycles which lived long before dying are freed too), instead of
     whenever its allocation counters say: a collection inside a step stalls the GPU's queue (on the H200 a Wan 1.3B
     step at S = 1560 took 671–1261 ms with it, 620–628 ms without; results/step_h200.md), and on many ranks each
     one's at another step. Yields tick(step), called after each step. every = 0: Python's own schedule."""
     if every <= 0:
         yield lambda step: None
         return
+
+    def tick(step: int) -> None:
+        if step % every == 0:
+            gc.collect() if step % (every * FULL_EVERY_TICKS) == 0 else gc.collect(1)
+
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
-        yield lambda step: gc.collect(1) if step % every == 0 else None
+        yield tick
     finally:
         if was_enabled:
             gc.enable()
-
