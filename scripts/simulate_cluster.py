@@ -193,7 +193,9 @@ def write_outputs(res: dict, cal: Calibration, cal_path: str, out: str) -> list[
                      f"{b.tokens_per_s / best[(R, 'dual_constraint')].tokens_per_s:.2f}× dual_constraint best "
                      f"(≥ {1.04 if R == 8 else 1.1 if R == 64 else '—'})")
     lines += ["", "With the per-sample cost fixed by the mix, a strategy's tokens/s is ∝ (1 − idle): no planner can "
-              "beat a baseline by more than 1 / (1 − the baseline's idle fraction).", "",
+              "beat a baseline by more than 1 / (1 − the baseline's idle fraction)."]
+    lines += _equal_token_filled(res, best, list(mix.S))
+    lines += ["",
               "## Micro-batches per rank (M), best settings of M = 4", "",
               "| R | strategy | M=1 | M=2 | M=4 | M=8 | idle at M=1 / 2 / 4 / 8 |", "|---|---|---|---|---|---|---|"]
     for R in [r for r in (8, 64) if r in res["ranks"]]:
@@ -302,6 +304,28 @@ def record_chosen(cal: Calibration, res: dict, mode: str) -> None:
         "micro_batches": res["M"], "reference_world_size": 8,
         "mix": [{"bucket": n, "S": S, "share": s} for n, S, s in zip(mix.names, mix.S, mix.share)],
         "criterion": "highest simulated tokens/s (≡ samples/s: the mix is fixed)", "by_world_size": by_r}
+
+
+def _equal_token_filled(res, best, S: list) -> list:
+    """equal_token's best over the settings that fill every bucket to the token budget (m_tokens = k·S_max, k whole:
+    the longest bucket then holds k samples), beside its best over the whole sweep — which may sit where the longest
+    bucket is left under-filled at B = 1, a compute cap equal_token does not name."""
+    rows = [r for tag, r in res["sweeps"] if r.strategy == "equal_token" and float(r.setting.get("factor", 0)) % 1 == 0]
+    longest = S.index(max(S))
+    out = []
+    for R in sorted({r.R for r in rows}):
+        filled = max((r for r in rows if r.R == R), key=lambda r: r.tokens_per_s)
+        b, eqb = best[(R, "balanced")], best[(R, "equal_token")]
+        if filled.setting.get("factor") == eqb.setting.get("factor"):
+            continue
+        B = eqb.batch_sizes[longest]
+        out.append(f"- R={R}: equal_token's best of the whole sweep, m_tokens = {eqb.setting['factor']:g}·S_max, "
+                   f"leaves its longest bucket at B = {B} "
+                   f"({100 * (1 - B * S[longest] / eqb.setting['m_tokens']):.0f} % under "
+                   f"the token budget); over the settings that fill every bucket (m_tokens = k·S_max) its best is "
+                   f"k = {filled.setting['factor']:g} at {filled.tokens_per_s:,.0f} tokens/s, idle "
+                   f"{100 * filled.idle_fraction:.1f} %, and balanced is {b.tokens_per_s / filled.tokens_per_s:.2f}× that.")
+    return ["", "Equal-token's best and its under-filled longest bucket:", ""] + out if out else []
 
 
 def main(argv) -> None:
