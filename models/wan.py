@@ -78,9 +78,12 @@ class WanAttention(nn.Module):
         AdaLN's output and the rotated q/k are saved for backward instead of remade (WanBlock.recompute_glue).
         The remaking path reads the projections' weights directly: hooks on a plain nn.Linear do not run there
         (a LoRA-wrapped one runs its module)."""
+        reads_x = [self.to_q] if ctx_BLD is not None else [self.to_q, self.to_k, self.to_v]
+        fuse_norm = (glue != "torch" and recompute and norm is not None
+                     and all(type(m) is nn.Linear for m in reads_x) and fuses_adaln(x_BND, *norm[:2], norm[3]))
+        if norm is not None and not fuse_norm:  # AdaLN's output made here, and saved by what reads it
+            x_BND = adaln_modulate(x_BND, *norm[:3], backend=norm[3])
         if glue == "torch":
-            if norm is not None:
-                x_BND = adaln_modulate(x_BND, norm[0], norm[1], norm[2], backend=norm[3])
             kv_BLD = x_BND if ctx_BLD is None else ctx_BLD
             v = self.to_v(kv_BLD).unflatten(-1, (self.heads, -1))
             q = self.norm_q(self.to_q(x_BND)).unflatten(-1, (self.heads, -1))  # (B, N, H, Dh)
@@ -89,9 +92,7 @@ class WanAttention(nn.Module):
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             return self.to_out[0](attention(q, k, v))
         # the fused glue: q/k RMSNorm + RoPE inside attention (saving q, k once: ops/rope_attention.py)
-        reads_x = [self.to_q] if ctx_BLD is not None else [self.to_q, self.to_k, self.to_v]
-        if (recompute and norm is not None and all(type(m) is nn.Linear for m in reads_x)
-                and fuses_adaln(x_BND, *norm[:2], norm[3])):
+        if fuse_norm:
             scale, shift, eps, backend = norm
             projected = adaln_linear(x_BND, scale, shift, eps, [(m.weight, m.bias) for m in reads_x], backend=backend)
             if ctx_BLD is None:
@@ -99,9 +100,7 @@ class WanAttention(nn.Module):
             else:  # v before k: a LoRA-wrapped one draws its dropout in the reference path's order
                 q, v = projected[0], self.to_v(ctx_BLD)
                 k = self.to_k(ctx_BLD)
-        else:  # a LoRA-wrapped projection runs its module, on a saved AdaLN output, in the reference path's order
-            if norm is not None:
-                x_BND = adaln_modulate(x_BND, norm[0], norm[1], norm[2], backend=norm[3])
+        else:  # e.g. a LoRA-wrapped projection, running its module in the reference path's order
             kv_BLD = x_BND if ctx_BLD is None else ctx_BLD
             v = self.to_v(kv_BLD)
             q, k = self.to_q(x_BND), self.to_k(kv_BLD)

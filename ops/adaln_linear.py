@@ -81,7 +81,6 @@ class _AdaLNThen(torch.autograd.Function):
         ctx.consumer, ctx.compute_dtype, ctx.has_bias, ctx.eps = consumer, compute_dtype, has_bias, eps
         ctx.x_dtype = x.dtype
         ctx.shift_shape, ctx.shift_dtype = list(shift.shape), shift.dtype
-        ctx.n_saved = len(saved)
         ctx.save_for_backward(x, scale, shift, mean, rstd, *saved)
         return outs
 

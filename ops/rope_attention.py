@@ -86,7 +86,6 @@ class _RoPEAttention(torch.autograd.Function):
         o, tensors, ints = _attention_forward(kind, _heads(qr, heads), _heads(kr, heads), _heads(v, heads))
         del qr, kr
         ctx.kind, ctx.heads, ctx.ints, ctx.eps = kind, heads, ints, (eps_q, eps_k)
-        ctx.n = len(tensors)
         ctx.save_for_backward(q, k, v, wq, wk, cos_q, sin_q, cos_k, sin_k, rstd_q, rstd_k, o, *tensors)
         return o.transpose(1, 2).flatten(2)
 
