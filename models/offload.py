@@ -14,7 +14,7 @@ so its memory returns the moment backward drops it, however far the CPU runs ahe
                out.backward(dout);  prefetch host[i−1];  return dx and the gradients of the block's other inputs
 
 A selective policy (context_fn, as torch.utils.checkpoint takes it) may keep some ops' outputs from the forward for
-the recompute: model.keep_attention's blocks offload their inputs too and keep only attention's output.
+the recompute: model.keep_attention's blocks offload their inputs too and keep only the self-attention's output.
 
 The recompute is the same forward as torch.utils.checkpoint's (autocast state and random state restored), so
 outputs and gradients equal the plain model's (tested, also with frozen embedders). Limits, each refused with a
