@@ -143,8 +143,9 @@ class WanBlock(nn.Module):
 
         glue = resolve_glue(self.glue_backend, x_BND)
         rec = self.recompute_glue
-        x_BND = gated_residual(x_BND, self.attn1(x_BND, rope=rope, glue=glue, recompute=rec,
-                                                 norm=(scale_msa, shift_msa, self.eps, self.adaln_backend)), gate_msa, glue)
+        attn = self.attn1(x_BND, rope=rope, glue=glue, recompute=rec,
+                          norm=(scale_msa, shift_msa, self.eps, self.adaln_backend))
+        x_BND = gated_residual(x_BND, attn, gate_msa, glue)
 
         if glue != "torch" and isinstance(self.norm2, FP32LayerNorm):  # LN·w + b = AdaLN with scale w − 1, shift b
             w, b = self.norm2.weight.float(), self.norm2.bias.float()

@@ -92,7 +92,8 @@ def ffn_forward(x, w1, b1, w2, b2, rows_per_chunk):
 
 
 def ffn_backward(dout, x, w1, w2, h, R, needs, has_b1, has_b2):
-    """(dx, dw1, db1, dw2, db2) of ffn_forward from its input x and saved h; needs: the five inputs' needs_input_grad."""
+    """(dx, dw1, db1, dw2, db2) of ffn_forward from its input x and saved h; needs: the five inputs'
+    needs_input_grad."""
     need_x, need_w1, need_b1, need_w2, need_b2 = needs
     need_b1, need_b2 = need_b1 and has_b1, need_b2 and has_b2
     need_dh = need_x or need_w1 or need_b1

@@ -1,8 +1,8 @@
 """Attention over RMSNorm + RoPE'd q and k that saves the projections q, k, not the rotated q', k' as well.
 
     q' = RoPE(RMSNorm(q) · w_q),  k' = RoPE(RMSNorm(k) · w_k)     ops.qk_norm_rope, one pass each (Wan's qk norm)
-    o  = softmax(q' k'ᵀ / √Dh) · v                                 the fused SDPA kernel F.scaled_dot_product_attention
-                                                                    would pick for these tensors (torch._fused_sdp_choice)
+    o  = softmax(q' k'ᵀ / √Dh) · v              the fused SDPA kernel F.scaled_dot_product_attention would pick
+                                                 for these tensors (torch._fused_sdp_choice)
 
 Eager autograd keeps q and k for the norm's backward and q', k' for attention's (with v, o and the log-sum-exp):
 the projections twice. Here q, k, v, o and the log-sum-exp are saved. Backward remakes q' and k' with the forward

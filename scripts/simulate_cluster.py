@@ -324,7 +324,8 @@ def _equal_token_filled(res, best, S: list) -> list:
                    f"({100 * (1 - B * S[longest] / eqb.setting['m_tokens']):.0f} % under "
                    f"the token budget); over the settings that fill every bucket (m_tokens = k·S_max) its best is "
                    f"k = {filled.setting['factor']:g} at {filled.tokens_per_s:,.0f} tokens/s, idle "
-                   f"{100 * filled.idle_fraction:.1f} %, and balanced is {b.tokens_per_s / filled.tokens_per_s:.2f}× that.")
+                   f"{100 * filled.idle_fraction:.1f} %, and balanced is "
+                   f"{b.tokens_per_s / filled.tokens_per_s:.2f}× that.")
     return ["", "Equal-token's best and its under-filled longest bucket:", ""] + out if out else []
 
 
