@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ops.gated_ffn import passes
+
 
 class FP32LayerNorm(nn.LayerNorm):
     """LayerNorm whose statistics and affine are computed in fp32 (bf16 statistics drift over long sequences)."""
@@ -411,9 +413,10 @@ class PolicyKnobs:
         """Block i as this forward runs it: plainly, recomputed in backward, or recomputed around its kept attention."""
         if not self.recomputes(i):
             return block(*args)
+        # passes(): the block's ops learn which call is the recompute (ops/gated_ffn.py skips work there)
         if self.keeps_attention(i):
-            return checkpoint(block, *args, use_reentrant=False, context_fn=keep_attention_context)
-        return checkpoint(block, *args, use_reentrant=False)
+            return checkpoint(passes(block), *args, use_reentrant=False, context_fn=keep_attention_context)
+        return checkpoint(passes(block), *args, use_reentrant=False)
 
     @property
     def glue_backend(self) -> str:

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from ops.gated_ffn import checkpoint_pass
 
 _STREAMS: dict = {}  # one copy stream per device, shared by every forward
 
@@ -118,13 +119,13 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
         if context_fn is None:
             ctx.recompute_context = None
-            with torch.no_grad():
+            with torch.no_grad(), checkpoint_pass("forward"):
                 out = run(x, *args)
         else:  # as the recompute will run it (autograd on, the same inputs needing grad): a selective policy's ops
             # must be called alike in both (SDPA computes its log-sum-exp only for autograd); the graph dies here
             forward_context, ctx.recompute_context = context_fn()
             needs = ctx.needs_input_grad[4:]
-            with torch.enable_grad(), forward_context:
+            with torch.enable_grad(), forward_context, checkpoint_pass("forward"):
                 out = run(*[a.detach().requires_grad_(n) for a, n in zip((x, *args), needs)]).detach()
         ctx.index = store.put(x)
         ctx.save_for_backward(*args)  # the small inputs (text, modulation, RoPE angles) stay where they are
@@ -146,8 +147,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
                 torch.cuda.set_rng_state(ctx.rng[1], ctx.device)
             recompute_context, ctx.recompute_context = ctx.recompute_context or nullcontext(), None
             with torch.enable_grad(), torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled), \
-                    recompute_context:
-                out = ctx.run(x, *args)
+                    recompute_context, checkpoint_pass("recompute"):
+                out = ctx.run(x, *args)  # only its graph is used: the block's last op may skip its output
         torch.autograd.backward(out, dout)
         return (None, None, None, None, x.grad if x.requires_grad else None,
                 *(a.grad if a.requires_grad else None for a in args))

@@ -35,6 +35,7 @@ from models.layers import (MLP, DiffusersFormat, FeedForward, PolicyKnobs, FP32L
 from models.offload import HostStore, offloaded_checkpoint
 from ops.adaln import adaln_modulate
 from ops.adaln_linear import adaln_gelu_ffn, adaln_linear, fuses_adaln
+from ops.gated_ffn import adaln_gelu_ffn_gated, gated_tail_applies
 from ops.gelu_ffn import _HAS_TRITON, gelu_ffn
 from ops.qk_norm_rope import qk_norm_rope
 from ops.rope_attention import rope_attention
@@ -158,6 +159,9 @@ class WanBlock(nn.Module):
         if glue != "torch" and type(proj) is nn.Linear and type(out) is nn.Linear:
             # the MLP saving x and its pre-activation only (ops/gelu_ffn.py), AdaLN's output not at all
             if rec and fuses_adaln(x_BND, scale_ff, shift_ff, self.adaln_backend):
+                if gated_tail_applies(x_BND, gate_ff):  # the residual inside: a recompute stops after W1·y
+                    return adaln_gelu_ffn_gated(x_BND, scale_ff, shift_ff, self.eps, proj.weight, proj.bias,
+                                                out.weight, out.bias, gate_ff, backend=self.adaln_backend)
                 y = adaln_gelu_ffn(x_BND, scale_ff, shift_ff, self.eps, proj.weight, proj.bias, out.weight, out.bias,
                                    backend=self.adaln_backend)
             else:

@@ -220,8 +220,8 @@ def sweep_phase1(kernel, kind, D):
         return [KernelConfig(r, 4, p, b) for b in (64, 128, 256) for r in (32, 64) for p in (4, 8)]
     if kernel == "fwd" and kind == "token":
         return [KernelConfig(r, w, p, num_stages=st) for r in (1, 2) for w in (4, 8) for p, st in ((0, 1), (4, 3))]
-    if kernel == "fwd":
-        return [KernelConfig(r, w, p, num_stages=3) for r in fits for w in (4, 8) for p in (2, 4, 8)]
+    if kernel == "fwd":  # persistent spans with a pipelined loop, or one tile per program (p = 0)
+        return [KernelConfig(r, w, p, num_stages=3 if p else 1) for r in fits for w in (4, 8) for p in (0, 2, 4, 8)]
     if kind == "token":
         return [KernelConfig(1, w, p, num_stages=2) for w in (4, 8, 16) for p in (1, 2, 4)]
     return [KernelConfig(r, w, p, num_stages=st) for r in fits[:2] for w in (4, 8, 16) for p in (1, 2, 4)

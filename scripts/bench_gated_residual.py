@@ -38,6 +38,7 @@ def parse_args():
     p.add_argument("--kinds", nargs="+", default=["sample", "token"], choices=["sample", "token"])
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
     p.add_argument("--sweep", action="store_true", help="time the kernels over launch shapes instead")
+    p.add_argument("--kernels", nargs="+", default=["fwd", "bwd"], help="--sweep: which kernels")
     p.add_argument("--tuned", help="a --sweep JSON: take its fastest launch shapes (ops.gated_residual.TUNED)")
     p.add_argument("--rep-ms", type=float, default=100.0)
     return p.parse_args()
@@ -171,7 +172,7 @@ def run_sweep(args, bench, device, copy_bw, save):
                     rows.append(rec)
                     return rec
 
-                for kernel in ("fwd", "bwd"):
+                for kernel in args.kernels:
                     dflt = time_cfg(kernel, default_config(kernel, D, device, kind == "token"), "default")
                     recs = [time_cfg(kernel, c, "sweep") for c in sweep_configs(kernel, kind, D)]
                     best = min((r for r in recs + [dflt] if r), key=lambda r: r["ms"])

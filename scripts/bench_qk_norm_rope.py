@@ -37,6 +37,7 @@ def parse_args():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
     p.add_argument("--sweep", action="store_true", help="time the kernels over launch shapes instead")
+    p.add_argument("--kernels", nargs="+", default=["fwd", "bwd"], help="--sweep: which kernels")
     p.add_argument("--rep-ms", type=float, default=100.0)
     return p.parse_args()
 
@@ -199,8 +200,8 @@ def sweep_configs():
     """Launch shapes to try: rows × warps × programs per SM × segments × pipelining depth."""
     from ops.adaln import KernelConfig
 
-    return [KernelConfig(r, w, p, split=sp, num_stages=st) for r in (1, 2, 4) for w in (4, 8) for p in (2, 4, 8)
-            for sp in (True, False) for st in (1, 3)]
+    return [KernelConfig(r, w, p, split=sp, num_stages=st) for r in (1, 2, 4) for w in (4, 8) for p in (0, 2, 4, 8)
+            for sp in (True, False) for st in ((1,) if p == 0 else (1, 3))]  # p = 0: one tile per program
 
 
 def run_sweep(args, bench, device, copy_bw, save):
@@ -211,7 +212,7 @@ def run_sweep(args, bench, device, copy_bw, save):
         x, weight, cos, sin, dy = make_inputs(frames, *args.hw, args.heads, args.head_dim, device)
         N, D, K = x.shape[1], x.shape[2], cos.shape[1]
         _, rstd = qk_norm_rope_forward(x, weight, cos, sin)
-        for kernel in ("fwd", "bwd"):
+        for kernel in args.kernels:
             floor = floor_bytes(kernel, N, D, K, x.element_size())
             recs = []
             for tag, cfg in [("default", default_config(kernel, D, device))] + [("sweep", c) for c in sweep_configs()]:

@@ -10,6 +10,8 @@ Side by side in one run, forward + backward, no optimizer, random weights (the s
                       checkpointing, the same attention backend (torch's sdpa_kernel)
   ours@glue           the same with model.glue_backend=triton (fused gated residual, q/k RMSNorm-RoPE)
   ours@saved          ours@glue saving AdaLN's outputs and the rotated q/k for backward (WanBlock.recompute_glue off)
+  ours@notail         ours@glue with the MLP and its gated residual as two ops (ops/gated_ffn.py off): the recompute
+                      runs the down projection again
   ours@compile        ours@fast with block.compile() (inductor fuses the torch glue instead of our kernels)
   ours@offload        ours@glue with the recomputed blocks' inputs in pinned host memory (models/offload.py)
   ours@policy         (b): the fewest leading blocks recompute that keep the step under diffusers@fast's peak memory
@@ -40,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import ops.gelu_ffn as gelu_ffn  # noqa: E402 - CHUNK_BYTES is a column's knob
+import ops.gated_ffn as gated_ffn  # noqa: E402 - GATED_TAIL_MIN_TOKENS is a column's knob
 from scheduling.metrics import model_flops  # noqa: E402
 
 WAN_1P3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
@@ -188,7 +191,7 @@ KERNEL_KINDS = (("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
 
 def profile(run) -> dict:
     """Device time of one step by kernel kind (attention, GEMM, our Triton kernels, other = aten elementwise /
-    norm / reduction / copy kernels), in ms, and the ten largest other kernels."""
+    norm / reduction / copy kernels), in ms, and each kind's ten largest kernels as [ms, launches]."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -196,7 +199,7 @@ def profile(run) -> dict:
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    kinds, other = {}, {}
+    kinds, named = {}, {}
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
         if not us or e.key.startswith(("ProfilerStep", "cudaDeviceSynchronize")):
@@ -206,12 +209,12 @@ def profile(run) -> dict:
         kind = kind or ("ours (triton)" if e.key in KERNEL_KINDS[2][1] else "other")  # other: aten elementwise,
         # norms, reductions, copies
         kinds[kind] = kinds.get(kind, 0.0) + us / 1e3
-        if kind == "other":
-            other[e.key[:90]] = round(us / 1e3, 2)
+        named.setdefault(kind, {})[e.key[:90]] = [round(us / 1e3, 2), e.count]  # [ms, launches]
     total = sum(kinds.values())
     out = {"total_ms": round(total, 1), **{k: {"ms": round(v, 1), "share": round(v / total, 3)}
                                            for k, v in sorted(kinds.items())},
-           "top_other": dict(sorted(other.items(), key=lambda kv: -kv[1])[:10])}
+           **{f"top_{k.split()[0]}": dict(sorted(v.items(), key=lambda kv: -kv[1][0])[:10])
+              for k, v in named.items()}}
     print(f"profile: {json.dumps(out)}", flush=True)
     return out
 
@@ -435,6 +438,12 @@ def main(argv=None) -> None:
                 record("ours@saved", shape, *timed(ours_run(shape, True, glue, recompute_glue=False)))
             if "ours@glue" in impls:  # + fused gated residual, q/k RMSNorm-RoPE
                 record("ours@glue", shape, *timed(ours_run(shape, True, glue)))
+            if "ours@notail" in impls:  # the block's tail as two ops (before ops/gated_ffn.py)
+                floor, gated_ffn.GATED_TAIL_MIN_TOKENS = gated_ffn.GATED_TAIL_MIN_TOKENS, 1 << 62
+                try:
+                    record("ours@notail", shape, *timed(ours_run(shape, True, glue)))
+                finally:
+                    gated_ffn.GATED_TAIL_MIN_TOKENS = floor
             if "ours@compile" in impls:  # block.compile() on the torch glue (inductor fuses it instead)
                 try:
                     t0 = time.perf_counter()
@@ -548,11 +557,12 @@ def table(rows) -> str:
     by = {}
     for r in rows:
         by.setdefault(r["S"], {})[r["impl"]] = r
-    impls = ["diffusers@default", "diffusers@fast", "ours@fast", "ours@saved", "ours@glue", "ours@compile",
+    impls = ["diffusers@default", "diffusers@fast", "ours@fast", "ours@saved", "ours@notail", "ours@glue",
+             "ours@compile",
              "ours@offload", "ours@unchunked", "ours@policy", "ours@keep", "ours@keep+unchunked", "ours@trainer",
              "diffusers@again"]
     chunks = sorted({i for d in by.values() for i in d if i.startswith("ours@chunk")}, key=lambda i: int(i[10:]))
-    impls = impls[:8] + chunks + impls[8:]
+    impls = impls[:9] + chunks + impls[9:]
     impls = [i for i in impls if any(i in d for d in by.values())]  # the columns this run measured
     lines = ["| S | " + " | ".join(f"{i} ms (tok/s, GiB)" for i in impls) + " | ours@fast / diffusers@fast |",
              "|---|" + "---|" * (len(impls) + 1)]

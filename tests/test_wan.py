@@ -412,6 +412,41 @@ def test_fused_glue_model_equals_reference_model(monkeypatch):
         assert rel(grads["triton16"][n], g) <= 1.5 * rel(grads["torch16"][n], g) + 1e-3, n
 
 
+def test_gated_tail_in_the_model(monkeypatch):
+    """The block's tail as one op (ops/gated_ffn.py; every sequence counts as long here): the fused-glue model gives
+    the reference model's output and gradients plainly, under torch.utils.checkpoint (whose recompute then stops
+    after the MLP's W1·y), with offloaded inputs, and keeping a block's attention."""
+    import models.wan as wan
+    import ops.gated_ffn as gf
+    import ops.gated_residual as gr
+
+    if not gr._HAS_TRITON:
+        pytest.skip("triton is not installed")
+    monkeypatch.setattr(gf, "GATED_TAIL_MIN_TOKENS", 1)
+    calls, real = [0], wan.adaln_gelu_ffn_gated
+    monkeypatch.setattr(wan, "adaln_gelu_ffn_gated",
+                        lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or real(*a, **k))
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    model = make_pair(TINY)[1].to(dev)
+    x, t, ctx = (a.to(dev) for a in inputs(TINY, frames=3))
+    ref_out = model(x, t, ctx)
+    ref = loss_and_grads(model, ref_out)
+    model.glue_backend = model.adaln_backend = "triton"
+    L = TINY["num_layers"]
+    for k, j, offload in [(0, 0, False), (L, 0, False), (L, 0, True), (L, 1, False)]:
+        model.set_activation_checkpointing(k, keep_attention=j)
+        model.offload_checkpoints = offload
+        calls[0] = 0
+        out = model(x, t, ctx)
+        grads = loss_and_grads(model, out)
+        assert calls[0] == L * (2 if k else 1), (k, j, offload)  # forward, and the recompute
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+        for n, g in ref.items():
+            torch.testing.assert_close(grads[n], g, atol=1e-5, rtol=1e-4, msg=(k, j, offload, n))
+    model.offload_checkpoints = False
+
+
 def test_lora_and_frozen_embedders_with_fused_glue_and_offload(monkeypatch):
     """LoRA (dropout on) with every fused path: the adapted FFN runs its modules (the fused MLP would skip the
     adapters), and offloaded checkpoints — whose block inputs do not require grad once the embedders are frozen —

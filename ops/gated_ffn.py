@@ -1,0 +1,224 @@
+"""The Wan block's tail as one op — out = x + gate · MLP(AdaLN(x)) — whose recompute skips the down projection.
+
+    y   = AdaLN(x; scale, shift)                        ops.adaln (fp32 math, y in the matmul dtype)
+    h   = W1·y + b1,   a = GELU_tanh(h),   z = W2·a + b2     (ops.gelu_ffn)
+    out = (x + z · gate) summed in fp32, in x.dtype          (ops.gated_residual: the same roundings)
+
+Under activation checkpointing a block runs twice before its backward: the forward (its output kept, what it saves
+dropped) and the recompute (what it saves kept, its output dropped). The recompute of the block's last op needs only
+what that op's backward reads, and this backward never reads z:
+
+    dz    = dout · gate                                  (ops.gated_residual's backward kernel, one pass)
+    G     = doutᵀ · a          [D, F] per sample, fp32     (the matmul dW2 would be, kept unscaled)
+    dW2   = Σ_b gate_b ⊙ G_b   (row c scaled by gate_b[c])
+    dgate = Σ_k W2[c, k] · G_b[c, k]  +  b2[c] · Σ_rows dout     = Σ_rows dout · z,   without z
+    dh    = (dz · W2) ⊙ GELU_tanh'(h),   dW1 = dhᵀ · y,   dy = dh · W1   → ops.adaln's backward → dx (+ dout)
+
+so the recompute stops after W1·y (torch.utils.checkpoint's early stop, or our offloaded recompute): no down
+projection, no GELU, no residual. The forward, whose saved tensors are dropped, makes a = GELU(W1·y + b1) in the
+matmul's epilogue (cuBLASLt through torch._addmm_activation; GELU applied to the fp32 accumulator) and never h.
+On the H200 at S = 32760 (Wan 1.3B, scripts/probe_mlp_tail.py, results/step_h200.md): per block the down
+projection is 1.13 ms, the GELU pass 0.34 ms, W1·y + GELU 1.50 ms against 1.36 ms in one epilogue call.
+
+Which pass is running is told by `checkpoint_pass` (models.layers.run_block and models.offload set it around a
+checkpointed block's two calls). Outside it every call is a plain autograd op: z computed, h saved, the same backward.
+Per-sample G costs one [D, F] fp32 buffer and a few passes over it a sample, worth it from a few thousand tokens a
+sample (GATED_TAIL_MIN_TOKENS); per-token gates (Wan 2.2) keep the separate residual.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from ops.adaln import adaln_backward, adaln_forward
+from ops.adaln_linear import fuses_adaln
+from ops.gated_residual import gated_residual_backward, gated_residual_forward
+from ops.gelu_ffn import autocast_args, chunk_rows, ffn_forward, gelu_grad_
+
+# Below this many tokens a sample, the per-sample [D, F] passes cost about what skipping the down projection saves
+# (Wan 1.3B: ~0.09 ms a sample against 2·S·D·F flops at ~700 TFLOP/s, even near S ≈ 2000).
+GATED_TAIL_MIN_TOKENS = 4096
+
+_PASS = threading.local()
+PASSES = (None, "forward", "recompute")
+
+
+@contextlib.contextmanager
+def checkpoint_pass(kind: str | None):
+    """Marks the code inside as one pass of an activation-checkpointed block: "forward" (its output is used, what it
+    saves for backward is not: torch.utils.checkpoint's first call, or a forward without autograd), "recompute" (what
+    it saves is used, its output is not), None (a plain call). Thread-local: backward may run on another thread."""
+    if kind not in PASSES:
+        raise ValueError(f"checkpoint_pass must be one of {PASSES}, got {kind!r}")
+    prev = getattr(_PASS, "kind", None)
+    _PASS.kind = kind
+    try:
+        yield
+    finally:
+        _PASS.kind = prev
+
+
+def current_pass() -> str | None:
+    return getattr(_PASS, "kind", None)
+
+
+def passes(fn):
+    """fn with its calls marked for torch.utils.checkpoint (non-reentrant): the first the forward, later ones
+    recomputes. One wrapper per checkpoint call."""
+    calls = [0]
+
+    def run(*args, **kwargs):
+        calls[0] += 1
+        with checkpoint_pass("forward" if calls[0] == 1 else "recompute"):
+            return fn(*args, **kwargs)
+    return run
+
+
+_OUT_DTYPE = [True]  # torch.mm(..., out_dtype=) works here (CUDA, torch ≥ 2.9); cleared on the first failure
+
+
+def _mm_f32(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc + a·b accumulated in fp32 (acc None: a·b) for a, b in the matmul dtype."""
+    if a.is_cuda and a.dtype != torch.float32 and _OUT_DTYPE[0]:
+        try:
+            if acc is None:
+                return torch.mm(a, b, out_dtype=torch.float32)
+            return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        except (TypeError, RuntimeError, NotImplementedError):  # an older torch: one rounding per chunk instead
+            _OUT_DTYPE[0] = False
+    prod = torch.mm(a, b).float() if a.is_cuda else torch.mm(a.float(), b.float())
+    return prod if acc is None else acc.add_(prod)
+
+
+def _up_gelu(y2: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None) -> torch.Tensor:
+    """GELU_tanh(y2·W1ᵀ + b1): on CUDA one cuBLASLt call with the GELU in its epilogue (fp32 accumulator; torch
+    falls back to gelu(·, "tanh") where cuBLASLt is not taken). Not on the CPU: its _addmm_activation is erf's GELU."""
+    if b1 is None or not y2.is_cuda:
+        return F.gelu(F.linear(y2, w1, b1), approximate="tanh")
+    return torch._addmm_activation(b1, y2, w1.t(), use_gelu=True)
+
+
+def gated_tail_applies(x: torch.Tensor, gate: torch.Tensor) -> bool:
+    """Whether adaln_gelu_ffn_gated takes these shapes: x [B, N, D] with N ≥ GATED_TAIL_MIN_TOKENS, a per-sample
+    gate [B, 1, D], and no graph being compiled (Inductor plans its own saves)."""
+    return (x.dim() == 3 and gate.dim() == 3 and tuple(gate.shape) == (x.shape[0], 1, x.shape[2])
+            and x.shape[1] >= GATED_TAIL_MIN_TOKENS and not torch.compiler.is_compiling())
+
+
+def _tail_backward(dout, dz, y, w1, w2, h, gate, R, needs):
+    """(dy, dw1, db1, dw2, db2, dgate without b2's share) of the MLP and gate from saved h; chunks of R rows within
+    a sample (a and dh one chunk at a time), G per sample in fp32."""
+    need_w1, need_b1, need_w2, need_b2, need_gate = needs
+    B, N, F_ = h.shape
+    D = y.shape[-1]
+    h2, y2, dz2 = h.reshape(-1, F_), y.reshape(-1, D), dz.reshape(-1, D)
+    do2 = dout.reshape(-1, D).to(y.dtype)
+    dy = torch.empty_like(y2)
+    dw1 = torch.zeros_like(w1) if need_w1 else None
+    db1 = torch.zeros(F_, dtype=torch.float32, device=y.device) if need_b1 else None
+    dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=y.device) if need_w2 and B > 1 else None
+    dgate = torch.empty(B, D, dtype=torch.float32, device=y.device) if need_gate else None
+    db2 = dz2.sum(0, dtype=torch.float32).to(w2.dtype) if need_b2 else None
+    for b in range(B):
+        G = None
+        for r in range(b * N, (b + 1) * N, R):
+            e = min(r + R, (b + 1) * N)
+            h_c = h2[r:e]
+            if need_w2 or need_gate:
+                G = _mm_f32(G, do2[r:e].t(), F.gelu(h_c, approximate="tanh"))  # a remade, freed at once
+            dh = gelu_grad_((dz2[r:e] @ w2).contiguous(), h_c)
+            if need_w1:
+                dw1.addmm_(dh.t(), y2[r:e])
+            if need_b1:
+                db1 += dh.sum(0, dtype=torch.float32)
+            torch.mm(dh, w1, out=dy[r:e])
+            del dh
+        if G is None:
+            continue
+        g = gate[b, 0].float()[:, None]
+        if need_w2 and B == 1:
+            dw2 = (G * g).to(w2.dtype)
+        elif need_w2:
+            dw2.addcmul_(G, g)
+        if need_gate:
+            dgate[b] = G.mul_(w2).sum(1)
+    if need_w2 and B > 1:
+        dw2 = dw2.to(w2.dtype)
+    return (dy.view(y.shape), dw1, db1.to(w1.dtype) if need_b1 else None, dw2, db2, dgate)
+
+
+class _AdaLNFFNGated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kind, dtype, rows_per_chunk, x, scale, shift, gate, eps, w1, b1, w2, b2):
+        y, mean, rstd = adaln_forward(x, scale, shift, eps)
+        y = y.to(dtype)
+        B, N, D = x.shape
+        h_shape = (B, N, w1.shape[0])
+        R = rows_per_chunk or chunk_rows(B * N, w1.shape[0], y.element_size())
+        if kind == "forward":  # what is saved is dropped: a in the up projection's epilogue, h never made
+            a = _up_gelu(y.view(-1, D), w1, b1)
+            del y
+            z = F.linear(a, w2, b2).view(B, N, -1)
+            del a
+            out = gated_residual_forward(x, z, gate)
+            h = x.new_empty(1, dtype=dtype).expand(h_shape)  # stands for h: its shape, dtype and device only
+        elif kind == "recompute":  # what is saved is used, not the output: no down projection, no residual
+            h = F.linear(y, w1, b1)
+            out = x.new_empty(x.shape)
+        else:
+            z, h, _ = ffn_forward(y, w1, b1, w2, b2, R)
+            del y
+            out = gated_residual_forward(x, z, gate)
+        ctx.dtype, ctx.R, ctx.eps, ctx.has_b1 = dtype, R, eps, b1 is not None
+        ctx.shift_shape, ctx.shift_dtype = list(shift.shape), shift.dtype
+        ctx.save_for_backward(x, scale, shift, gate, mean, rstd, w1, w2, b2, h)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, scale, shift, gate, mean, rstd, w1, w2, b2, h = ctx.saved_tensors
+        if h.numel() > 1 and h.stride(-1) == 0:
+            raise RuntimeError("adaln_gelu_ffn_gated: backward reached a forward pass's placeholders — "
+                               "checkpoint_pass('forward') was set around a call whose saved tensors are used")
+        need = ctx.needs_input_grad
+        B, N, D = x.shape
+        dout = dout.contiguous()
+        # dz = dout·gate (in the matmul dtype) and b2's share of dgate, Σ_rows dout·b2, in one pass: b2 as z's rows
+        brow = (b2 if b2 is not None else torch.zeros(D, dtype=ctx.dtype, device=x.device)).view(1, 1, D)
+        dz, dgate_b = gated_residual_backward(dout, brow.expand(B, N, D), gate, need_dy=True,
+                                              need_dgate=need[6] and b2 is not None)
+        y = adaln_forward(x, scale, shift, ctx.eps)[0].to(ctx.dtype)  # the forward's y, bit for bit
+        dy, dw1, db1, dw2, db2, dgate = _tail_backward(
+            dout, dz, y, w1, w2, h, gate, ctx.R,
+            (need[8], need[9] and ctx.has_b1, need[10], need[11] and b2 is not None, need[6]))
+        del y, dz
+        dx, dscale, dshift = adaln_backward(dy.to(x.dtype), x, scale, mean, rstd, ctx.shift_shape, ctx.shift_dtype)
+        dx += dout
+        if need[6]:
+            dgate = dgate.view(B, 1, D)
+            dgate = (dgate + dgate_b if dgate_b is not None else dgate).to(gate.dtype)
+        return (None, None, None, dx, dscale if need[4] else None, dshift if need[5] else None, dgate, None,
+                dw1, db1, dw2, db2)
+
+
+def adaln_gelu_ffn_gated(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float, w1: torch.Tensor,
+                         b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None, gate: torch.Tensor,
+                         backend: str = "auto", rows_per_chunk: int | None = None) -> torch.Tensor:
+    """x + gate · (W2·GELU_tanh(W1·AdaLN(x; scale, shift) + b1) + b2), summed in fp32, in x.dtype (see the module
+    docstring). Takes what gated_tail_applies accepts and the AdaLN kernel (fuses_adaln); raises otherwise."""
+    if not fuses_adaln(x, scale, shift, backend):
+        raise ValueError("adaln_gelu_ffn_gated needs the fused AdaLN (backend 'triton', or 'auto' on a CUDA tensor "
+                         "it takes); compose adaln_gelu_ffn and gated_residual instead")
+    if not gated_tail_applies(x, gate):
+        raise ValueError(f"adaln_gelu_ffn_gated takes x [B, N ≥ {GATED_TAIL_MIN_TOKENS}, D] and a per-sample gate "
+                         f"[B, 1, D]; got x {tuple(x.shape)}, gate {tuple(gate.shape)}")
+    try:
+        dtype, (w1, b1, w2, b2) = autocast_args(x, w1, b1, w2, b2)
+    except ValueError as e:
+        raise ValueError(f"adaln_gelu_ffn_gated: {e}") from None
+    kind = current_pass() if torch.is_grad_enabled() else "forward"  # no autograd: nothing saved is used
+    with torch.autocast(x.device.type, enabled=False):
+        return _AdaLNFFNGated.apply(kind, dtype, rows_per_chunk, x, scale, shift, gate, float(eps), w1, b1, w2, b2)

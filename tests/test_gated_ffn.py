@@ -1,0 +1,186 @@
+"""ops/gated_ffn.py: the block's tail x + gate · MLP(AdaLN(x)) — output and every gradient against fp64 (one chunk
+and chunks within each sample), the same output as the composition it replaces, the recompute skipping the down
+projection under torch.utils.checkpoint, placeholders never reaching backward, autocast, and refused inputs.
+
+On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py); shapes are small and odd."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ops import adaln as adaln_op
+from ops import gated_ffn
+from ops.adaln import adaln_reference
+from ops.adaln_linear import adaln_gelu_ffn
+from ops.gated_ffn import adaln_gelu_ffn_gated, checkpoint_pass, passes
+from ops.gated_residual import gated_residual
+from ops.gelu_ffn import gelu_ffn_reference
+from tests.op_helpers import DEV, rel_err
+
+pytestmark = pytest.mark.skipif(not adaln_op._HAS_TRITON, reason="triton is not installed")
+
+
+@pytest.fixture(autouse=True)
+def any_length(monkeypatch):
+    monkeypatch.setattr(gated_ffn, "GATED_TAIL_MIN_TOKENS", 1)  # the tests' sequences are short
+
+
+def _t(g, *shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(DEV, dtype).requires_grad_()
+
+
+def _leaves(B, N, D, Fh, seed=0, biases=(True, True)):
+    g = torch.Generator().manual_seed(seed)
+    x = _t(g, B, N, D)
+    scale, shift, gate = _t(g, B, 1, D, scale=0.3), _t(g, B, 1, D, scale=0.3), _t(g, B, 1, D)
+    w1, w2 = _t(g, Fh, D, scale=D ** -0.5), _t(g, D, Fh, scale=Fh ** -0.5)
+    b1 = _t(g, Fh) if biases[0] else None
+    b2 = _t(g, D) if biases[1] else None
+    return g, [x, scale, shift, gate, w1, b1, w2, b2]
+
+
+def _reference(x, scale, shift, gate, w1, b1, w2, b2):
+    return x + gate * gelu_ffn_reference(adaln_reference(x, scale, shift, 1e-6), w1, b1, w2, b2)
+
+
+def _grads(out, leaves, dout):
+    out.backward(dout)
+    gs = [t.grad.detach().clone() if t is not None else None for t in leaves]
+    for t in leaves:
+        if t is not None:
+            t.grad = None
+    return gs
+
+
+def _f64(ts):
+    return [t.detach().double().requires_grad_() if t is not None else None for t in ts]
+
+
+def _tail(x, scale, shift, gate, w1, b1, w2, b2, rows=None):
+    return adaln_gelu_ffn_gated(x, scale, shift, 1e-6, w1, b1, w2, b2, gate, backend="triton", rows_per_chunk=rows)
+
+
+@pytest.mark.parametrize("biases", [(True, True), (False, False)])
+def test_matches_fp64_and_the_composition_it_replaces(biases):
+    B, N, D, Fh = 2, 29, 16, 40
+    g, leaves = _leaves(B, N, D, Fh, seed=1, biases=biases)
+    dout = torch.randn(B, N, D, generator=g).to(DEV)
+    l64 = _f64(leaves)
+    out64 = _reference(*l64)
+    gr64 = _grads(out64, l64, dout.double())
+    for rows in (None, 12):  # one chunk; chunks of 12 inside each 29-row sample (the last 5 rows short)
+        out = _tail(*leaves, rows=rows)
+        gr = _grads(out, leaves, dout)
+        x, scale, shift, gate, w1, b1, w2, b2 = leaves
+        composed = gated_residual(x, adaln_gelu_ffn(x, scale, shift, 1e-6, w1, b1, w2, b2, backend="triton",
+                                                    rows_per_chunk=rows), gate, backend="triton")
+        assert torch.equal(out, composed)  # the forward runs the same kernels and matmuls
+        assert rel_err(out, out64) < 1e-5
+        for i, (a, r) in enumerate(zip(gr, gr64)):
+            if r is None:
+                assert a is None or leaves[i] is None
+                continue
+            assert rel_err(a, r) < 1e-5, (rows, i)
+
+
+class _CountMatmuls(TorchDispatchMode):
+    OPS = ("aten.mm.default", "aten.addmm.default", "aten._addmm_activation.default", "aten.bmm.default")
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += str(func) in self.OPS
+        return func(*args, **(kwargs or {}))
+
+
+def test_checkpoint_recompute_skips_the_down_projection():
+    """Under torch.utils.checkpoint with passes(): the same output and gradients as the plain call, one matmul
+    fewer in backward (the recompute stops after W1·y), and the forward's placeholder for h never read."""
+    B, N, D, Fh = 2, 23, 16, 24
+    g, leaves = _leaves(B, N, D, Fh, seed=2)
+    dout = torch.randn(B, N, D, generator=g).to(DEV)
+    ref = _tail(*leaves)
+    gref = _grads(ref, leaves, dout)
+    counts = {}
+    for name, fn in (("plain", _tail), ("passes", passes(_tail))):
+        out = checkpoint(fn, *leaves, use_reentrant=False)
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)  # the epilogue's GELU: same math, own order
+        with _CountMatmuls() as mode:
+            gr = _grads(out, leaves, dout)
+        counts[name] = mode.n
+        for i, (a, r) in enumerate(zip(gr, gref)):
+            torch.testing.assert_close(a, r, atol=1e-6, rtol=1e-5, msg=(name, i))
+    assert counts["passes"] == counts["plain"] - 1
+
+    # a forward pass's placeholders reaching backward is an error, not garbage gradients
+    with checkpoint_pass("forward"):
+        out = _tail(*leaves)
+    with pytest.raises(RuntimeError, match="placeholders"):
+        out.backward(dout)
+    with pytest.raises(ValueError, match="checkpoint_pass"):
+        with checkpoint_pass("backward"):
+            pass
+
+
+def test_no_grad_and_autocast():
+    """Without autograd the forward pass's path (epilogue, nothing saved) gives the same output; under bf16
+    autocast fp32 master weights get fp32 gradients no further from fp64 than eager's under the same autocast."""
+    B, N, D, Fh = 1, 33, 32, 48
+    g, leaves = _leaves(B, N, D, Fh, seed=3)
+    with torch.no_grad():
+        fast = _tail(*leaves)
+    torch.testing.assert_close(fast, _tail(*leaves).detach(), atol=1e-6, rtol=1e-6)  # the plain path
+    torch.testing.assert_close(fast, _reference(*leaves), atol=1e-5, rtol=1e-5)
+    dout = torch.randn(B, N, D, generator=g).to(DEV)
+    with torch.autocast(DEV.type, dtype=torch.bfloat16):
+        out = _tail(*leaves)
+        gr = _grads(out.float(), leaves, dout)
+        gr_e = _grads(_reference(*leaves).float(), leaves, dout)
+    assert out.dtype == torch.float32  # the residual stream's dtype (fp32 here), as ops.gated_residual
+    l64 = _f64(leaves)
+    gr64 = _grads(_reference(*l64), l64, dout.double())
+    for i, (a, e, r) in enumerate(zip(gr, gr_e, gr64)):
+        assert a.dtype == torch.float32
+        assert rel_err(a, r) <= 1.5 * rel_err(e, r) + 1e-3, i
+
+
+def test_refuses_what_it_does_not_take(monkeypatch):
+    g, (x, scale, shift, gate, w1, b1, w2, b2) = _leaves(2, 8, 16, 24, seed=4)
+    with pytest.raises(ValueError, match="per-sample gate"):  # a per-token gate (Wan 2.2)
+        adaln_gelu_ffn_gated(x, scale, shift, 1e-6, w1, b1, w2, b2, gate.expand(2, 8, 16), backend="triton")
+    with pytest.raises(ValueError, match="fused AdaLN"):
+        adaln_gelu_ffn_gated(x, scale, shift, 1e-6, w1, b1, w2, b2, gate, backend="torch")
+    with pytest.raises(ValueError, match="share a dtype"):
+        adaln_gelu_ffn_gated(x, scale, shift, 1e-6, w1.detach().double(), b1, w2, b2, gate, backend="triton")
+    monkeypatch.setattr(gated_ffn, "GATED_TAIL_MIN_TOKENS", 9)
+    assert not gated_ffn.gated_tail_applies(x, gate)
+    with pytest.raises(ValueError, match="N ≥ 9"):
+        adaln_gelu_ffn_gated(x, scale, shift, 1e-6, w1, b1, w2, b2, gate, backend="triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_epilogue_gelu_is_the_tanh_approximation(monkeypatch):
+    """The forward pass's up projection (cuBLASLt's GELU epilogue) is GELU_tanh, as Wan's MLP: fp32, TF32 off, it
+    matches F.gelu(·, "tanh") to 1e-5 while erf's GELU is ~5e-4 away; and the bf16 tail matches fp64 on the GPU."""
+    g = torch.Generator().manual_seed(6)
+    y, w, b = (torch.randn(*s, generator=g).cuda() for s in ((512, 64), (256, 64), (256,)))
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    h = F.linear(y, w, b)
+    got = gated_ffn._up_gelu(y, w, b)
+    assert (got - F.gelu(h, approximate="tanh")).abs().max() < 1e-5
+    assert (F.gelu(h) - F.gelu(h, approximate="tanh")).abs().max() > 1e-4
+    B, N, D, Fh = 2, 300, 128, 256
+    _, leaves = _leaves(B, N, D, Fh, seed=7)
+    l16 = [t.detach().bfloat16().requires_grad_() for t in leaves]
+    l16[1:4] = [t.detach().float().requires_grad_() for t in l16[1:4]]  # fp32 modulation and gate, as Wan's
+    dout = torch.randn(B, N, D, generator=g).cuda().bfloat16()
+    l64 = _f64(l16)
+    gr64 = _grads(_reference(*l64), l64, dout.double())
+    for fn in (_tail, passes(_tail)):  # plain, and checkpointed with its passes
+        out = checkpoint(fn, *l16, rows=128, use_reentrant=False) if fn is not _tail else _tail(*l16, rows=128)
+        assert rel_err(out, _reference(*l64)) < 1e-2
+        for i, (a, r) in enumerate(zip(_grads(out, l16, dout), gr64)):
+            assert rel_err(a, r) < 2e-2, i
