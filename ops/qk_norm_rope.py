@@ -208,12 +208,14 @@ def _kernels(interpret: bool):
 
 
 # ---------------------------------------------------------------------------------------------------------- launchers
-# Launch shapes on CUDA, keyed by (kernel, D). Not measured yet: ops.adaln's H200 best at the same D (the same row in
-# registers, one reduction per row), except that both kernels take two segments (D = 1536: 512 + 256 pairs, no
-# masked lane, 16-byte loads; one masked tile added layout conversions) and the D = 5120 backward 8 warps (ptxas: 255
-# registers at 4, no spills at 8). To be replaced by a sweep of scripts/bench_qk_norm_rope.py on the H200.
+# Launch shapes on CUDA, keyed by (kernel, D). The D = 1536 forward is the H200 sweep's best at N = 32760
+# (results/step_h200/run15_qk_fwd_sweep.json: 0.0684 ms, 75 % of copy bandwidth, against 0.0765 ms for the shape
+# before it, KernelConfig(2, 4, 4, num_stages=3)). The rest are not measured yet: ops.adaln's H200 best at the same D
+# (the same row in registers, one reduction per row), both kernels in two segments (D = 1536: 512 + 256 pairs, no
+# masked lane, 16-byte loads) and the D = 5120 backward 8 warps (ptxas: 255 registers at 4, no spills at 8).
+# `python scripts/bench_qk_norm_rope.py --sweep` on the H200 measures them.
 TUNED = {
-    ("fwd", 1536): KernelConfig(2, 4, 4, num_stages=3),
+    ("fwd", 1536): KernelConfig(1, 4, 8, split=False, num_stages=3),
     ("fwd", 5120): KernelConfig(2, 4, 8, num_stages=3),
     ("bwd", 1536): KernelConfig(1, 4, 4, split=True, num_stages=3),
     ("bwd", 5120): KernelConfig(1, 8, 2, split=True, num_stages=3),

@@ -191,7 +191,8 @@ KERNEL_KINDS = (("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
 
 def profile(run) -> dict:
     """Device time of one step by kernel kind (attention, GEMM, our Triton kernels, other = aten elementwise /
-    norm / reduction / copy kernels), in ms, and each kind's ten largest kernels as [ms, launches]."""
+    norm / reduction / copy kernels), in ms, each kind's ten largest kernels as [ms, launches], and the GPU's idle
+    time inside the step with its longest gaps ([ms, kernel before, kernel after])."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -215,6 +216,18 @@ def profile(run) -> dict:
                                            for k, v in sorted(kinds.items())},
            **{f"top_{k.split()[0]}": dict(sorted(v.items(), key=lambda kv: -kv[1][0])[:10])
               for k, v in named.items()}}
+    try:  # where the GPU waits between kernels (the host behind, or a sync): the step's span minus its kernels
+        from torch.autograd import DeviceType
+
+        spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                       if e.device_type == DeviceType.CUDA)
+        gaps = sorted(((b[0] - a[1], a[2][:60], b[2][:60]) for a, b in zip(spans, spans[1:]) if b[0] > a[1]),
+                      reverse=True)
+        out.update(span_ms=round((max(e for _, e, _ in spans) - spans[0][0]) / 1e3, 1),
+                   idle_ms=round(sum(g for g, _, _ in gaps) / 1e3, 1),
+                   top_gaps=[[round(g / 1e3, 2), a, b] for g, a, b in gaps[:8]])
+    except Exception as e:  # noqa: BLE001 - a diagnostic: never the run's end
+        out["idle_error"] = f"{type(e).__name__}: {e}"
     print(f"profile: {json.dumps(out)}", flush=True)
     return out
 

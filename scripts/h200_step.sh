@@ -12,8 +12,9 @@ set -uo pipefail
 source scripts/h200_env.sh h200_step_out
 PART=${PART:-asb}
 if [[ $PART == *a* ]]; then
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gated_ffn.py tests/test_gelu_ffn.py \
-    tests/test_adaln_linear.py tests/test_rope_attention.py tests/test_wan.py \
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gated_ffn.py tests/test_gelu_ffn.py \
+    tests/test_adaln_linear.py tests/test_rope_attention.py tests/test_wan.py tests/test_qk_norm_rope.py \
+    tests/test_gated_residual.py \
     -k "gated or gelu or grad_kernel or chunked or adaln_linear or rope_attention or cuda or fused_glue or lora" 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -4
   timeout 360 python3 scripts/bench_step.py --out "$OUT/a" --shapes 3,2 --fast-backend native --reps 3 --gc-off \

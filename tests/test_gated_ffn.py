@@ -57,6 +57,10 @@ def _f64(ts):
     return [t.detach().double().requires_grad_() if t is not None else None for t in ts]
 
 
+# the forward pass's GELU epilogue (CUDA) sums in its own order: fp32 results a few ulps from the plain path's
+CLOSE = dict(atol=1e-6, rtol=1e-6) if DEV.type == "cpu" else dict(atol=5e-5, rtol=1e-4)
+
+
 def _tail(x, scale, shift, gate, w1, b1, w2, b2, rows=None):
     return adaln_gelu_ffn_gated(x, scale, shift, 1e-6, w1, b1, w2, b2, gate, backend="triton", rows_per_chunk=rows)
 
@@ -107,12 +111,12 @@ def test_checkpoint_recompute_skips_the_down_projection():
     counts = {}
     for name, fn in (("plain", _tail), ("passes", passes(_tail))):
         out = checkpoint(fn, *leaves, use_reentrant=False)
-        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)  # the epilogue's GELU: same math, own order
+        torch.testing.assert_close(out, ref, **CLOSE)
         with _CountMatmuls() as mode:
             gr = _grads(out, leaves, dout)
         counts[name] = mode.n
         for i, (a, r) in enumerate(zip(gr, gref)):
-            torch.testing.assert_close(a, r, atol=1e-6, rtol=1e-5, msg=(name, i))
+            torch.testing.assert_close(a, r, atol=1e-6, rtol=1e-5, msg=(name, i))  # the recompute is the plain path
     assert counts["passes"] == counts["plain"] - 1
 
     # a forward pass's placeholders reaching backward is an error, not garbage gradients
@@ -132,7 +136,7 @@ def test_no_grad_and_autocast():
     g, leaves = _leaves(B, N, D, Fh, seed=3)
     with torch.no_grad():
         fast = _tail(*leaves)
-    torch.testing.assert_close(fast, _tail(*leaves).detach(), atol=1e-6, rtol=1e-6)  # the plain path
+    torch.testing.assert_close(fast, _tail(*leaves).detach(), **CLOSE)  # the plain path
     torch.testing.assert_close(fast, _reference(*leaves), atol=1e-5, rtol=1e-5)
     dout = torch.randn(B, N, D, generator=g).to(DEV)
     with torch.autocast(DEV.type, dtype=torch.bfloat16):
