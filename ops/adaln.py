@@ -322,6 +322,7 @@ TUNED = {
 def nearest_tuned(table: dict, prefix: tuple, D: int) -> tuple[int, KernelConfig]:
     """(D0, config) of the tuned entry whose key is prefix + (D0,) with D0 nearest D on a log scale (the ops'
     TUNED tables: a width not tuned starts from its nearest tuned neighbour)."""
+    D = max(D, 1)  # an empty width launches nothing, but still asks for a shape (on CUDA: log2 of k / 0 raised)
     key = min((k for k in table if k[:-1] == prefix), key=lambda k: abs(math.log2(k[-1] / D)))
     return key[-1], table[key]
 

@@ -268,6 +268,18 @@ def test_empty_inputs(kind, B, N, D):
     assert dy.shape == (B, N, D) and torch.equal(dgate, torch.zeros_like(gate))
 
 
+def test_cuda_launch_shapes_for_an_empty_width():
+    """The CUDA launch-shape lookup (the nearest tuned width, on a log scale) takes D = 0 — an empty tensor launches
+    nothing but still asks (it divided by zero on the H200, run 16); no GPU needed to ask."""
+    from ops import adaln, qk_norm_rope
+
+    cuda = torch.device("cuda")
+    for kind in ("fwd", "bwd"):
+        assert gr.default_config(kind, 0, cuda, False).rows >= 1
+        assert adaln.default_config(kind, 0, cuda).rows >= 1
+        assert qk_norm_rope.default_config(kind, 0, cuda).rows >= 1
+
+
 # ------------------------------------------------------------------------------------------------------- GPU only
 @gpu
 @pytest.mark.gpu
