@@ -33,10 +33,10 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from ops.adaln import adaln_backward, adaln_forward
+from ops.adaln import BACKENDS, adaln_backward, adaln_forward, adaln_reference
 from ops.adaln_linear import fuses_adaln
-from ops.gated_residual import gated_residual_backward, gated_residual_forward
-from ops.gelu_ffn import autocast_args, chunk_rows, ffn_forward, gelu_grad_
+from ops.gated_residual import gated_residual_backward, gated_residual_forward, gated_residual_reference
+from ops.gelu_ffn import autocast_args, chunk_rows, ffn_forward, gelu_ffn_reference, gelu_grad_
 
 # Below this many tokens a sample, the per-sample [D, F] passes cost about what skipping the down projection saves
 # (Wan 1.3B: ~0.09 ms a sample against 2·S·D·F flops at ~700 TFLOP/s, even near S ≈ 2000).
@@ -204,14 +204,24 @@ class _AdaLNFFNGated(torch.autograd.Function):
                 dw1, db1, dw2, db2)
 
 
+def adaln_gelu_ffn_gated_reference(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float,
+                                   w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
+                                   gate: torch.Tensor) -> torch.Tensor:
+    """The same function in plain PyTorch: the three ops' references composed (z saved by autograd as usual)."""
+    return gated_residual_reference(x, gelu_ffn_reference(adaln_reference(x, scale, shift, eps), w1, b1, w2, b2), gate)
+
+
 def adaln_gelu_ffn_gated(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float, w1: torch.Tensor,
                          b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None, gate: torch.Tensor,
                          backend: str = "auto", rows_per_chunk: int | None = None) -> torch.Tensor:
     """x + gate · (W2·GELU_tanh(W1·AdaLN(x; scale, shift) + b1) + b2), summed in fp32, in x.dtype (see the module
-    docstring). Takes what gated_tail_applies accepts and the AdaLN kernel (fuses_adaln); raises otherwise."""
+    docstring). backend: "torch" the reference; "triton" (CUDA, or CPU under TRITON_INTERPRET=1) and "auto" (where
+    ops.adaln's kernel takes x, else the reference) the op, for the shapes gated_tail_applies accepts (raises on
+    others). Compiled graphs take the reference (Inductor plans their saves)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"adaln_gelu_ffn_gated backend must be one of {BACKENDS}, got {backend!r}")
     if not fuses_adaln(x, scale, shift, backend):
-        raise ValueError("adaln_gelu_ffn_gated needs the fused AdaLN (backend 'triton', or 'auto' on a CUDA tensor "
-                         "it takes); compose adaln_gelu_ffn and gated_residual instead")
+        return adaln_gelu_ffn_gated_reference(x, scale, shift, eps, w1, b1, w2, b2, gate)
     if not gated_tail_applies(x, gate):
         raise ValueError(f"adaln_gelu_ffn_gated takes x [B, N ≥ {GATED_TAIL_MIN_TOKENS}, D] and a per-sample gate "
                          f"[B, 1, D]; got x {tuple(x.shape)}, gate {tuple(gate.shape)}")

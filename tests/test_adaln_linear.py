@@ -11,7 +11,7 @@ from ops import adaln as adaln_op
 from ops.adaln import adaln_modulate, adaln_reference
 from ops.adaln_linear import adaln_gelu_ffn, adaln_linear
 from ops.gelu_ffn import gelu_ffn, gelu_ffn_reference
-from tests.op_helpers import DEV, rel_err
+from tests.op_helpers import DEV, fp64_leaves, grads_of, rel_err
 
 pytestmark = pytest.mark.skipif(not adaln_op._HAS_TRITON, reason="triton is not installed")
 
@@ -28,19 +28,6 @@ def _inputs(B, N, D, per_token=False, seed=0, dtype=torch.float32):
     return g, x, scale, shift
 
 
-def _grads(out, leaves, douts):
-    torch.autograd.backward(out, douts)
-    gs = [t.grad.detach().clone() if t is not None and t.grad is not None else None for t in leaves]
-    for t in leaves:
-        if t is not None:
-            t.grad = None
-    return gs
-
-
-def _f64(ts):
-    return [t.detach().double().requires_grad_() if t is not None else None for t in ts]
-
-
 @pytest.mark.parametrize("per_token", [False, True])
 def test_linears_match_fp64_and_the_unfused_kernels(per_token):
     B, N, D = 2, 37, 24
@@ -51,15 +38,15 @@ def test_linears_match_fp64_and_the_unfused_kernels(per_token):
     douts = [torch.randn(B, N, w.shape[0], generator=g).to(DEV) for w, _ in lin]
 
     outs = adaln_linear(x, scale, shift, 1e-6, lin, backend="triton")
-    gr = _grads(outs, leaves, douts)
+    gr = grads_of(outs, leaves, douts)
     y = adaln_modulate(x, scale, shift, 1e-6, backend="triton")
     outs_u = [F.linear(y, w, b) for w, b in lin]
-    gr_u = _grads(outs_u, leaves, douts)
-    l64 = _f64(leaves)
+    gr_u = grads_of(outs_u, leaves, douts)
+    l64 = fp64_leaves(leaves)
     x64, s64, h64, ws = l64[0], l64[1], l64[2], l64[3:]
     y64 = adaln_reference(x64, s64, h64, 1e-6)
     outs64 = [F.linear(y64, w, b) for w, b in zip(ws[::2], ws[1::2])]
-    gr64 = _grads(outs64, l64, [d.double() for d in douts])
+    gr64 = grads_of(outs64, l64, [d.double() for d in douts])
 
     for o, o_u, o64 in zip(outs, outs_u, outs64):
         assert torch.equal(o, o_u)  # the same kernels in forward
@@ -81,15 +68,15 @@ def test_gelu_ffn_matches_fp64_and_the_unfused_kernels_chunked():
     dout = torch.randn(B, N, D, generator=g).to(DEV)
     for rows in (None, 20):  # one chunk, and 87 rows in chunks of 20 (the last short)
         out = adaln_gelu_ffn(x, scale, shift, 1e-6, w1, b1, w2, b2, backend="triton", rows_per_chunk=rows)
-        gr = _grads(out, leaves, dout)
+        gr = grads_of(out, leaves, dout)
         y = adaln_modulate(x, scale, shift, 1e-6, backend="triton")
         out_u = gelu_ffn(y, w1, b1, w2, b2, backend="triton", rows_per_chunk=rows)
-        gr_u = _grads(out_u, leaves, dout)
+        gr_u = grads_of(out_u, leaves, dout)
         assert torch.equal(out, out_u)
         assert torch.equal(gr[5], gr_u[5])  # dW2 from the recomputed y's MLP: the same bits
-        l64 = _f64(leaves)
+        l64 = fp64_leaves(leaves)
         out64 = gelu_ffn_reference(adaln_reference(*l64[:3], 1e-6), *l64[3:])
-        gr64 = _grads(out64, l64, dout.double())
+        gr64 = grads_of(out64, l64, dout.double())
         assert rel_err(out, out64) < 1e-5
         for i, (a, r) in enumerate(zip(gr, gr64)):
             assert rel_err(a, r) < 1e-5, (rows, i)
@@ -103,12 +90,12 @@ def test_autocast_gives_fp32_master_grads_no_worse_than_eager():
     douts = [torch.randn(B, N, D, generator=g).to(DEV) for _ in lin]
     with torch.autocast(DEV.type, dtype=torch.bfloat16):
         outs = adaln_linear(x, scale, shift, 1e-6, lin, backend="triton")
-        gr = _grads(outs, leaves, douts)
+        gr = grads_of(outs, leaves, douts)
         y = adaln_reference(x, scale, shift, 1e-6)
-        gr_e = _grads([F.linear(y, w, b) for w, b in lin], leaves, douts)
-    l64 = _f64(leaves)
+        gr_e = grads_of([F.linear(y, w, b) for w, b in lin], leaves, douts)
+    l64 = fp64_leaves(leaves)
     y64 = adaln_reference(*l64[:3], 1e-6)
-    gr64 = _grads([F.linear(y64, w, b) for w, b in zip(l64[3::2], l64[4::2])], l64, [d.double() for d in douts])
+    gr64 = grads_of([F.linear(y64, w, b) for w, b in zip(l64[3::2], l64[4::2])], l64, [d.double() for d in douts])
     assert all(o.dtype == torch.bfloat16 for o in outs)
     for a, e, r in zip(gr, gr_e, gr64):
         assert a.dtype == torch.float32

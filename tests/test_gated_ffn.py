@@ -13,10 +13,10 @@ from ops import adaln as adaln_op
 from ops import gated_ffn
 from ops.adaln import adaln_reference
 from ops.adaln_linear import adaln_gelu_ffn
-from ops.gated_ffn import adaln_gelu_ffn_gated, checkpoint_pass, passes
+from ops.gated_ffn import adaln_gelu_ffn_gated, adaln_gelu_ffn_gated_reference, checkpoint_pass, passes
 from ops.gated_residual import gated_residual
 from ops.gelu_ffn import gelu_ffn_reference
-from tests.op_helpers import DEV, rel_err
+from tests.op_helpers import DEV, fp64_leaves, grads_of, rel_err
 
 pytestmark = pytest.mark.skipif(not adaln_op._HAS_TRITON, reason="triton is not installed")
 
@@ -40,21 +40,8 @@ def _leaves(B, N, D, Fh, seed=0, biases=(True, True)):
     return g, [x, scale, shift, gate, w1, b1, w2, b2]
 
 
-def _reference(x, scale, shift, gate, w1, b1, w2, b2):
+def _reference(x, scale, shift, gate, w1, b1, w2, b2):  # the formula, written out (fp64 in the tests)
     return x + gate * gelu_ffn_reference(adaln_reference(x, scale, shift, 1e-6), w1, b1, w2, b2)
-
-
-def _grads(out, leaves, dout):
-    out.backward(dout)
-    gs = [t.grad.detach().clone() if t is not None else None for t in leaves]
-    for t in leaves:
-        if t is not None:
-            t.grad = None
-    return gs
-
-
-def _f64(ts):
-    return [t.detach().double().requires_grad_() if t is not None else None for t in ts]
 
 
 # the forward pass's GELU epilogue (CUDA) sums in its own order: fp32 results a few ulps from the plain path's
@@ -70,12 +57,12 @@ def test_matches_fp64_and_the_composition_it_replaces(biases):
     B, N, D, Fh = 2, 29, 16, 40
     g, leaves = _leaves(B, N, D, Fh, seed=1, biases=biases)
     dout = torch.randn(B, N, D, generator=g).to(DEV)
-    l64 = _f64(leaves)
+    l64 = fp64_leaves(leaves)
     out64 = _reference(*l64)
-    gr64 = _grads(out64, l64, dout.double())
+    gr64 = grads_of(out64, l64, dout.double())
     for rows in (None, 12):  # one chunk; chunks of 12 inside each 29-row sample (the last 5 rows short)
         out = _tail(*leaves, rows=rows)
-        gr = _grads(out, leaves, dout)
+        gr = grads_of(out, leaves, dout)
         x, scale, shift, gate, w1, b1, w2, b2 = leaves
         composed = gated_residual(x, adaln_gelu_ffn(x, scale, shift, 1e-6, w1, b1, w2, b2, backend="triton",
                                                     rows_per_chunk=rows), gate, backend="triton")
@@ -107,13 +94,13 @@ def test_checkpoint_recompute_skips_the_down_projection():
     g, leaves = _leaves(B, N, D, Fh, seed=2)
     dout = torch.randn(B, N, D, generator=g).to(DEV)
     ref = _tail(*leaves)
-    gref = _grads(ref, leaves, dout)
+    gref = grads_of(ref, leaves, dout)
     counts = {}
     for name, fn in (("plain", _tail), ("passes", passes(_tail))):
         out = checkpoint(fn, *leaves, use_reentrant=False)
         torch.testing.assert_close(out, ref, **CLOSE)
         with _CountMatmuls() as mode:
-            gr = _grads(out, leaves, dout)
+            gr = grads_of(out, leaves, dout)
         counts[name] = mode.n
         for i, (a, r) in enumerate(zip(gr, gref)):
             torch.testing.assert_close(a, r, atol=1e-6, rtol=1e-5, msg=(name, i))  # the recompute is the plain path
@@ -141,11 +128,11 @@ def test_no_grad_and_autocast():
     dout = torch.randn(B, N, D, generator=g).to(DEV)
     with torch.autocast(DEV.type, dtype=torch.bfloat16):
         out = _tail(*leaves)
-        gr = _grads(out.float(), leaves, dout)
-        gr_e = _grads(_reference(*leaves).float(), leaves, dout)
+        gr = grads_of(out.float(), leaves, dout)
+        gr_e = grads_of(_reference(*leaves).float(), leaves, dout)
     assert out.dtype == torch.float32  # the residual stream's dtype (fp32 here), as ops.gated_residual
-    l64 = _f64(leaves)
-    gr64 = _grads(_reference(*l64), l64, dout.double())
+    l64 = fp64_leaves(leaves)
+    gr64 = grads_of(_reference(*l64), l64, dout.double())
     for i, (a, e, r) in enumerate(zip(gr, gr_e, gr64)):
         assert a.dtype == torch.float32
         assert rel_err(a, r) <= 1.5 * rel_err(e, r) + 1e-3, i
@@ -155,8 +142,11 @@ def test_refuses_what_it_does_not_take(monkeypatch):
     g, (x, scale, shift, gate, w1, b1, w2, b2) = _leaves(2, 8, 16, 24, seed=4)
     with pytest.raises(ValueError, match="per-sample gate"):  # a per-token gate (Wan 2.2)
         adaln_gelu_ffn_gated(x, scale, shift, 1e-6, w1, b1, w2, b2, gate.expand(2, 8, 16), backend="triton")
-    with pytest.raises(ValueError, match="fused AdaLN"):
-        adaln_gelu_ffn_gated(x, scale, shift, 1e-6, w1, b1, w2, b2, gate, backend="torch")
+    ref = adaln_gelu_ffn_gated_reference(x, scale, shift, 1e-6, w1, b1, w2, b2, gate)
+    assert torch.equal(adaln_gelu_ffn_gated(x, scale, shift, 1e-6, w1, b1, w2, b2, gate, backend="torch"), ref)
+    torch.testing.assert_close(ref, _reference(x, scale, shift, gate, w1, b1, w2, b2), atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        adaln_gelu_ffn_gated(x, scale, shift, 1e-6, w1, b1, w2, b2, gate, backend="cuda")
     with pytest.raises(ValueError, match="share a dtype"):
         adaln_gelu_ffn_gated(x, scale, shift, 1e-6, w1.detach().double(), b1, w2, b2, gate, backend="triton")
     monkeypatch.setattr(gated_ffn, "GATED_TAIL_MIN_TOKENS", 9)
@@ -181,10 +171,10 @@ def test_cuda_epilogue_gelu_is_the_tanh_approximation(monkeypatch):
     l16 = [t.detach().bfloat16().requires_grad_() for t in leaves]
     l16[1:4] = [t.detach().float().requires_grad_() for t in l16[1:4]]  # fp32 modulation and gate, as Wan's
     dout = torch.randn(B, N, D, generator=g).cuda().bfloat16()
-    l64 = _f64(l16)
-    gr64 = _grads(_reference(*l64), l64, dout.double())
+    l64 = fp64_leaves(l16)
+    gr64 = grads_of(_reference(*l64), l64, dout.double())
     for fn in (_tail, passes(_tail)):  # plain, and checkpointed with its passes
         out = checkpoint(fn, *l16, rows=128, use_reentrant=False) if fn is not _tail else _tail(*l16, rows=128)
         assert rel_err(out, _reference(*l64)) < 1e-2
-        for i, (a, r) in enumerate(zip(_grads(out, l16, dout), gr64)):
+        for i, (a, r) in enumerate(zip(grads_of(out, l16, dout), gr64)):
             assert rel_err(a, r) < 2e-2, i
