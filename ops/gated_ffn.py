@@ -28,6 +28,7 @@ sample (GATED_TAIL_MIN_TOKENS); per-token gates (Wan 2.2) keep the separate resi
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import torch
@@ -67,7 +68,12 @@ def current_pass() -> str | None:
 
 def passes(fn):
     """fn with its calls marked for torch.utils.checkpoint (non-reentrant): the first the forward, later ones
-    recomputes. One wrapper per checkpoint call."""
+    recomputes. One wrapper per checkpoint call, around one block whose tail op's output is what fn returns: nothing
+    inside the checkpointed region may read that output (in the recompute it is NaN — a forward hook on the block
+    computing with it, or two tails in one region, would see NaN gradients, not silently wrong ones). Selective
+    policies may save attention (models.layers.keep_attention_context), not matmuls: on CUDA the forward pass calls
+    the up projection as _addmm_activation and the recompute as addmm, so a saved addmm would be handed to the wrong
+    call (torch.utils.checkpoint raises on the mismatch)."""
     calls = [0]
 
     def run(*args, **kwargs):
@@ -77,19 +83,29 @@ def passes(fn):
     return run
 
 
-_OUT_DTYPE = [True]  # torch.mm(..., out_dtype=) works here (CUDA, torch ≥ 2.9); cleared on the first failure
+@functools.lru_cache(maxsize=None)
+def _has_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether half-precision matmuls here write fp32 and accumulate into it in place (torch.mm / addmm with
+    out_dtype: CUDA, torch ≥ 2.9) — checked once on small tensors against an fp32 product."""
+    try:
+        a = torch.randn(64, 32, device=device).to(dtype)
+        b = torch.randn(32, 48, device=device).to(dtype)
+        ref = a.float() @ b.float()
+        acc = torch.mm(a, b, out_dtype=torch.float32)
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        return acc.dtype == torch.float32 and bool(torch.allclose(acc, 2 * ref, rtol=1e-3, atol=1e-3))
+    except (TypeError, RuntimeError, NotImplementedError):  # an older torch, or no such kernel on this device
+        return False
 
 
 def _mm_f32(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """acc + a·b accumulated in fp32 (acc None: a·b) for a, b in the matmul dtype."""
-    if a.is_cuda and a.dtype != torch.float32 and _OUT_DTYPE[0]:
-        try:
-            if acc is None:
-                return torch.mm(a, b, out_dtype=torch.float32)
-            return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-        except (TypeError, RuntimeError, NotImplementedError):  # an older torch: one rounding per chunk instead
-            _OUT_DTYPE[0] = False
-    prod = torch.mm(a, b).float() if a.is_cuda else torch.mm(a.float(), b.float())
+    if a.is_cuda and a.dtype != torch.float32 and _has_out_dtype(a.device, a.dtype):
+        if acc is None:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    # CPU (the interpreter's tests): an fp32 product; a CUDA torch without out_dtype: one rounding per chunk
+    prod = torch.mm(a, b).float() if a.is_cuda and a.dtype != torch.float32 else torch.mm(a.float(), b.float())
     return prod if acc is None else acc.add_(prod)
 
 
@@ -117,7 +133,7 @@ def _tail_backward(dout, dz, y, w1, w2, h, gate, R, needs):
     h2, y2, dz2 = h.reshape(-1, F_), y.reshape(-1, D), dz.reshape(-1, D)
     do2 = dout.reshape(-1, D).to(y.dtype)
     dy = torch.empty_like(y2)
-    dw1 = torch.zeros_like(w1) if need_w1 else None
+    dw1 = None  # fp32, accumulated over every chunk of every sample, rounded once
     db1 = torch.zeros(F_, dtype=torch.float32, device=y.device) if need_b1 else None
     dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=y.device) if need_w2 and B > 1 else None
     dgate = torch.empty(B, D, dtype=torch.float32, device=y.device) if need_gate else None
@@ -131,7 +147,7 @@ def _tail_backward(dout, dz, y, w1, w2, h, gate, R, needs):
                 G = _mm_f32(G, do2[r:e].t(), F.gelu(h_c, approximate="tanh"))  # a remade, freed at once
             dh = gelu_grad_((dz2[r:e] @ w2).contiguous(), h_c)
             if need_w1:
-                dw1.addmm_(dh.t(), y2[r:e])
+                dw1 = _mm_f32(dw1, dh.t(), y2[r:e])
             if need_b1:
                 db1 += dh.sum(0, dtype=torch.float32)
             torch.mm(dh, w1, out=dy[r:e])
@@ -147,7 +163,8 @@ def _tail_backward(dout, dz, y, w1, w2, h, gate, R, needs):
             dgate[b] = G.mul_(w2).sum(1)
     if need_w2 and B > 1:
         dw2 = dw2.to(w2.dtype)
-    return (dy.view(y.shape), dw1, db1.to(w1.dtype) if need_b1 else None, dw2, db2, dgate)
+    return (dy.view(y.shape), dw1.to(w1.dtype) if need_w1 else None, db1.to(w1.dtype) if need_b1 else None, dw2,
+            db2, dgate)
 
 
 class _AdaLNFFNGated(torch.autograd.Function):
@@ -164,10 +181,13 @@ class _AdaLNFFNGated(torch.autograd.Function):
             z = F.linear(a, w2, b2).view(B, N, -1)
             del a
             out = gated_residual_forward(x, z, gate)
-            h = x.new_empty(1, dtype=dtype).expand(h_shape)  # stands for h: its shape, dtype and device only
+            # stands for h: its shape, dtype and device only (NaN: a saved-tensor hook's copy of it shows, too)
+            h = x.new_full((1,), float("nan"), dtype=dtype).expand(h_shape)
         elif kind == "recompute":  # what is saved is used, not the output: no down projection, no residual
             h = F.linear(y, w1, b1)
-            out = x.new_empty(x.shape)
+            # never read (passes()); if it were, NaN says so. new_full as the forward's placeholder: a selective
+            # checkpoint's recompute may call only ops its forward called
+            out = x.new_full(x.shape, float("nan"))
         else:
             z, h, _ = ffn_forward(y, w1, b1, w2, b2, R)
             del y
@@ -179,6 +199,11 @@ class _AdaLNFFNGated(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        with torch.autocast(dout.device.type, enabled=False):  # backward under autocast: the forward's dtypes
+            return _AdaLNFFNGated._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
         x, scale, shift, gate, mean, rstd, w1, w2, b2, h = ctx.saved_tensors
         if h.numel() > 1 and h.stride(-1) == 0:
             raise RuntimeError("adaln_gelu_ffn_gated: backward reached a forward pass's placeholders — "
