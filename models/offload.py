@@ -16,6 +16,8 @@ so its memory returns the moment backward drops it, however far the CPU runs ahe
 A selective policy (context_fn, as torch.utils.checkpoint takes it) may keep some ops' outputs from the forward for
 the recompute: model.keep_attention's blocks offload their inputs too and keep only the self-attention's output.
 
+Both calls are marked (ops.gated_ffn.checkpoint_pass "forward" / "recompute"), as models.layers.run_block marks
+torch.utils.checkpoint's: the block's last op then skips what a pass does not use (ops/gated_ffn.py).
 The recompute is the same forward as torch.utils.checkpoint's (autocast state and random state restored), so
 outputs and gradients equal the plain model's (tested, also with frozen embedders). Limits, each refused with a
 message: one backward per forward, `.backward()` only (not torch.autograd.grad), a single process (FSDP2's hooks
