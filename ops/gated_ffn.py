@@ -23,7 +23,8 @@ projection is 1.13 ms, the GELU pass 0.34 ms, W1·y + GELU 1.50 ms against 1.36 
 Which pass is running is told by `checkpoint_pass` (models.layers.run_block and models.offload set it around a
 checkpointed block's two calls). Outside it every call is a plain autograd op: z computed, h saved, the same backward.
 Per-sample G costs one [D, F] fp32 buffer and a few passes over it a sample, worth it from a few thousand tokens a
-sample (GATED_TAIL_MIN_TOKENS); per-token gates (Wan 2.2) keep the separate residual.
+sample (GATED_TAIL_MIN_TOKENS); per-token gates (Wan 2.2) keep the separate residual. dW1 accumulates in fp32 over
+every chunk of every sample as well (one [F, D] buffer), rounded once.
 """
 from __future__ import annotations
 
