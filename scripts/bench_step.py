@@ -36,6 +36,7 @@ import math
 import os
 import sys
 import time
+from unittest.mock import patch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -452,11 +453,8 @@ def main(argv=None) -> None:
             if "ours@glue" in impls:  # + fused gated residual, q/k RMSNorm-RoPE
                 record("ours@glue", shape, *timed(ours_run(shape, True, glue)))
             if "ours@notail" in impls:  # the block's tail as two ops (before ops/gated_ffn.py)
-                floor, gated_ffn.GATED_TAIL_MIN_TOKENS = gated_ffn.GATED_TAIL_MIN_TOKENS, 1 << 62
-                try:
+                with patch.object(gated_ffn, "GATED_TAIL_MIN_TOKENS", 1 << 62):
                     record("ours@notail", shape, *timed(ours_run(shape, True, glue)))
-                finally:
-                    gated_ffn.GATED_TAIL_MIN_TOKENS = floor
             if "ours@compile" in impls:  # block.compile() on the torch glue (inductor fuses it instead)
                 try:
                     t0 = time.perf_counter()
@@ -487,25 +485,18 @@ def main(argv=None) -> None:
             for impl in [i for i in impls if i in ("ours@keep", "ours@keep+unchunked")]:
                 # (b): every block recomputed, the most of them keeping their attention (+ the MLP unchunked)
                 off = "ours@offload" in impls
-                chunk = gelu_ffn.CHUNK_BYTES
-                if impl.endswith("+unchunked"):
-                    gelu_ffn.CHUNK_BYTES = 1 << 62
-                try:
+                chunk = 1 << 62 if impl.endswith("+unchunked") else gelu_ffn.CHUNK_BYTES
+                with patch.object(gelu_ffn, "CHUNK_BYTES", chunk):
                     j = keep_search(lambda j: time_step(ours_run(shape, True, glue, offload=off, keep=j), dev, 0, 1),
                                     layers, diff_peak[shape] if dev.type == "cuda" else math.inf)
                     ms, peak = timed(ours_run(shape, True, glue, offload=off, keep=j))
-                finally:
-                    gelu_ffn.CHUNK_BYTES = chunk
                 record(impl, shape, ms, peak, keep_attention_blocks=j, offload=off,
                        fits=bool(not peak > diff_peak[shape]) if dev.type == "cuda" else None)
             for impl in [i for i in impls if i == "ours@unchunked" or i.startswith("ours@chunk")]:
                 # ours@offload with the MLP's ffn-sized temporaries in other chunks (ops/gelu_ffn.py; default 128 MiB)
                 mib = None if impl == "ours@unchunked" else int(impl[len("ours@chunk"):])
-                chunk, gelu_ffn.CHUNK_BYTES = gelu_ffn.CHUNK_BYTES, (mib or 1 << 22) << 20
-                try:
+                with patch.object(gelu_ffn, "CHUNK_BYTES", (mib or 1 << 22) << 20):
                     record(impl, shape, *timed(ours_run(shape, True, glue, offload=True)), chunk_mib=mib)
-                finally:
-                    gelu_ffn.CHUNK_BYTES = chunk
             ours.set_activation_checkpointing(True)
             ours.offload_checkpoints = False
         park(ours)
