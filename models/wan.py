@@ -72,13 +72,15 @@ class WanAttention(nn.Module):
 
     def forward(self, x_BND: torch.Tensor, ctx_BLD: torch.Tensor | None = None,
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, glue: str = "torch",
-                norm: tuple | None = None, recompute: bool = True) -> torch.Tensor:
+                norm: tuple | None = None, recompute: bool = True, residual: bool = False):
         """norm = (scale, shift, eps, backend): x_BND is the residual stream and the attention's input is
         AdaLN(x; scale, shift) — under the fused glue made inside the projections that read it (ops/adaln_linear.py:
         not saved for backward); with glue "torch" made first, as diffusers does. recompute=False (fused glue):
         AdaLN's output and the rotated q/k are saved for backward instead of remade (WanBlock.recompute_glue).
         The remaking path reads the projections' weights directly: hooks on a plain nn.Linear do not run there
-        (a LoRA-wrapped one runs its module)."""
+        (a LoRA-wrapped one runs its module). residual=True returns (output, x_res): x_res is x_BND to add the output
+        to: under the fused norm an alias whose gradient the norm's backward kernel sums into dx (no separate add)."""
+        x_res = x_BND
         reads_x = [self.to_q] if ctx_BLD is not None else [self.to_q, self.to_k, self.to_v]
         fuse_norm = (glue != "torch" and recompute and norm is not None
                      and all(type(m) is nn.Linear for m in reads_x) and fuses_adaln(x_BND, *norm[:2], norm[3]))
@@ -91,11 +93,13 @@ class WanAttention(nn.Module):
             k = self.norm_k(self.to_k(kv_BLD)).unflatten(-1, (self.heads, -1))  # (B, L, H, Dh)
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-            return self.to_out[0](attention(q, k, v))
+            out = self.to_out[0](attention(q, k, v))
+            return (out, x_res) if residual else out
         # the fused glue: q/k RMSNorm + RoPE inside attention (saving q, k once: ops/rope_attention.py)
         if fuse_norm:
             scale, shift, eps, backend = norm
-            projected = adaln_linear(x_BND, scale, shift, eps, [(m.weight, m.bias) for m in reads_x], backend=backend)
+            *projected, x_res = adaln_linear(x_BND, scale, shift, eps, [(m.weight, m.bias) for m in reads_x],
+                                             backend=backend, residual=True)
             if ctx_BLD is None:
                 q, k, v = projected
             else:  # v before k: a LoRA-wrapped one draws its dropout in the reference path's order
@@ -111,11 +115,12 @@ class WanAttention(nn.Module):
         if not recompute:
             q = qk_norm_rope(q, self.norm_q.weight, *rope_q, self.norm_q.eps, backend=glue)
             k = qk_norm_rope(k, self.norm_k.weight, *rope_k, self.norm_k.eps, backend=glue)
-            return self.to_out[0](attention(q.unflatten(-1, (self.heads, -1)), k.unflatten(-1, (self.heads, -1)),
-                                            v.unflatten(-1, (self.heads, -1))))
-        o = rope_attention(q, k, v, self.heads, self.norm_q.weight, self.norm_k.weight, rope_q, rope_k,
-                           self.norm_q.eps, self.norm_k.eps, backend=glue)
-        return self.to_out[0](o)
+            out = self.to_out[0](attention(q.unflatten(-1, (self.heads, -1)), k.unflatten(-1, (self.heads, -1)),
+                                           v.unflatten(-1, (self.heads, -1))))
+        else:
+            out = self.to_out[0](rope_attention(q, k, v, self.heads, self.norm_q.weight, self.norm_k.weight, rope_q,
+                                                rope_k, self.norm_q.eps, self.norm_k.eps, backend=glue))
+        return (out, x_res) if residual else out
 
 
 class WanBlock(nn.Module):
@@ -144,14 +149,16 @@ class WanBlock(nn.Module):
 
         glue = resolve_glue(self.glue_backend, x_BND)
         rec = self.recompute_glue
-        attn = self.attn1(x_BND, rope=rope, glue=glue, recompute=rec,
-                          norm=(scale_msa, shift_msa, self.eps, self.adaln_backend))
-        x_BND = gated_residual(x_BND, attn, gate_msa, glue)
+        # x_res: the residual stream, through the fused norm's alias where there is one (its gradient summed there)
+        attn, x_res = self.attn1(x_BND, rope=rope, glue=glue, recompute=rec, residual=True,
+                                 norm=(scale_msa, shift_msa, self.eps, self.adaln_backend))
+        x_BND = gated_residual(x_res, attn, gate_msa, glue)
 
         if glue != "torch" and isinstance(self.norm2, FP32LayerNorm):  # LN·w + b = AdaLN with scale w − 1, shift b
             w, b = self.norm2.weight.float(), self.norm2.bias.float()
-            x_BND = x_BND + self.attn2(x_BND, ctx_BLD, glue=glue, recompute=rec,
-                                       norm=((w - 1)[None, None], b[None, None], self.norm2.eps, glue))
+            attn, x_res = self.attn2(x_BND, ctx_BLD, glue=glue, recompute=rec, residual=True,
+                                     norm=((w - 1)[None, None], b[None, None], self.norm2.eps, glue))
+            x_BND = x_res + attn
         else:
             x_BND = x_BND + self.attn2(self.norm2(x_BND), ctx_BLD, glue=glue, recompute=rec)
 

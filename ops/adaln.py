@@ -115,15 +115,16 @@ def _fwd_kernel(X, SCALE, SHIFT, Y, MEAN, RSTD,
         tl.store(RSTD + b * N + n, rstd, mask=rmask)
 
 
-def _bwd_kernel(DY, X, SCALE, MEAN, RSTD, DX, DSCALE, DSHIFT,
+def _bwd_kernel(DY, X, SCALE, MEAN, RSTD, DX, DSCALE, DSHIFT, DRES,
                 N, tiles_per_prog, n_progs,
                 sdyb, sdyn, sxb, sxn, ssb, ssn, ssd, dsb, dhb,
                 D: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ROWS: tl.constexpr,
                 SCALE_PER_TOKEN: tl.constexpr, SHIFT_PER_TOKEN: tl.constexpr, ACC_DMOD: tl.constexpr,
-                NUM_STAGES: tl.constexpr):
+                HAS_RES: tl.constexpr, NUM_STAGES: tl.constexpr):
     # DSCALE/DSHIFT: per token, [B or 1, N, D] written row by row (batch stride dsb/dhb); per sample, the [B, P, D]
     # fp32 partial buffer, one row per program (unless ACC_DMOD is off: the D-tile kernel computes them instead).
-    # Masked lanes load dy = 0, so they add nothing to the row sums or the partials.
+    # Masked lanes load dy = 0, so they add nothing to the row sums or the partials. HAS_RES: dx += DRES (a residual's
+    # gradient, laid out as DX), summed before the one rounding.
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     rows = tl.arange(0, ROWS)
@@ -163,9 +164,15 @@ def _bwd_kernel(DY, X, SCALE, MEAN, RSTD, DX, DSCALE, DSHIFT,
         gb = dyb * sb
         c1 = ((tl.sum(ga * xa, axis=1) + tl.sum(gb * xb, axis=1)) / D)[:, None]
         c2 = ((tl.sum(ga, axis=1) + tl.sum(gb, axis=1)) / D)[:, None]
+        dxa = (ga - (xa * c1 + c2)) * rstd
+        dxb = (gb - (xb * c1 + c2)) * rstd
+        if HAS_RES:
+            r_row = DRES + (b * N + n[:, None]) * D
+            dxa += tl.load(r_row + ca[None, :], mask=mask_a, other=0.0).to(tl.float32)
+            dxb += tl.load(r_row + cb[None, :], mask=mask_b, other=0.0).to(tl.float32)
         dx_row = DX + (b * N + n[:, None]) * D
-        tl.store(dx_row + ca[None, :], _cast((ga - (xa * c1 + c2)) * rstd, DX.dtype.element_ty), mask=mask_a)
-        tl.store(dx_row + cb[None, :], _cast((gb - (xb * c1 + c2)) * rstd, DX.dtype.element_ty), mask=mask_b)
+        tl.store(dx_row + ca[None, :], _cast(dxa, DX.dtype.element_ty), mask=mask_a)
+        tl.store(dx_row + cb[None, :], _cast(dxb, DX.dtype.element_ty), mask=mask_b)
         if SCALE_PER_TOKEN:
             ds_row = DSCALE + b * dsb + n[:, None] * D
             tl.store(ds_row + ca[None, :], _cast(dya * xa, DSCALE.dtype.element_ty), mask=mask_a)
@@ -427,14 +434,20 @@ def adaln_forward(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps
 
 def adaln_backward(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
                    shift_shape, shift_dtype: torch.dtype, dmod: str = "fused", config: KernelConfig | None = None,
-                   dtile_config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   dtile_config: KernelConfig | None = None, dres: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward: (dx, dscale, dshift), each in its input's dtype and shape.
 
-    dmod="fused": per-sample dscale/dshift as partial sums in the dx pass; "dtile": the paper's D-tile kernel."""
+    dmod="fused": per-sample dscale/dshift as partial sums in the dx pass; "dtile": the paper's D-tile kernel.
+    dres: a gradient of x's shape added to dx in the same pass (a residual around the norm), one rounding."""
     if dmod not in DMOD_SCHEMES:
         raise ValueError(f"adaln: dmod must be one of {DMOD_SCHEMES}, got {dmod!r}")
     x, dy = _rows_last(x), _rows_last(dy)
     B, N, D = x.shape
+    if dres is not None:
+        if tuple(dres.shape) != (B, N, D):
+            raise ValueError(f"adaln: dres must have x's shape {(B, N, D)}, got {tuple(dres.shape)}")
+        dres = dres.contiguous()
     dev = x.device
     s_tok, ssb, ssn, ssd = _mod_layout(scale, B, N)
     h_tok = shift_shape[1] == N and N > 1
@@ -456,11 +469,13 @@ def adaln_backward(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean:
         _, bwd, dtile = _kernels(_interpreting())
         with _on_device(dev):
             block_a, block_b = _segments(D, cfg, x.element_size())
-            bwd[(P, B)](dy, x, scale, mean, rstd, dx, ds_buf, dh_buf, N, tiles_per_prog, P,
+            bwd[(P, B)](dy, x, scale, mean, rstd, dx, ds_buf, dh_buf, dres if dres is not None else dx,
+                        N, tiles_per_prog, P,
                         dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), ssb, ssn, ssd,
                         N * D if s_tok else 0, N * D if h_tok else 0,
                         D=D, BLOCK_A=block_a, BLOCK_B=block_b, ROWS=cfg.rows, SCALE_PER_TOKEN=s_tok,
-                        SHIFT_PER_TOKEN=h_tok, ACC_DMOD=acc, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+                        SHIFT_PER_TOKEN=h_tok, ACC_DMOD=acc, HAS_RES=dres is not None, NUM_STAGES=cfg.num_stages,
+                        num_warps=cfg.num_warps)
             if not acc and not (s_tok and h_tok):
                 dcfg = dtile_config or default_config("dtile", D, dev)
                 block_dt = dcfg.block_d or _next_pow2(D)

@@ -8,11 +8,12 @@ Under activation checkpointing a block runs twice before its backward: the forwa
 dropped) and the recompute (what it saves kept, its output dropped). The recompute of the block's last op needs only
 what that op's backward reads, and this backward never reads z:
 
-    dz    = dout · gate                                  (ops.gated_residual's backward kernel, one pass)
+    dz    = dout · gate,  Σ_rows dout                   (ops.gated_residual's backward kernel, one pass)
     G     = doutᵀ · a          [D, F] per sample, fp32     (the matmul dW2 would be, kept unscaled)
-    dW2   = Σ_b gate_b ⊙ G_b   (row c scaled by gate_b[c])
+    dW2   = Σ_b gate_b ⊙ G_b   (row c scaled by gate_b[c]),     db2 = Σ_b gate_b ⊙ Σ_rows dout_b
     dgate = Σ_k W2[c, k] · G_b[c, k]  +  b2[c] · Σ_rows dout     = Σ_rows dout · z,   without z
-    dh    = (dz · W2) ⊙ GELU_tanh'(h),   dW1 = dhᵀ · y,   dy = dh · W1   → ops.adaln's backward → dx (+ dout)
+    dh    = (dz · W2) ⊙ GELU_tanh'(h) with a = GELU(h) in h's place and db1 (ops.gelu_ffn.gelu_act_grad_, one pass),
+    dW1   = dhᵀ · y,   dy = dh · W1   → ops.adaln's backward → dx, with dout (the residual) added in that kernel
 
 so the recompute stops after W1·y (torch.utils.checkpoint's early stop, or our offloaded recompute): no down
 projection, no GELU, no residual. The forward, whose saved tensors are dropped, makes a = GELU(W1·y + b1) in the
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 from ops.adaln import BACKENDS, adaln_backward, adaln_forward, adaln_reference
 from ops.adaln_linear import fuses_adaln
 from ops.gated_residual import gated_residual_backward, gated_residual_forward, gated_residual_reference
-from ops.gelu_ffn import autocast_args, chunk_rows, ffn_forward, gelu_ffn_reference, gelu_grad_
+from ops.gelu_ffn import _once, autocast_args, chunk_rows, ffn_forward, gelu_act_grad_, gelu_ffn_reference
 
 # Below this many tokens a sample, the per-sample [D, F] passes cost about what skipping the down projection saves
 # (Wan 1.3B: ~0.09 ms a sample against 2·S·D·F flops at ~700 TFLOP/s, even near S ≈ 2000).
@@ -125,34 +126,30 @@ def gated_tail_applies(x: torch.Tensor, gate: torch.Tensor) -> bool:
             and x.shape[1] >= GATED_TAIL_MIN_TOKENS and not torch.compiler.is_compiling())
 
 
-def _tail_backward(dout, dz, y, w1, w2, h, gate, R, needs):
-    """(dy, dw1, db1, dw2, db2, dgate without b2's share) of the MLP and gate from saved h; chunks of R rows within
-    a sample (a and dh one chunk at a time), G per sample in fp32."""
-    need_w1, need_b1, need_w2, need_b2, need_gate = needs
+def _tail_backward(dz, do2, y, w1, w2, h, gate, R, needs):
+    """(dy, dw1, db1, dw2, dgate without b2's share) of the MLP and gate from saved h (overwritten: a takes its
+    place); chunks of R rows within a sample (da/dh one chunk at a time), G per sample in fp32."""
+    need_w1, need_b1, need_w2, need_gate = needs
     B, N, F_ = h.shape
     D = y.shape[-1]
     h2, y2, dz2 = h.reshape(-1, F_), y.reshape(-1, D), dz.reshape(-1, D)
-    do2 = dout.reshape(-1, D).to(y.dtype)
     dy = torch.empty_like(y2)
     dw1 = None  # fp32, accumulated over every chunk of every sample, rounded once
     db1 = torch.zeros(F_, dtype=torch.float32, device=y.device) if need_b1 else None
     dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=y.device) if need_w2 and B > 1 else None
     dgate = torch.empty(B, D, dtype=torch.float32, device=y.device) if need_gate else None
-    db2 = dz2.sum(0, dtype=torch.float32).to(w2.dtype) if need_b2 else None
     for b in range(B):
         G = None
         for r in range(b * N, (b + 1) * N, R):
             e = min(r + R, (b + 1) * N)
-            h_c = h2[r:e]
+            # da = dz·W2 turned into dh, h into a, db1 += Σ dh: one pass over the chunk (ops.gelu_ffn)
+            a, dh = gelu_act_grad_(dz2[r:e] @ w2, h2[r:e], db1)
             if need_w2 or need_gate:
-                G = _mm_f32(G, do2[r:e].t(), F.gelu(h_c, approximate="tanh"))  # a remade, freed at once
-            dh = gelu_grad_((dz2[r:e] @ w2).contiguous(), h_c)
+                G = _mm_f32(G, do2[r:e].t(), a)
             if need_w1:
                 dw1 = _mm_f32(dw1, dh.t(), y2[r:e])
-            if need_b1:
-                db1 += dh.sum(0, dtype=torch.float32)
             torch.mm(dh, w1, out=dy[r:e])
-            del dh
+            del a, dh
         if G is None:
             continue
         g = gate[b, 0].float()[:, None]
@@ -164,8 +161,7 @@ def _tail_backward(dout, dz, y, w1, w2, h, gate, R, needs):
             dgate[b] = G.mul_(w2).sum(1)
     if need_w2 and B > 1:
         dw2 = dw2.to(w2.dtype)
-    return (dy.view(y.shape), dw1.to(w1.dtype) if need_w1 else None, db1.to(w1.dtype) if need_b1 else None, dw2,
-            db2, dgate)
+    return dy.view(y.shape), dw1.to(w1.dtype) if need_w1 else None, db1.to(w1.dtype) if need_b1 else None, dw2, dgate
 
 
 class _AdaLNFFNGated(torch.autograd.Function):
@@ -186,9 +182,9 @@ class _AdaLNFFNGated(torch.autograd.Function):
             h = x.new_full((1,), float("nan"), dtype=dtype).expand(h_shape)
         elif kind == "recompute":  # what is saved is used, not the output: no down projection, no residual
             h = F.linear(y, w1, b1)
-            # never read (passes()); if it were, NaN says so. new_full as the forward's placeholder: a selective
-            # checkpoint's recompute may call only ops its forward called
-            out = x.new_full(x.shape, float("nan"))
+            # never read (passes()); if it were, NaN says so. new_full as the forward's placeholder (a selective
+            # checkpoint's recompute may call only ops its forward called), stride 0: nothing written
+            out = x.new_full((1,), float("nan")).expand(x.shape)
         else:
             z, h, _ = ffn_forward(y, w1, b1, w2, b2, R)
             del y
@@ -205,6 +201,7 @@ class _AdaLNFFNGated(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dout):
+        _once(ctx, "adaln_gelu_ffn_gated")
         x, scale, shift, gate, mean, rstd, w1, w2, b2, h = ctx.saved_tensors
         if h.numel() > 1 and h.stride(-1) == 0:
             raise RuntimeError("adaln_gelu_ffn_gated: backward reached a forward pass's placeholders — "
@@ -212,20 +209,23 @@ class _AdaLNFFNGated(torch.autograd.Function):
         need = ctx.needs_input_grad
         B, N, D = x.shape
         dout = dout.contiguous()
-        # dz = dout·gate (in the matmul dtype) and b2's share of dgate, Σ_rows dout·b2, in one pass: b2 as z's rows
-        brow = (b2 if b2 is not None else torch.zeros(D, dtype=ctx.dtype, device=x.device)).view(1, 1, D)
-        dz, dgate_b = gated_residual_backward(dout, brow.expand(B, N, D), gate, need_dy=True,
-                                              need_dgate=need[6] and b2 is not None)
+        need_b2, b2_gate = need[11] and b2 is not None, need[6] and b2 is not None
+        # dz = dout·gate and the per-sample sums Σ_rows dout in one pass (ops.gated_residual's backward with y = 1):
+        # b2's share of dgate is b2·Σ dout, and db2 = Σ_b gate_b·Σ_rows dout_b
+        ones = torch.ones(1, 1, D, dtype=ctx.dtype, device=x.device).expand(B, N, D)
+        dz, dsum = gated_residual_backward(dout, ones, gate.float(), need_dy=True, need_dgate=need_b2 or b2_gate)
         y = adaln_forward(x, scale, shift, ctx.eps)[0].to(ctx.dtype)  # the forward's y, bit for bit
-        dy, dw1, db1, dw2, db2, dgate = _tail_backward(
-            dout, dz, y, w1, w2, h, gate, ctx.R,
-            (need[8], need[9] and ctx.has_b1, need[10], need[11] and b2 is not None, need[6]))
+        dy, dw1, db1, dw2, dgate = _tail_backward(
+            dz, dout.view(-1, D).to(ctx.dtype), y, w1, w2, h, gate, ctx.R,
+            (need[8], need[9] and ctx.has_b1, need[10], need[6]))
         del y, dz
-        dx, dscale, dshift = adaln_backward(dy.to(x.dtype), x, scale, mean, rstd, ctx.shift_shape, ctx.shift_dtype)
-        dx += dout
+        # dx = the norm's backward + dout (the residual), summed in the kernel: one rounding, no separate pass
+        dx, dscale, dshift = adaln_backward(dy.to(x.dtype), x, scale, mean, rstd, ctx.shift_shape, ctx.shift_dtype,
+                                            dres=dout)
+        db2 = (gate.float() * dsum).sum((0, 1)).to(b2.dtype) if need_b2 else None
         if need[6]:
             dgate = dgate.view(B, 1, D)
-            dgate = (dgate + dgate_b if dgate_b is not None else dgate).to(gate.dtype)
+            dgate = (dgate + dsum * b2.float() if b2_gate else dgate).to(gate.dtype)
         return (None, None, None, dx, dscale if need[4] else None, dshift if need[5] else None, dgate, None,
                 dw1, db1, dw2, db2)
 

@@ -2,12 +2,15 @@
 
 Eager autograd keeps both the pre-activation h = W1·x + b1 and a = GELU(h) ([tokens, ffn_dim] each, the two largest
 tensors of a Wan block: 587 MB apiece at S = 32760, ffn_dim 8960, bf16) and allocates da and dh beside them in
-backward. Here only x and h are saved; backward recomputes a from h for dW2 and frees it, then turns da into dh in
-place (one Triton pass: da ← da · GELU'(h), fp32 math). Above CHUNK_BYTES per ffn-sized tensor, a (forward and
-backward) and da/dh are made a chunk of rows at a time, weight gradients accumulated in place chunk by chunk (addmm:
-fp32 inside the matmul, one rounding per chunk, as gradient accumulation), so the block's peak holds h plus two chunk-sized tensors where eager holds three full ones (at S = 32760, bf16:
-~0.9 GB less). In one chunk the matmuls are eager's: a is recomputed by the same kernel from the same h, so
-dW2 = doutᵀ·a is bit-identical; dh differs from aten's gelu_backward only in fp32 rounding order.
+backward. Here only x and h are saved. Backward computes da = dout·W2, then one Triton pass reads da and h once and
+writes a into h's place and dh into da's (fp32 math), summing db1 = Σ_rows dh on the way — where eager makes a
+(read h, write a), then dh (read da and h, write dh), then db1 (read dh): four passes over ffn-sized tensors instead
+of six. Above CHUNK_BYTES per ffn-sized tensor, the forward's a and backward's da/dh are made a chunk of rows at a
+time, weight gradients accumulated in place chunk by chunk (addmm: fp32 inside the matmul, one rounding per chunk,
+as gradient accumulation), so the block's peak holds h plus one chunk-sized tensor where eager holds three full
+ones (at S = 32760, bf16: ~1 GB less). Because h is overwritten, one forward takes one backward (a second, with
+retain_graph=True, raises). a and dh differ from aten's gelu / gelu_backward only in fp32 rounding (a tanh made
+from exp, below).
 
     GELU_tanh(h)  = ½·h·(1 + t),                 t = tanh(√(2/π)·(h + 0.044715·h³))
     GELU_tanh'(h) = ½·(1 + t) + ½·h·(1 − t²)·√(2/π)·(1 + 3·0.044715·h²)
@@ -27,7 +30,6 @@ import torch.nn.functional as F
 from ops.adaln import BACKENDS, _interpreting, import_triton, require_triton, store_cast
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
-_BLOCK = 1024
 triton = tl = _cast = None  # set on first use by _kernel() (the tests set TRITON_INTERPRET first)
 
 
@@ -36,18 +38,43 @@ def gelu_ffn_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | Non
     return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
 
 
-def _gelu_grad_kernel(DA, H, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    da = tl.load(DA + offs, mask=mask, other=0.0).to(tl.float32)
-    h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
-    u = 0.7978845608028654 * (h + 0.044715 * h * h * h)
-    # tanh and 1 − tanh² from e = exp(−2|u|) ∈ (0, 1]: no overflow, and no cancellation in 1 − t² near |t| = 1
-    e = tl.exp(-2.0 * tl.abs(u))
-    t = tl.where(u < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
-    sech2 = 4.0 * e / ((1.0 + e) * (1.0 + e))
-    g = 0.5 * (1.0 + t) + 0.5 * h * sech2 * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h * h)
-    tl.store(DA + offs, _cast(da * g, DA.dtype.element_ty), mask=mask)  # bf16 to nearest even, interpreter too
+def _gelu_act_grad_kernel(DA, H, PART, R, F, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, ITERS: tl.constexpr,
+                          HAS_PART: tl.constexpr, EVEN: tl.constexpr):
+    # A program owns BLOCK_F features of ITERS·BLOCK_R rows; PART row pid_r holds its column sums of dh (fp32).
+    # Offsets inside a BLOCK_R-row block are int32, the block's start an int64 scalar. EVEN: no tile crosses R or F.
+    pid_r = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    tile = tl.arange(0, BLOCK_R)[:, None] * F + cols[None, :]
+    cmask = cols < F
+    acc = tl.zeros([BLOCK_R, BLOCK_F], dtype=tl.float32)  # reduced over rows once, at the end
+    for i in range(ITERS):
+        r0 = (pid_r * ITERS + i) * BLOCK_R
+        da_p, h_p = DA + r0.to(tl.int64) * F + tile, H + r0.to(tl.int64) * F + tile
+        if EVEN:
+            da = tl.load(da_p).to(tl.float32)
+            h = tl.load(h_p).to(tl.float32)
+        else:
+            mask = ((r0 + tl.arange(0, BLOCK_R)) < R)[:, None] & cmask[None, :]
+            da = tl.load(da_p, mask=mask, other=0.0).to(tl.float32)
+            h = tl.load(h_p, mask=mask, other=0.0).to(tl.float32)
+        u = 0.7978845608028654 * (h + 0.044715 * h * h * h)
+        # From e = exp(−2|u|) ∈ (0, 1] and r = 1 / (1 + e): 1 + tanh(u) = 2·s·r with s = e (u < 0) or 1, and
+        # 1 − tanh² = 4·e·r². No overflow, and no cancellation on either tail; one division.
+        e = tl.exp(-2.0 * tl.abs(u))
+        r = 1.0 / (1.0 + e)
+        sr = tl.where(u < 0, e, 1.0) * r
+        g = sr + 2.0 * 0.7978845608028654 * h * e * r * r * (1.0 + 3.0 * 0.044715 * h * h)
+        dh = da * g
+        if EVEN:
+            tl.store(h_p, _cast(h * sr, H.dtype.element_ty))  # a = ½·h·(1 + tanh), to nearest even
+            tl.store(da_p, _cast(dh, DA.dtype.element_ty))
+        else:
+            tl.store(h_p, _cast(h * sr, H.dtype.element_ty), mask=mask)
+            tl.store(da_p, _cast(dh, DA.dtype.element_ty), mask=mask)
+        if HAS_PART:
+            acc += dh  # masked lanes loaded da = 0: they add nothing
+    if HAS_PART:
+        tl.store(PART + pid_r.to(tl.int64) * F + cols, tl.sum(acc, axis=0), mask=cmask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,18 +82,46 @@ def _kernel(interpret: bool):
     global triton, tl, _cast
     triton, tl = import_triton("gelu_ffn", interpret, _HAS_TRITON)
     _cast = store_cast(interpret)
-    return triton.jit(_gelu_grad_kernel)
+    return triton.jit(_gelu_act_grad_kernel)
 
 
-def gelu_grad_(da: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """da ← da · GELU_tanh'(h) in place (contiguous tensors of one shape); returns da."""
-    if da.shape != h.shape or not (da.is_contiguous() and h.is_contiguous()):
-        raise ValueError(f"gelu_grad_: da and h must be contiguous and of one shape, got {tuple(da.shape)}, "
+# (rows per iteration, features per program, iterations per program, warps). CUDA: the best of 16 shapes on the H200
+# at Wan 1.3B's chunk (7488 × 8960, scripts/probe_mlp_tail.py --elementwise, results/step_h200.md run 21): 64 rows of
+# 128 features a program; the call 0.196 ms a chunk (its partial sums' reduction included) against 0.251 ms for
+# aten's three passes, the kernel alone 0.134 ms in the step's profile (≈ 4 TB/s). The interpreter's programs cost
+# ~1 ms each whatever their size, so they are made large.
+GELU_GRAD_CONFIG = {"cuda": (16, 128, 4, 4), "interpret": (32, 128, 4, 4)}
+
+
+def gelu_act_grad_(da: torch.Tensor, h: torch.Tensor, db: torch.Tensor | None = None,
+                   config: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MLP backward's elementwise pass, in place and in one read of each: h ← a = GELU_tanh(h) and
+    da ← dh = da · GELU_tanh'(h) (fp32 math, each rounded once to its tensor's dtype); with db (fp32 [F]) given,
+    db += Σ_rows dh (the unrounded dh, column sums per program then summed in a fixed order: deterministic).
+    da and h: contiguous [R, F] (or any shape, F last) of one shape. Returns (a, dh) — h and da, overwritten."""
+    if da.shape != h.shape or not (da.is_contiguous() and h.is_contiguous()) or da.dim() == 0:
+        raise ValueError(f"gelu_act_grad_: da and h must be contiguous and of one shape, got {tuple(da.shape)}, "
                          f"{tuple(h.shape)}")
-    n = da.numel()
-    if n:
-        _kernel(_interpreting())[(triton.cdiv(n, _BLOCK),)](da, h, n, BLOCK=_BLOCK)
-    return da
+    F_ = h.shape[-1]
+    R = h.numel() // F_ if F_ else 0
+    if db is not None and (db.dtype != torch.float32 or tuple(db.shape) != (F_,)):
+        raise ValueError(f"gelu_act_grad_: db must be fp32 of shape ({F_},), got {db.dtype} {tuple(db.shape)}")
+    if R == 0 or F_ == 0:
+        return h, da
+    interpret = _interpreting()
+    kernel = _kernel(interpret)
+    block_r, block_f, iters, warps = config or GELU_GRAD_CONFIG["interpret" if interpret else "cuda"]
+    n_r = triton.cdiv(R, block_r * iters)
+    part = torch.empty((n_r, F_), dtype=torch.float32, device=h.device) if db is not None else None
+    if block_r * F_ >= 2**31:
+        raise ValueError(f"gelu_act_grad_: {block_r} rows of {F_} features overflow the kernel's int32 offsets")
+    even = R % (block_r * iters) == 0 and F_ % block_f == 0
+    kernel[(n_r, triton.cdiv(F_, block_f))](da, h, part if part is not None else da, R, F_, BLOCK_R=block_r,
+                                            BLOCK_F=block_f, ITERS=iters, HAS_PART=part is not None, EVEN=even,
+                                            num_warps=warps)
+    if db is not None:
+        db += part.sum(0)
+    return h, da
 
 
 CHUNK_BYTES = 128 << 20  # the ffn-sized temporaries (a, da/dh) are made a chunk of rows at a time, at most this big
@@ -93,48 +148,46 @@ def ffn_forward(x, w1, b1, w2, b2, rows_per_chunk):
 
 def ffn_backward(dout, x, w1, w2, h, R, needs, has_b1, has_b2):
     """(dx, dw1, db1, dw2, db2) of ffn_forward from its input x and saved h; needs: the five inputs'
-    needs_input_grad."""
+    needs_input_grad. h is overwritten (a = GELU(h) is made in its place): one backward per forward."""
     need_x, need_w1, need_b1, need_w2, need_b2 = needs
     need_b1, need_b2 = need_b1 and has_b1, need_b2 and has_b2
     need_dh = need_x or need_w1 or need_b1
     x2, h2 = x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1])
     dout2 = dout.reshape(-1, dout.shape[-1])
     M = h2.shape[0]
-    dx = dw1 = db1 = dw2 = db2 = None
-    if R >= M:  # one chunk: the matmuls as eager autograd runs them
-        if need_w2:
-            dw2 = dout2.t() @ F.gelu(h2, approximate="tanh")  # a recomputed, freed at once
-        db2 = dout2.sum(0) if need_b2 else None
-        if need_dh:
-            dh = gelu_grad_((dout2 @ w2).contiguous(), h2)  # da, turned into dh in place
-            dw1 = dh.t() @ x2 if need_w1 else None
-            db1 = dh.sum(0) if need_b1 else None
-            dx = (dh @ w1).view(x.shape) if need_x else None
-        return dx, dw1, db1, dw2, db2
-    # chunks of rows: one chunk's a and da/dh at a time; weight gradients accumulate in place (addmm, fp32
-    # inside the matmul, one rounding to the weight's dtype per chunk), bias gradients in fp32
+    one = R >= M  # one chunk: the weight gradients are single matmuls, as eager autograd runs them
     dx2 = torch.empty_like(x2) if need_x else None
-    dw1 = torch.zeros_like(w1) if need_w1 else None
-    dw2 = torch.zeros_like(w2) if need_w2 else None
+    dw1 = None if one or not need_w1 else torch.zeros_like(w1)
+    dw2 = None if one or not need_w2 else torch.zeros_like(w2)
     db1 = torch.zeros(w1.shape[0], dtype=torch.float32, device=w1.device) if need_b1 else None
     db2 = torch.zeros(w2.shape[0], dtype=torch.float32, device=w2.device) if need_b2 else None
+    # chunks of rows: one chunk's da/dh at a time (a takes h's place); weight gradients accumulate in place (addmm:
+    # fp32 inside the matmul, one rounding to the weight's dtype per chunk), bias gradients in fp32
     for r in range(0, M, R):
-        h_c, do_c = h2[r:r + R], dout2[r:r + R]
-        if need_w2:
-            dw2.addmm_(do_c.t(), F.gelu(h_c, approximate="tanh"))
+        h_c, do_c, a, dh = h2[r:r + R], dout2[r:r + R], None, None
         if need_b2:
             db2 += do_c.sum(0, dtype=torch.float32)
         if need_dh:
-            dh = gelu_grad_((do_c @ w2).contiguous(), h_c)
-            if need_w1:
-                dw1.addmm_(dh.t(), x2[r:r + R])
-            if need_b1:
-                db1 += dh.sum(0, dtype=torch.float32)
-            if need_x:
-                torch.mm(dh, w1, out=dx2[r:r + R])
-            del dh
+            a, dh = gelu_act_grad_(do_c @ w2, h_c, db1)  # da turned into dh, h into a, db1 summed: one pass
+        elif need_w2:
+            a = F.gelu(h_c, approximate="tanh")
+        if need_w2:
+            dw2 = do_c.t() @ a if one else dw2.addmm_(do_c.t(), a)
+        if need_w1:
+            dw1 = dh.t() @ x2[r:r + R] if one else dw1.addmm_(dh.t(), x2[r:r + R])
+        if need_x:
+            torch.mm(dh, w1, out=dx2[r:r + R])
+        del dh
     return (dx2.view(x.shape) if need_x else None, dw1, db1.to(w1.dtype) if need_b1 else None, dw2,
             db2.to(w2.dtype) if need_b2 else None)
+
+
+def _once(ctx, op: str) -> None:
+    """Backward overwrites the saved pre-activation: a second backward through one forward would read a for h."""
+    if getattr(ctx, "h_consumed", False):
+        raise RuntimeError(f"{op}: a second backward through the same forward (retain_graph=True) is not supported "
+                           "(the first overwrote the saved pre-activation)")
+    ctx.h_consumed = True
 
 
 class _GeluFFN(torch.autograd.Function):
@@ -147,6 +200,7 @@ class _GeluFFN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        _once(ctx, "gelu_ffn")
         x, w1, w2, h = ctx.saved_tensors
         return (*ffn_backward(dout, x, w1, w2, h, ctx.R, ctx.needs_input_grad[:5], ctx.has_b1, ctx.has_b2), None)
 

@@ -137,6 +137,27 @@ def test_dtile_variant_and_spans(kind):
     assert torch.equal(fused[0], dtile[0])
 
 
+def test_residual_gradient_added_in_the_dx_pass():
+    """dres (a residual's gradient around the norm) is added to dx before its one rounding: dx + dres against fp64,
+    the modulation gradients untouched; a dres of another shape is refused."""
+    B, N, D = 2, 11, 200
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(B, N, D, generator=gen).to(DEV, torch.bfloat16)
+    table, scale, shift = modulation("sample", B, N, D, torch.float32, gen)
+    dy = torch.randn(B, N, D, generator=gen).to(DEV, torch.bfloat16)
+    dres = torch.randn(B, N, D, generator=gen).to(DEV, torch.bfloat16)
+    _, dx64, ds64, dh64, _ = reference_grads(x, table, "sample", dy)
+    _, mean, rstd = adaln_forward(x, scale, shift)
+    dx, ds, dh = adaln_backward(dy, x, scale, mean, rstd, shift.shape, shift.dtype, dres=dres)
+    plain = adaln_backward(dy, x, scale, mean, rstd, shift.shape, shift.dtype)
+    assert rel_err(dx, dx64 + dres.double()) < TOL[torch.bfloat16]
+    assert not torch.equal(dx, plain[0])
+    assert torch.equal(ds, plain[1]) and torch.equal(dh, plain[2])
+    assert rel_err(ds, ds64) < TOL[torch.float32] and rel_err(dh, dh64) < TOL[torch.float32]
+    with pytest.raises(ValueError, match="dres must have"):
+        adaln_backward(dy, x, scale, mean, rstd, shift.shape, shift.dtype, dres=dres[:, :5])
+
+
 def test_checkpointing_and_opcheck():
     """The custom op recomputes under non-reentrant activation checkpointing, and torch.library.opcheck accepts its
     schema, fake implementation and autograd registration."""

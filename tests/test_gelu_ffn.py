@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ops import gelu_ffn as op
-from ops.gelu_ffn import gelu_ffn, gelu_ffn_reference, gelu_grad_
+from ops.gelu_ffn import gelu_ffn, gelu_ffn_reference
 from tests.op_helpers import DEV, rel_err
 
 pytestmark = pytest.mark.skipif(not op._HAS_TRITON, reason="triton is not installed")
@@ -29,21 +29,43 @@ def grads(fn, x, ps, dout):
 
 
 
-def test_gelu_grad_kernel_equals_aten_gelu_backward():
+def test_gelu_act_grad_kernel_against_aten_and_fp64():
     g = torch.Generator().manual_seed(1)
-    h = (torch.randn(3, 37, 101, generator=g) * 3).to(DEV)  # 11211 elements: 11 programs, the last one masked
+    h = (torch.randn(3, 37, 101, generator=g) * 3).to(DEV)  # 111 rows × 101: 7 × 4 programs, the last ones masked
     h.view(-1)[:4] = torch.tensor([0.0, -30.0, 30.0, -1e4])  # tanh saturated both ways, and exp's overflow
     da = torch.randn(3, 37, 101, generator=g).to(DEV)
-    ref = torch.ops.aten.gelu_backward(da, h, approximate="tanh")
-    ref64 = torch.ops.aten.gelu_backward(da.double(), h.double(), approximate="tanh")
-    out = gelu_grad_(da.clone(), h)
-    err, err_aten = (out.double() - ref64).abs(), (ref.double() - ref64).abs()
-    assert (err <= 4 * err_aten + 2e-7 * (1 + ref64.abs())).all(), err.max()  # fp32 rounding, as aten's own
+    h64, da64 = h.double(), da.double()
+    a64 = torch.nn.functional.gelu(h64, approximate="tanh")
+    dh64 = torch.ops.aten.gelu_backward(da64, h64, approximate="tanh")
+    a_aten = torch.nn.functional.gelu(h, approximate="tanh")
+    dh_aten = torch.ops.aten.gelu_backward(da, h, approximate="tanh")
+    db = torch.full((101,), 0.5, device=DEV)  # accumulated into
+    a, dh = op.gelu_act_grad_(da.clone(), h.clone(), db, config=(8, 32, 2, 4))
+    for out, ref, ref64 in [(a, a_aten, a64), (dh, dh_aten, dh64)]:
+        err, err_aten = (out.double() - ref64).abs(), (ref.double() - ref64).abs()
+        assert (err <= 4 * err_aten + 2e-7 * (1 + ref64.abs())).all(), err.max()  # fp32 rounding, as aten's own
+    db64 = 0.5 + dh64.reshape(-1, 101).sum(0)
+    assert (db.double() - db64).abs().max() < 1e-5 * (1 + dh64.abs().reshape(-1, 101).sum(0)).max()
+    a2, dh2 = op.gelu_act_grad_(da.clone(), h.clone())  # the default launch shape, no db: the same values
+    assert torch.equal(a2, a) and torch.equal(dh2, dh)
     da16, h16 = da.bfloat16(), h.bfloat16()
+    db16 = torch.zeros(101, device=DEV)
+    a16, dh16 = op.gelu_act_grad_(da16.clone(), h16.clone(), db16)
+    assert a16.dtype == dh16.dtype == torch.bfloat16
+    assert rel_err(a16.float(), torch.nn.functional.gelu(h16.float(), approximate="tanh")) < 8e-3  # one rounding
     ref16 = torch.ops.aten.gelu_backward(da16.float(), h16.float(), approximate="tanh")
-    assert rel_err(gelu_grad_(da16.clone(), h16).float(), ref16) < 8e-3  # one bf16 rounding
+    assert rel_err(dh16.float(), ref16) < 8e-3
+    assert rel_err(db16, ref16.reshape(-1, 101).sum(0)) < 1e-5  # the unrounded dh summed in fp32
+    h, da = h.reshape(-1, 101)[:64, :96].contiguous(), da.reshape(-1, 101)[:64, :96].contiguous()
+    db_even, db_masked = torch.zeros(96, device=DEV), torch.zeros(96, device=DEV)
+    even = op.gelu_act_grad_(da.clone(), h.clone(), db_even, config=(8, 32, 2, 4))  # tiles fill R and F: no masks
+    masked = op.gelu_act_grad_(da.clone(), h.clone(), db_masked, config=(8, 32, 3, 4))  # 64 rows in 24-row spans
+    assert torch.equal(even[0], masked[0]) and torch.equal(even[1], masked[1])
+    torch.testing.assert_close(db_even, db_masked, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="contiguous"):
-        gelu_grad_(da.transpose(1, 2), h.transpose(1, 2))
+        op.gelu_act_grad_(da.transpose(0, 1), h.transpose(0, 1))
+    with pytest.raises(ValueError, match="fp32"):
+        op.gelu_act_grad_(da.clone(), h.clone(), torch.zeros(101, dtype=torch.float64, device=DEV))
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -59,7 +81,7 @@ def test_matches_fp64_reference_and_eager_bits(bias):
     ps64 = [p.detach().double().requires_grad_() if p is not None else None for p in ps]
     out64, gr64 = grads(gelu_ffn_reference, x64, ps64, dout.double())
     assert torch.equal(out, out_e)  # the same forward kernels
-    assert torch.equal(gr[3], gr_e[3])  # dW2 = doutᵀ·a with a recomputed by the same kernel
+    assert rel_err(gr[3], gr_e[3]) < 1e-6  # dW2 = doutᵀ·a: a remade by our kernel, aten's within fp32 rounding
     for a, b in zip(gr, gr64):
         if b is not None:
             assert rel_err(a, b) < 1e-5
@@ -130,6 +152,22 @@ def test_backend_errors():
         gelu_ffn(x, *ps, backend="cuda")
     torch.testing.assert_close(gelu_ffn(x, *ps, backend="auto"), gelu_ffn_reference(x, *ps))
     assert torch.equal(gelu_ffn(x, *ps, backend="torch"), gelu_ffn_reference(x, *ps))  # the reference, bit for bit
+
+
+def test_second_backward_is_refused():
+    """Backward makes a in h's place: a second backward through one forward would read a as h, so it raises."""
+    from ops.adaln_linear import adaln_gelu_ffn
+    ps = params(8, 16, torch.float32)
+    x = torch.randn(1, 5, 8).to(DEV).requires_grad_()
+    out = gelu_ffn(x, *ps, backend="triton").sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        out.backward()
+    scale, shift = torch.zeros(1, 1, 8).to(DEV), torch.zeros(1, 1, 8).to(DEV)
+    out = adaln_gelu_ffn(x, scale, shift, 1e-6, *ps, backend="triton").sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        out.backward()
 
 
 @pytest.mark.parametrize("rows", [None, 16])

@@ -447,6 +447,45 @@ def test_gated_tail_in_the_model(monkeypatch):
     model.offload_checkpoints = False
 
 
+def test_residual_gradients_summed_inside_the_norm_kernels(monkeypatch):
+    """Under the fused glue no residual-stream gradient is summed by a separate add in backward: each of a block's
+    three residuals hands its gradient to the fused norm's backward kernel (attention inputs through adaln_linear's
+    alias, the tail inside its op). The reference model sums them with aten adds, which the counter sees."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import ops.gated_ffn as gf
+    import ops.gated_residual as gr
+
+    if not gr._HAS_TRITON:
+        pytest.skip("triton is not installed")
+    monkeypatch.setattr(gf, "GATED_TAIL_MIN_TOKENS", 1)
+
+    class Adds(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.add, torch.ops.aten.add_) and isinstance(out, torch.Tensor):
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = make_pair(TINY)[1].to(dev)
+    x, t, ctx = (a.to(dev) for a in inputs(TINY, frames=3))
+    stream = (x.shape[0], 3 * (x.shape[-2] // 2) * (x.shape[-1] // 2), TINY["num_attention_heads"]
+              * TINY["attention_head_dim"])  # [B, N, D] of the residual stream
+    counts = {}
+    for glue in ("torch", "triton"):
+        model.glue_backend = model.adaln_backend = glue
+        out = model(x, t, ctx)
+        with Adds() as adds:
+            out.float().pow(2).sum().backward()
+        counts[glue] = adds.shapes.count(stream)
+    assert counts["torch"] >= 3 * TINY["num_layers"] and counts["triton"] == 0, counts
+
+
 def test_lora_and_frozen_embedders_with_fused_glue_and_offload(monkeypatch):
     """LoRA (dropout on) with every fused path: the adapted FFN runs its modules (the fused MLP would skip the
     adapters), and offloaded checkpoints — whose block inputs do not require grad once the embedders are frozen —
