@@ -187,7 +187,7 @@ def peak_search(measure, layers: int, limit: float):
 KERNEL_KINDS = (("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
                 ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "splitk")),
                 # our Triton kernels by their exact names (aten's elementwise kernels also end in "_kernel")
-                ("ours (triton)", ("_fwd_kernel", "_bwd_kernel", "_dmod_dtile_kernel", "_gelu_grad_kernel")))
+                ("ours (triton)", ("_fwd_kernel", "_bwd_kernel", "_dmod_dtile_kernel", "_gelu_act_grad_kernel")))
 
 
 def profile(run) -> dict:
@@ -332,7 +332,11 @@ def main(argv=None) -> None:
     ap.add_argument("--longest", default="ours@offload", help="the column whose longest sequence is searched ('' skips)")
     ap.add_argument("--gc-off", action="store_true", help="pause Python's garbage collector inside timed steps "
                     "(collected between them, untimed)")
+    ap.add_argument("--act-grad-config", default=None, help="rows,features,iters,warps: the MLP backward's "
+                    "elementwise kernel's CUDA launch shape for every column (ops.gelu_ffn.GELU_GRAD_CONFIG)")
     args = ap.parse_args(argv)
+    if args.act_grad_config:
+        gelu_ffn.GELU_GRAD_CONFIG["cuda"] = tuple(int(v) for v in args.act_grad_config.split(","))
     global GC_OFF
     GC_OFF = args.gc_off
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -348,6 +352,7 @@ def main(argv=None) -> None:
     theirs, ours = build(cfg, dev)
     p_matmul, layers, dim = ours.num_matmul_params(), cfg["num_layers"], cfg["num_attention_heads"] * cfg["attention_head_dim"]
     rows, meta = [], {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                      "act_grad_config": list(gelu_ffn.GELU_GRAD_CONFIG["cuda"]),
                       "torch": torch.__version__, "config": {k: list(v) if isinstance(v, tuple) else v
                                                              for k, v in cfg.items()},
                       "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue 9 on the H200 (results/step_h200.md), one device call per part (PART=a, s, b; default all three, ~16 min):
-#   a  the GPU tests of the fused ops and of Wan's parity with diffusers, then scripts/bench_step.py at S = 32760 and
-#      14040 (the targets' shapes) with Python's collector paused inside timed steps (--gc-off), diffusers measured in
-#      the same process: the block's tail as one op (ours@glue) and as two (ours@notail), offload, the (b) columns
-#      (every block keeping its self-attention), the memory breakdown, a profile and the longest-sequence search;
+#   a  the GPU tests of the fused ops and of Wan's parity with diffusers, the backward's elementwise passes
+#      (scripts/probe_mlp_tail.py --elementwise), then scripts/bench_step.py at S = 32760 and 14040 (the targets'
+#      shapes) with Python's collector paused inside timed steps (--gc-off), diffusers measured in the same process:
+#      ours@glue, offload, the (b) column (every block keeping its self-attention) and a profile;
 #   s  the memory-bound kernels' launch shapes at S = 32760 (AdaLN, q/k RMSNorm-RoPE, gated residual forward);
 #   b  the other three shapes like for like.
 # Results land in $OUT (or ./h200_step_out); copy them to results/step_h200/.
@@ -14,12 +14,14 @@ PART=${PART:-asb}
 if [[ $PART == *a* ]]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gated_ffn.py tests/test_gelu_ffn.py \
     tests/test_adaln_linear.py tests/test_rope_attention.py tests/test_wan.py tests/test_qk_norm_rope.py \
-    tests/test_gated_residual.py \
-    -k "gated or gelu or grad_kernel or chunked or adaln_linear or rope_attention or cuda or fused_glue or lora" 2>&1 \
+    tests/test_gated_residual.py tests/test_adaln.py \
+    -k "gated or gelu or act_grad or chunked or adaln_linear or rope_attention or cuda or fused_glue or lora \
+        or residual or second" 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -4
-  timeout 360 python3 scripts/bench_step.py --out "$OUT/a" --shapes 3,2 --fast-backend native --reps 3 --gc-off \
-    --memtrace --profile \
-    --impls diffusers@default,ours@notail,ours@glue,ours@offload,ours@keep,ours@keep+unchunked 2>&1 \
+  timeout 60 python3 scripts/probe_mlp_tail.py --out "$OUT" --tokens 32760 --no-matmuls --elementwise --reps 10 \
+    2>&1 | tail -1 | cut -c1-1500
+  timeout 330 python3 scripts/bench_step.py --out "$OUT/a" --shapes 3,2 --fast-backend native --reps 3 --gc-off \
+    --profile --longest '' --impls diffusers@default,ours@glue,ours@offload,ours@keep 2>&1 \
     | tee "$OUT/bench_a.log" | grep -E "impl|Error|longest" | cut -c1-200 | tail -40
 fi
 if [[ $PART == *s* ]]; then
