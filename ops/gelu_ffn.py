@@ -155,7 +155,7 @@ def ffn_backward(dout, x, w1, w2, h, R, needs, has_b1, has_b2):
     x2, h2 = x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1])
     dout2 = dout.reshape(-1, dout.shape[-1])
     M = h2.shape[0]
-    one = R >= M  # one chunk: the weight gradients are single matmuls, as eager autograd runs them
+    one = R >= M > 0  # one chunk: the weight gradients are single matmuls, as eager autograd runs them
     dx2 = torch.empty_like(x2) if need_x else None
     dw1 = None if one or not need_w1 else torch.zeros_like(w1)
     dw2 = None if one or not need_w2 else torch.zeros_like(w2)
@@ -163,7 +163,7 @@ def ffn_backward(dout, x, w1, w2, h, R, needs, has_b1, has_b2):
     db2 = torch.zeros(w2.shape[0], dtype=torch.float32, device=w2.device) if need_b2 else None
     # chunks of rows: one chunk's da/dh at a time (a takes h's place); weight gradients accumulate in place (addmm:
     # fp32 inside the matmul, one rounding to the weight's dtype per chunk), bias gradients in fp32
-    for r in range(0, M, R):
+    for r in range(0, M, max(R, 1)):  # no rows (M = R = 0): no chunk, zero weight gradients
         h_c, do_c, a, dh = h2[r:r + R], dout2[r:r + R], None, None
         if need_b2:
             db2 += do_c.sum(0, dtype=torch.float32)

@@ -171,6 +171,20 @@ def test_second_backward_is_refused():
 
 
 @pytest.mark.parametrize("rows", [None, 16])
+def test_no_rows_give_zero_gradients(rows):
+    """An empty batch (N = 0): no chunk runs; the weights get zero gradients, as the reference gives them."""
+    from ops.adaln_linear import adaln_gelu_ffn
+    ps = params(8, 16, torch.float32)
+    for fn in (lambda x: gelu_ffn(x, *ps, backend="triton", rows_per_chunk=rows),
+               lambda x: adaln_gelu_ffn(x, torch.zeros(1, 1, 8).to(DEV), torch.zeros(1, 1, 8).to(DEV), 1e-6, *ps,
+                                        backend="triton", rows_per_chunk=rows)):
+        x = torch.randn(2, 0, 8).to(DEV).requires_grad_()
+        out, gr = grads(lambda x_, *p_: fn(x_), x, ps, torch.zeros(2, 0, 8).to(DEV))
+        assert out.shape == (2, 0, 8) and gr[0].shape == (2, 0, 8)
+        assert all(g is not None and g.shape == p.shape and not g.any() for g, p in zip(gr[1:], ps))
+
+
+@pytest.mark.parametrize("rows", [None, 16])
 def test_frozen_weights_get_no_gradient_and_x_still_does(rows):
     """Only the gradients autograd asks for are made (a frozen MLP under LoRA / model.freeze): backward runs the two
     matmuls of dx per chunk (da = dout·W2, dx = dh·W1), not the two weight-gradient ones, and dx is right."""
