@@ -200,7 +200,9 @@ class _GeluFFN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        _once(ctx, "gelu_ffn")
+        need = ctx.needs_input_grad
+        if need[0] or need[1] or (need[2] and ctx.has_b1):  # dh is made: h is overwritten
+            _once(ctx, "gelu_ffn")
         x, w1, w2, h = ctx.saved_tensors
         return (*ffn_backward(dout, x, w1, w2, h, ctx.R, ctx.needs_input_grad[:5], ctx.has_b1, ctx.has_b2), None)
 
