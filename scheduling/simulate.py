@@ -12,7 +12,10 @@ residuals (bootstrap); FSDP synchronises every slot, so
 
 Protocol (issue 4): M = 4; m_mem from the memory model at 90 % of HBM (optimizer state included); each strategy at
 its best setting over a sweep — m_tokens for equal_token (also reported at m_tokens = S_max, the usual choice),
-m_comp for dual_constraint (p from the power fit), target_microbatch_ms for cost and balanced.
+m_comp for dual_constraint (p from the power fit), target_microbatch_ms for cost and balanced. The sweep is a grid,
+then every distinct setting between the best grid point's neighbours (where some batch size changes: breakpoints());
+the winner is simulated again on fresh samples and noise (seed + 1), so that its numbers are not the luckiest of
+many draws, and every row a table compares it with (equal_token at S_max, larger R, M, window) uses that draw too.
 """
 from __future__ import annotations
 
@@ -92,6 +95,28 @@ class SimResult:
         return asdict(self)
 
 
+def analytic_idle(cost_fn: Callable[[int, int], float], mix: Mix, sizes: Sequence[int],
+                  R: Optional[int]) -> float:
+    """Idle fraction of a strategy whose micro-batches each hold one bucket, without noise, if every rank's
+    micro-batch in a slot were an independent draw (a bucket's share of micro-batches ∝ share / B); R None: R → ∞.
+
+        E[max over R ranks] = Σ_j c_(j) · (F_j^R − F_(j−1)^R)    costs c sorted, F their cumulative shares
+        idle = 1 − E[c] / E[max];   as R → ∞, 1 − E[c] / max c
+
+    A check on the simulator (which draws samples, not micro-batches, and adds noise), and a ceiling on what any
+    planner gains over the strategy at the same per-sample cost: 1 / (1 − idle)."""
+    q = np.asarray([s / B for s, B in zip(mix.share, sizes)], dtype=np.float64)
+    q /= q.sum()
+    c = np.asarray([float(cost_fn(B, S)) for B, S in zip(sizes, mix.S)])
+    mean = float((q * c).sum())
+    if R is None:
+        return 1.0 - mean / float(c[q > 0].max())
+    order = np.argsort(c)
+    F = np.cumsum(q[order])
+    e_max = float((c[order] * (F ** R - np.concatenate([[0.0], F[:-1]]) ** R)).sum())
+    return 1.0 - mean / e_max
+
+
 def samples_per_step(mix: Mix, sizes: Sequence[int], R: int, M: int) -> float:
     """Expected samples in a step: R·M micro-batches, a bucket's share of micro-batches ∝ share / B."""
     mbs_per_sample = float(sum(s / B for s, B in zip(mix.share, sizes)))
@@ -131,18 +156,50 @@ def simulate(cost_fn: Callable[[int, int], float], mix: Mix, strategy: str, size
                      float(step_ts.std() / step_ts.mean()), [int(b) for b in sizes])
 
 
+def _knob_base(strategy: str, mix: Mix, cost_fn, p: Optional[float]) -> float:
+    """What the sweep's factors multiply: S_max (equal_token), S_max^p (dual_constraint), predicted ms of S_max at
+    B = 1 (cost, balanced)."""
+    if strategy == "equal_token":
+        return float(mix.S_max)
+    if strategy == "dual_constraint":
+        return float(mix.S_max) ** p
+    return float(cost_fn(1, mix.S_max))
+
+
+def _setting(strategy: str, value: float, base: float, p: Optional[float], m_mem: float) -> dict:
+    if strategy == "equal_token":
+        return {"m_tokens": int(value), "factor": round(value / base, 4)}
+    if strategy == "dual_constraint":
+        return {"m_comp": float(value), "p": float(p), "m_mem": float(m_mem), "factor": round(value / base, 4)}
+    return {"target_microbatch_ms": float(value), "m_mem": float(m_mem), "factor": round(value / base, 4)}
+
+
 def settings_for(strategy: str, mix: Mix, cost_fn, p: Optional[float], m_mem: float,
                  factors: Optional[Sequence[float]] = None) -> list[dict]:
     """The sweep of the strategy's knob (see SWEEP), as rule arguments (+ the factor); values over m_mem dropped."""
     factors = SWEEP[strategy] if factors is None else factors
-    S_max = mix.S_max
-    if strategy == "equal_token":
-        return [{"m_tokens": int(f * S_max), "factor": f} for f in factors if f * S_max <= m_mem]
-    if strategy == "dual_constraint":
-        return [{"m_comp": float(f * S_max ** p), "p": float(p), "m_mem": float(m_mem), "factor": f}
-                for f in factors]
-    base = float(cost_fn(1, S_max))
-    return [{"target_microbatch_ms": float(f * base), "m_mem": float(m_mem), "factor": f} for f in factors]
+    base = _knob_base(strategy, mix, cost_fn, p)
+    return [dict(_setting(strategy, f * base, base, p, m_mem), factor=f) for f in factors
+            if strategy != "equal_token" or f * base <= m_mem]
+
+
+def breakpoints(strategy: str, mix: Mix, cost_fn, p: Optional[float], m_mem: float, lo: float,
+                hi: float) -> list[float]:
+    """The knob's values in (lo, hi] at which a bucket's batch size may change (where a cap holds it — m_mem, or
+    B ≥ 1 — it does not). Between two of them every batch size, hence the simulation, is the same: these are all
+    the distinct settings of the interval. Each is nudged up by 1e-9 so that its own floor lands on the new size."""
+    vals = set()
+    for S in mix.S:
+        if strategy in ("equal_token", "dual_constraint"):  # B = ⌊knob / unit⌋ steps at every multiple of unit
+            unit = float(S) if strategy == "equal_token" else float(S) ** p
+            vals.update(k * unit for k in range(max(1, math.floor(lo / unit) + 1), math.floor(hi / unit) + 1))
+        else:  # the largest B predicted within the target: B steps where the target reaches cost(B, S)
+            B = 1
+            while B * S <= m_mem and (t := float(cost_fn(B, S))) <= hi:
+                if t > lo:
+                    vals.add(t)
+                B += 1
+    return [v * (1 + 1e-9) for v in sorted(vals) if strategy != "equal_token" or v <= m_mem]
 
 
 def sizes_for(strategy: str, mix: Mix, setting: dict, cost_fn) -> list[int]:
@@ -154,16 +211,47 @@ def sizes_for(strategy: str, mix: Mix, setting: dict, cost_fn) -> list[int]:
 
 def sweep(cost_fn, mix: Mix, strategy: str, R: int, *, p: Optional[float], m_mem: float, M: int = 4,
           steps: int = 50, seed: int = 0, residuals=None, optim_ms: float = 0.0, window: int = 1,
-          factors: Optional[Sequence[float]] = None) -> tuple[SimResult, list[SimResult]]:
-    """Every setting of the strategy's sweep at R ranks; returns (best by tokens/s, all)."""
-    runs = []
-    for setting in settings_for(strategy, mix, cost_fn, p, m_mem, factors):
+          factors: Optional[Sequence[float]] = None, refine: bool = True) -> tuple[SimResult, list[SimResult]]:
+    """The strategy at R ranks over its sweep; returns (best by tokens/s, every run).
+
+    The grid of SWEEP first; then (refine) every distinct setting between the best grid point's two neighbours with
+    other batch sizes (breakpoints(); batch sizes only grow with the knob), so that the best is the best of the
+    knob's whole range there, not of the grid. Runs draw samples and noise from `seed`. The best of many noisy runs
+    reads high, so the returned best is simulated again on a fresh draw (seed + 1: compare it with other runs of
+    that seed), and its knob is moved to the middle of the range that gives its batch sizes, away from the edge
+    where a slightly different cost model would change one."""
+    knob, base = KNOB[strategy], _knob_base(strategy, mix, cost_fn, p)
+    runs, seen = [], set()
+
+    def run(setting) -> bool:
         sizes = sizes_for(strategy, mix, setting, cost_fn)
-        runs.append(simulate(cost_fn, mix, strategy, sizes, R, M, steps, seed, residuals, optim_ms, window,
-                             setting))
+        if tuple(sizes) in seen:
+            return False
+        seen.add(tuple(sizes))
+        runs.append(simulate(cost_fn, mix, strategy, sizes, R, M, steps, seed, residuals, optim_ms, window, setting))
+        return True
+
+    points = [r for r in (runs[-1] if run(g) else None for g in settings_for(strategy, mix, cost_fn, p, m_mem,
+                                                                              factors)) if r is not None]
     if not runs:
         raise ValueError(f"no {strategy} setting of the sweep fits m_mem={m_mem:g}")
-    return max(runs, key=lambda r: r.tokens_per_s), runs
+    if refine and len(points) > 1:
+        i = max(range(len(points)), key=lambda j: points[j].tokens_per_s)
+        lo = points[i - 1].setting[knob] if i > 0 else points[0].setting[knob] / 2
+        hi = points[i + 1].setting[knob] if i + 1 < len(points) else points[-1].setting[knob] * 1.5
+        for v in breakpoints(strategy, mix, cost_fn, p, m_mem, lo, hi):
+            run(_setting(strategy, v, base, p, m_mem))
+    best = max(runs, key=lambda r: r.tokens_per_s)
+    v = best.setting[knob]
+    above = [u for u in breakpoints(strategy, mix, cost_fn, p, m_mem, v, 4 * v)
+             if sizes_for(strategy, mix, _setting(strategy, u, base, p, m_mem), cost_fn) != best.batch_sizes]
+    setting = best.setting
+    if above:
+        mid = _setting(strategy, (v + above[0]) / 2, base, p, m_mem)
+        if sizes_for(strategy, mix, mid, cost_fn) == best.batch_sizes:
+            setting = mid
+    return simulate(cost_fn, mix, strategy, best.batch_sizes, R, M, steps, seed + 1, residuals, optim_ms, window,
+                    setting), runs
 
 
 # ------------------------------------------------------------------------------ the default input, until measured

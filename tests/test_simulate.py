@@ -69,3 +69,71 @@ def test_protocol_writes_table_plots_and_the_chosen_settings_training_reads(tmp_
                              ModelShape(1, 30, 1536, 512), world_size=8)
     assert sched.values["target_microbatch_ms"] == best[(8, "balanced")].setting["target_microbatch_ms"]
     assert sched.sources["target_microbatch_ms"] == "calibration:chosen" and sched.values["m_mem"] == res["m_mem"]
+
+
+@pytest.mark.parametrize("strategy", ["equal_token", "dual_constraint", "cost"])
+def test_breakpoints_are_every_change_of_a_batch_size(strategy):
+    """Between two breakpoints no bucket's B changes: the refined sweep sees every distinct setting of its interval.
+    (A breakpoint where a cap holds B — m_mem, or B ≥ 1 — changes nothing; equal_token's here all change one.)"""
+    from scheduling.simulate import _knob_base, _setting, breakpoints, sizes_for
+
+    mix, p, m_mem = Mix.of([("a", 1000, 0.5), ("b", 2600, 0.3), ("c", 7000, 0.2)]), 1.3, 1e5
+    base = _knob_base(strategy, mix, QUAD.predict, p)
+    lo, hi = 0.9 * base, 3.1 * base
+    pts = breakpoints(strategy, mix, QUAD.predict, p, m_mem, lo, hi)
+    assert pts == sorted(pts) and len(pts) > 5 and lo < pts[0] and pts[-1] <= hi * (1 + 1e-8)
+    sizes = lambda v: sizes_for(strategy, mix, _setting(strategy, v, base, p, m_mem), QUAD.predict)  # noqa: E731
+    edges = [lo * (1 + 1e-9), *pts, hi]
+    for a, b in zip(edges, edges[1:]):
+        probes = np.linspace(a, b, 7)[:-1]  # inside [a, b): one B vector
+        assert all(sizes(v) == sizes(a) for v in probes), (strategy, a, b)
+    changed = [sizes(v / (1 + 1e-6)) != sizes(v) for v in pts]  # just below a breakpoint, some B is smaller
+    assert all(changed) if strategy == "equal_token" else sum(changed) > len(pts) / 2
+
+
+def test_refined_sweep_finds_the_best_distinct_setting():
+    """The refined best of equal_token on the quadratic cost is the best of an exhaustive scan of its interval; it
+    is reported on a fresh draw, its knob moved inside the range that gives its batch sizes."""
+    from scheduling.simulate import SWEEP, _setting, breakpoints, sizes_for, sweep
+
+    R, steps, m_mem = 8, 16, 4e5
+    best, runs = sweep(QUAD.predict, MIX, "equal_token", R, p=None, m_mem=m_mem, steps=steps)
+    grid = [f * MIX.S_max for f in SWEEP["equal_token"] if f * MIX.S_max <= m_mem]
+    on_grid = [r for r in runs if r.setting["m_tokens"] in {int(v) for v in grid}]
+    top = max(runs, key=lambda r: r.tokens_per_s)
+    g = max(on_grid, key=lambda r: r.tokens_per_s)
+    assert top.tokens_per_s >= g.tokens_per_s
+    assert best.batch_sizes == top.batch_sizes  # the winner, redrawn
+    assert sizes_for("equal_token", MIX, best.setting, QUAD.predict) == top.batch_sizes
+    above = [v for v in breakpoints("equal_token", MIX, QUAD.predict, None, m_mem, top.setting["m_tokens"],
+                                    4 * top.setting["m_tokens"])
+             if sizes_for("equal_token", MIX, _setting("equal_token", v, MIX.S_max, None, m_mem),
+                          QUAD.predict) != top.batch_sizes]
+    assert top.setting["m_tokens"] < best.setting["m_tokens"] < above[0]  # inside, off the edge
+    i = grid.index(g.setting["m_tokens"])
+    for v in breakpoints("equal_token", MIX, QUAD.predict, None, m_mem, grid[i - 1], grid[i + 1]):
+        sizes = sizes_for("equal_token", MIX, _setting("equal_token", v, MIX.S_max, None, m_mem), QUAD.predict)
+        assert any(r.batch_sizes == sizes for r in runs), v  # every distinct setting around the grid's best ran
+
+
+def test_analytic_idle_against_enumeration_and_the_simulator():
+    """The closed form of E[max] over R independent one-bucket micro-batches: against brute-force enumeration on a
+    hand case, and against the simulator (noise off), which draws samples rather than micro-batches."""
+    import itertools
+
+    from scheduling.simulate import analytic_idle
+
+    mix = Mix.of([("a", 1000, 0.5), ("b", 3000, 0.3), ("c", 9000, 0.2)])
+    sizes, cost = [6, 2, 1], (lambda B, S: 1.0 + B * S / 1000 + B * (S / 1000) ** 2)
+    q = np.array([0.5 / 6, 0.3 / 2, 0.2 / 1])
+    q /= q.sum()
+    c = [cost(B, S) for B, S in zip(sizes, mix.S)]
+    for R in (1, 2, 3):
+        e_max = sum(np.prod([q[i] for i in combo]) * max(c[i] for i in combo)
+                    for combo in itertools.product(range(3), repeat=R))
+        assert analytic_idle(cost, mix, sizes, R) == pytest.approx(1 - float(np.dot(q, c)) / e_max, rel=1e-12)
+    assert analytic_idle(cost, mix, sizes, None) == pytest.approx(1 - float(np.dot(q, c)) / max(c))
+    eq_sizes = batch_sizes("equal_token", MIX.S, m_tokens=MIX.S_max)
+    for R in (8, 64):
+        sim = simulate(QUAD.predict, MIX, "equal_token", eq_sizes, R, steps=max(16, 4096 // (4 * R)))
+        assert sim.idle_fraction == pytest.approx(analytic_idle(QUAD.predict, MIX, eq_sizes, R), abs=0.01)
