@@ -23,9 +23,9 @@ projection is 1.13 ms, the GELU pass 0.34 ms, W1·y + GELU 1.50 ms against 1.36 
 
 Which pass is running is told by `checkpoint_pass` (models.layers.run_block and models.offload set it around a
 checkpointed block's two calls). Outside it every call is a plain autograd op: z computed, h saved, the same backward.
-Per-sample G costs one [D, F] fp32 buffer and a few passes over it a sample, worth it from a few thousand tokens a
-sample (GATED_TAIL_MIN_TOKENS); per-token gates (Wan 2.2) keep the separate residual. dW1 accumulates in fp32 over
-every chunk of every sample as well (one [F, D] buffer), rounded once.
+Per-sample G costs one [D, F] fp32 buffer and one more pass over it a sample (gate_w2_: dW2 and dgate together),
+worth it from a few thousand tokens a sample (GATED_TAIL_MIN_TOKENS); per-token gates (Wan 2.2) keep the separate
+residual. dW1 accumulates in fp32 over every chunk of every sample as well (one [F, D] buffer), rounded once.
 """
 from __future__ import annotations
 
@@ -36,10 +36,14 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from ops.adaln import BACKENDS, adaln_backward, adaln_forward, adaln_reference
+from ops.adaln import (BACKENDS, _cdiv, _interpreting, adaln_backward, adaln_forward, adaln_reference, import_triton,
+                       store_cast)
 from ops.adaln_linear import fuses_adaln
 from ops.gated_residual import gated_residual_backward, gated_residual_forward, gated_residual_reference
-from ops.gelu_ffn import _once, autocast_args, chunk_rows, ffn_forward, gelu_act_grad_, gelu_ffn_reference
+from ops.gelu_ffn import (_HAS_TRITON, ColumnSums, _once, autocast_args, chunk_rows, ffn_forward, gelu_act_grad_,
+                          gelu_ffn_reference)
+
+triton = tl = _cast = None  # set on first use by _kernel() (the tests set TRITON_INTERPRET first)
 
 # Below this many tokens a sample, the per-sample [D, F] passes cost about what skipping the down projection saves
 # (Wan 1.3B: ~0.09 ms a sample against 2·S·D·F flops at ~700 TFLOP/s, even near S ≈ 2000).
@@ -126,6 +130,63 @@ def gated_tail_applies(x: torch.Tensor, gate: torch.Tensor) -> bool:
             and x.shape[1] >= GATED_TAIL_MIN_TOKENS and not torch.compiler.is_compiling())
 
 
+def _gate_w2_kernel(G, W2, GATE, DW2, DGATE, D, F, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
+                    NEED_W2: tl.constexpr, ACC: tl.constexpr, NEED_GATE: tl.constexpr):
+    # A program owns BLOCK_D rows of G [D, F] (fp32, contiguous, as W2) and walks their F columns: DW2 ← G·gate
+    # (ACC: DW2 += G·gate, fp32) and DGATE[row] = Σ_k G·W2 (fp32, in a fixed order per row).
+    rows = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rmask = rows < D
+    g = tl.load(GATE + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    base = rows.to(tl.int64)[:, None] * F
+    acc = tl.zeros([BLOCK_D, BLOCK_F], dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        cols = f0 + tl.arange(0, BLOCK_F)
+        mask = rmask[:, None] & (cols < F)[None, :]
+        off = base + cols[None, :]
+        gt = tl.load(G + off, mask=mask, other=0.0)
+        if NEED_W2:
+            if ACC:
+                tl.store(DW2 + off, tl.load(DW2 + off, mask=mask, other=0.0) + gt * g, mask=mask)
+            else:
+                tl.store(DW2 + off, _cast(gt * g, DW2.dtype.element_ty), mask=mask)
+        if NEED_GATE:
+            acc += gt * tl.load(W2 + off, mask=mask, other=0.0).to(tl.float32)
+    if NEED_GATE:
+        tl.store(DGATE + rows, tl.sum(acc, axis=1), mask=rmask)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(interpret: bool):
+    global triton, tl, _cast
+    triton, tl = import_triton("adaln_gelu_ffn_gated", interpret, _HAS_TRITON)
+    _cast = store_cast(interpret)
+    return triton.jit(_gate_w2_kernel)
+
+
+# (rows, features per iteration, warps). CUDA: Wan's [1536, 8960]; the interpreter's programs cost ~1 ms each.
+GATE_W2_CONFIG = {"cuda": (4, 512, 4), "interpret": (16, 256, 4)}
+
+
+def gate_w2_(G: torch.Tensor, w2: torch.Tensor, gate_row: torch.Tensor, dw2: torch.Tensor | None,
+             dgate_row: torch.Tensor | None, accumulate: bool) -> None:
+    """One pass over a sample's G [D, F] (fp32): dw2 ← G ⊙ gate_row[:, None] rounded to dw2's dtype (accumulate:
+    dw2 += that, dw2 fp32) and dgate_row ← Σ_k G ⊙ W2 (fp32 [D]) — where eager runs four passes (G·g, its cast,
+    G·W2, the row sum). Wan 1.3B's [1536, 8960] on an H200: 0.035 ms against 0.136 ms (device time,
+    results/step_h200/run26_probe_projections.json)."""
+    D, F_ = G.shape
+    if D == 0 or F_ == 0 or (dw2 is None and dgate_row is None):
+        if dgate_row is not None:
+            dgate_row.zero_()
+        return
+    interpret = _interpreting()
+    kernel = _kernel(interpret)
+    block_d, block_f, warps = GATE_W2_CONFIG["interpret" if interpret else "cuda"]
+    kernel[(triton.cdiv(D, block_d),)](G, w2, gate_row, dw2 if dw2 is not None else G,
+                                       dgate_row if dgate_row is not None else G, D, F_, BLOCK_D=block_d,
+                                       BLOCK_F=block_f, NEED_W2=dw2 is not None, ACC=accumulate,
+                                       NEED_GATE=dgate_row is not None, num_warps=warps)
+
+
 def _tail_backward(dz, do2, y, w1, w2, h, gate, R, needs):
     """(dy, dw1, db1, dw2, dgate without b2's share) of the MLP and gate from saved h (overwritten: a takes its
     place); chunks of R rows within a sample (da/dh one chunk at a time), G per sample in fp32."""
@@ -135,7 +196,9 @@ def _tail_backward(dz, do2, y, w1, w2, h, gate, R, needs):
     h2, y2, dz2 = h.reshape(-1, F_), y.reshape(-1, D), dz.reshape(-1, D)
     dy = torch.empty_like(y2)
     dw1 = None  # fp32, accumulated over every chunk of every sample, rounded once
-    db1 = torch.zeros(F_, dtype=torch.float32, device=y.device) if need_b1 else None
+    db1 = ColumnSums(B * N, B * _cdiv(N, max(R, 1)), F_, y.device) if need_b1 else None  # reduced once, at the end
+    # B > 1: fp32, accumulated over the samples, rounded once; B = 1: written once, in w2's dtype, made after the
+    # chunks (not held through them: the block's peak is there)
     dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=y.device) if need_w2 and B > 1 else None
     dgate = torch.empty(B, D, dtype=torch.float32, device=y.device) if need_gate else None
     for b in range(B):
@@ -150,18 +213,21 @@ def _tail_backward(dz, do2, y, w1, w2, h, gate, R, needs):
                 dw1 = _mm_f32(dw1, dh.t(), y2[r:e])
             torch.mm(dh, w1, out=dy[r:e])
             del a, dh
-        if G is None:
-            continue
-        g = gate[b, 0].float()[:, None]
         if need_w2 and B == 1:
-            dw2 = (G * g).to(w2.dtype)
-        elif need_w2:
-            dw2.addcmul_(G, g)
-        if need_gate:
-            dgate[b] = G.mul_(w2).sum(1)
+            dw2 = torch.empty(w2.shape, dtype=w2.dtype, device=y.device)
+        if G is None:  # no rows in this sample (or nothing asked of G)
+            if dgate is not None:
+                dgate[b].zero_()
+            if dw2 is not None and B == 1:
+                dw2.zero_()
+            continue
+        # dW2 (+)= G ⊙ gate_b and dgate_b = Σ_k G ⊙ W2 in one pass over G
+        gate_w2_(G, w2.contiguous(), gate[b, 0].float().contiguous(), dw2, dgate[b] if need_gate else None,
+                 accumulate=B > 1)
     if need_w2 and B > 1:
         dw2 = dw2.to(w2.dtype)
-    return dy.view(y.shape), dw1.to(w1.dtype) if need_w1 else None, db1.to(w1.dtype) if need_b1 else None, dw2, dgate
+    return (dy.view(y.shape), dw1.to(w1.dtype) if need_w1 else None, db1.total().to(w1.dtype) if need_b1 else None,
+            dw2, dgate)
 
 
 class _AdaLNFFNGated(torch.autograd.Function):

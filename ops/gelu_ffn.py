@@ -27,7 +27,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from ops.adaln import BACKENDS, _interpreting, import_triton, require_triton, store_cast
+from ops.adaln import BACKENDS, _cdiv, _interpreting, import_triton, require_triton, store_cast
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 triton = tl = _cast = None  # set on first use by _kernel() (the tests set TRITON_INTERPRET first)
@@ -93,18 +93,49 @@ def _kernel(interpret: bool):
 GELU_GRAD_CONFIG = {"cuda": (16, 128, 4, 4), "interpret": (32, 128, 4, 4)}
 
 
-def gelu_act_grad_(da: torch.Tensor, h: torch.Tensor, db: torch.Tensor | None = None,
+class ColumnSums:
+    """Σ_rows dh over several gelu_act_grad_ calls (the chunks of one MLP backward), reduced once: each call writes
+    its per-program partial rows into the next rows of one fp32 buffer, and total() sums them in a fixed order
+    (deterministic) — one reduction launch for the whole backward instead of a sum and an add per chunk.
+    rows / chunks: the rows of all calls together and their number (the buffer's size: at most one partial row per
+    BLOCK_R·ITERS rows of a call, plus one per call)."""
+
+    def __init__(self, rows: int, chunks: int, features: int, device: torch.device,
+                 config: tuple[int, int, int, int] | None = None):
+        block_r, _, iters, _ = config or GELU_GRAD_CONFIG["interpret" if _interpreting() else "cuda"]
+        self.config = config
+        self.buf = torch.empty((rows // (block_r * iters) + chunks, features), dtype=torch.float32, device=device)
+        self.used = 0
+
+    def take(self, n: int) -> torch.Tensor:
+        if self.used + n > self.buf.shape[0]:
+            raise ValueError(f"ColumnSums: {self.used + n} partial rows asked of {self.buf.shape[0]}: more rows or "
+                             "chunks than it was made for, or another launch shape")
+        self.used += n
+        return self.buf[self.used - n:self.used]
+
+    def total(self) -> torch.Tensor:
+        """The fp32 [F] sum of every call's dh so far."""
+        return self.buf[:self.used].sum(0)
+
+
+def gelu_act_grad_(da: torch.Tensor, h: torch.Tensor, db: torch.Tensor | ColumnSums | None = None,
                    config: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The MLP backward's elementwise pass, in place and in one read of each: h ← a = GELU_tanh(h) and
     da ← dh = da · GELU_tanh'(h) (fp32 math, each rounded once to its tensor's dtype); with db (fp32 [F]) given,
-    db += Σ_rows dh (the unrounded dh, column sums per program then summed in a fixed order: deterministic).
+    db += Σ_rows dh (the unrounded dh, column sums per program then summed in a fixed order: deterministic); with a
+    ColumnSums, the per-program sums go to its buffer (made with this call's config), summed by its total().
     da and h: contiguous [R, F] (or any shape, F last) of one shape. Returns (a, dh) — h and da, overwritten."""
     if da.shape != h.shape or not (da.is_contiguous() and h.is_contiguous()) or da.dim() == 0:
         raise ValueError(f"gelu_act_grad_: da and h must be contiguous and of one shape, got {tuple(da.shape)}, "
                          f"{tuple(h.shape)}")
     F_ = h.shape[-1]
     R = h.numel() // F_ if F_ else 0
-    if db is not None and (db.dtype != torch.float32 or tuple(db.shape) != (F_,)):
+    sums = db if isinstance(db, ColumnSums) else None
+    if sums is not None and (sums.buf.shape[1] != F_ or sums.config != config):
+        raise ValueError(f"gelu_act_grad_: a ColumnSums of {sums.buf.shape[1]} features and launch shape "
+                         f"{sums.config}, for {F_} features and {config}")
+    if sums is None and db is not None and (db.dtype != torch.float32 or tuple(db.shape) != (F_,)):
         raise ValueError(f"gelu_act_grad_: db must be fp32 of shape ({F_},), got {db.dtype} {tuple(db.shape)}")
     if R == 0 or F_ == 0:
         return h, da
@@ -112,14 +143,18 @@ def gelu_act_grad_(da: torch.Tensor, h: torch.Tensor, db: torch.Tensor | None = 
     kernel = _kernel(interpret)
     block_r, block_f, iters, warps = config or GELU_GRAD_CONFIG["interpret" if interpret else "cuda"]
     n_r = triton.cdiv(R, block_r * iters)
-    part = torch.empty((n_r, F_), dtype=torch.float32, device=h.device) if db is not None else None
+    part = None
+    if sums is not None:
+        part = sums.take(n_r)
+    elif db is not None:
+        part = torch.empty((n_r, F_), dtype=torch.float32, device=h.device)
     if block_r * F_ >= 2**31:
         raise ValueError(f"gelu_act_grad_: {block_r} rows of {F_} features overflow the kernel's int32 offsets")
     even = R % (block_r * iters) == 0 and F_ % block_f == 0
     kernel[(n_r, triton.cdiv(F_, block_f))](da, h, part if part is not None else da, R, F_, BLOCK_R=block_r,
                                             BLOCK_F=block_f, ITERS=iters, HAS_PART=part is not None, EVEN=even,
                                             num_warps=warps)
-    if db is not None:
+    if db is not None and sums is None:
         db += part.sum(0)
     return h, da
 
@@ -159,7 +194,7 @@ def ffn_backward(dout, x, w1, w2, h, R, needs, has_b1, has_b2):
     dx2 = torch.empty_like(x2) if need_x else None
     dw1 = None if one or not need_w1 else torch.zeros_like(w1)
     dw2 = None if one or not need_w2 else torch.zeros_like(w2)
-    db1 = torch.zeros(w1.shape[0], dtype=torch.float32, device=w1.device) if need_b1 else None
+    db1 = ColumnSums(M, _cdiv(M, max(R, 1)), w1.shape[0], w1.device) if need_b1 else None
     db2 = torch.zeros(w2.shape[0], dtype=torch.float32, device=w2.device) if need_b2 else None
     # chunks of rows: one chunk's da/dh at a time (a takes h's place); weight gradients accumulate in place (addmm:
     # fp32 inside the matmul, one rounding to the weight's dtype per chunk), bias gradients in fp32
@@ -178,7 +213,7 @@ def ffn_backward(dout, x, w1, w2, h, R, needs, has_b1, has_b2):
         if need_x:
             torch.mm(dh, w1, out=dx2[r:r + R])
         del dh
-    return (dx2.view(x.shape) if need_x else None, dw1, db1.to(w1.dtype) if need_b1 else None, dw2,
+    return (dx2.view(x.shape) if need_x else None, dw1, db1.total().to(w1.dtype) if need_b1 else None, dw2,
             db2.to(w2.dtype) if need_b2 else None)
 
 

@@ -52,9 +52,10 @@ def _tail(x, scale, shift, gate, w1, b1, w2, b2, rows=None):
     return adaln_gelu_ffn_gated(x, scale, shift, 1e-6, w1, b1, w2, b2, gate, backend="triton", rows_per_chunk=rows)
 
 
-@pytest.mark.parametrize("biases", [(True, True), (False, False)])
-def test_matches_fp64_and_the_composition_it_replaces(biases):
-    B, N, D, Fh = 2, 29, 16, 40
+@pytest.mark.parametrize("biases,B", [((True, True), 2), ((False, False), 2), ((True, True), 1)])
+def test_matches_fp64_and_the_composition_it_replaces(biases, B):
+    """B = 2: dW2 accumulated over the samples in fp32; B = 1: written once (ops.gated_ffn.gate_w2_)."""
+    N, D, Fh = 29, 16, 40
     g, leaves = _leaves(B, N, D, Fh, seed=1, biases=biases)
     dout = torch.randn(B, N, D, generator=g).to(DEV)
     l64 = fp64_leaves(leaves)
@@ -73,6 +74,27 @@ def test_matches_fp64_and_the_composition_it_replaces(biases):
                 assert a is None or leaves[i] is None
                 continue
             assert rel_err(a, r) < 1e-5, (rows, i)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gate_w2_one_pass(accumulate):
+    """ops.gated_ffn.gate_w2_ over rows and features that fill no tile: dW2 = G ⊙ gate (bf16, the same bits as eager's
+    multiply-then-cast) or dW2 += G ⊙ gate (fp32), and dgate = Σ_k G ⊙ W2 against fp64."""
+    g = torch.Generator().manual_seed(4)
+    D, Fh = 37, 300
+    G = torch.randn(D, Fh, generator=g).to(DEV)
+    w2 = torch.randn(D, Fh, generator=g).to(DEV, torch.bfloat16)
+    gate = torch.randn(D, generator=g).to(DEV)
+    dw2 = torch.randn(D, Fh, generator=g).to(DEV) if accumulate else torch.empty(D, Fh, dtype=torch.bfloat16,
+                                                                                 device=DEV)
+    start = dw2.clone()
+    dgate = torch.full((D,), float("nan"), device=DEV)
+    gated_ffn.gate_w2_(G, w2, gate, dw2, dgate, accumulate=accumulate)
+    if accumulate:
+        torch.testing.assert_close(dw2, start + G * gate[:, None], rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(dw2, (G * gate[:, None]).to(torch.bfloat16))
+    assert rel_err(dgate, (G.double() * w2.double()).sum(1)) < 1e-6
 
 
 class _CountMatmuls(TorchDispatchMode):

@@ -68,6 +68,27 @@ def test_gelu_act_grad_kernel_against_aten_and_fp64():
         op.gelu_act_grad_(da.clone(), h.clone(), torch.zeros(101, dtype=torch.float64, device=DEV))
 
 
+def test_column_sums_over_chunks_reduced_once():
+    """ColumnSums: three calls (chunks of 24, 24 and 13 rows) write their partial rows into one buffer; total() is
+    Σ_rows dh of all of them (against fp64), the same sum as an fp32 db accumulated call by call, up to fp32 order;
+    more rows than it was made for, or another launch shape, is refused."""
+    g = torch.Generator().manual_seed(2)
+    h = (torch.randn(61, 40, generator=g) * 2).to(DEV)
+    da = torch.randn(61, 40, generator=g).to(DEV)
+    dh64 = torch.ops.aten.gelu_backward(da.double(), h.double(), approximate="tanh")
+    cfg = (8, 32, 2, 4)
+    sums, db = op.ColumnSums(61, 3, 40, DEV, config=cfg), torch.zeros(40, device=DEV)
+    for r in range(0, 61, 24):
+        op.gelu_act_grad_(da[r:r + 24].clone(), h[r:r + 24].clone(), sums, config=cfg)
+        op.gelu_act_grad_(da[r:r + 24].clone(), h[r:r + 24].clone(), db, config=cfg)
+    assert rel_err(sums.total(), dh64.sum(0)) < 1e-6
+    torch.testing.assert_close(sums.total(), db, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="partial rows"):
+        op.gelu_act_grad_(da.clone(), h.clone(), sums, config=cfg)
+    with pytest.raises(ValueError, match="launch shape"):
+        op.gelu_act_grad_(da.clone(), h.clone(), op.ColumnSums(61, 1, 40, DEV), config=cfg)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_matches_fp64_reference_and_eager_bits(bias):
     D, Fh = 24, 72
