@@ -463,8 +463,14 @@ def adaln_backward(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean:
         return alloc((B, max(P, 1), D), dtype=torch.float32, device=dev), False
 
     dx = torch.empty((B, N, D), dtype=x.dtype, device=dev)
-    ds_buf, ds_final = grad_buffer(s_tok, scale.shape, scale.dtype)
-    dh_buf, dh_final = grad_buffer(h_tok, shift_shape, shift_dtype)
+    joint = acc and not s_tok and not h_tok  # both per sample: one buffer, its partials summed in one launch
+    if joint:
+        both = (torch.empty if P * B > 0 else torch.zeros)((2, B, max(P, 1), D), dtype=torch.float32, device=dev)
+        ds_buf, dh_buf = both.unbind(0)
+        ds_final = dh_final = False
+    else:
+        ds_buf, ds_final = grad_buffer(s_tok, scale.shape, scale.dtype)
+        dh_buf, dh_final = grad_buffer(h_tok, shift_shape, shift_dtype)
     if P * B > 0 and D > 0:
         _, bwd, dtile = _kernels(_interpreting())
         with _on_device(dev):
@@ -495,6 +501,11 @@ def adaln_backward(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean:
         g = buf.sum(1, keepdim=True)  # [B, 1, D]: the partials in a fixed order, deterministic
         return (g if shape[0] == B else g.sum(0, keepdim=True)).to(dtype)
 
+    if joint:  # [2, B, 1, D]: the partials in a fixed order, deterministic
+        ds, dh = both.sum(2, keepdim=True).unbind(0)
+        ds = ds if scale.shape[0] == B else ds.sum(0, keepdim=True)
+        dh = dh if shift_shape[0] == B else dh.sum(0, keepdim=True)
+        return dx, ds.to(scale.dtype), dh.to(shift_dtype)
     return (dx, finish(ds_buf, s_tok, ds_final, scale.shape, scale.dtype),
             finish(dh_buf, h_tok, dh_final, shift_shape, shift_dtype))
 
@@ -517,7 +528,10 @@ def _adaln_fwd_fake(x, scale, shift, eps):
 @torch.library.custom_op("adaptiveload::adaln_bwd", mutates_args=())
 def _adaln_bwd_op(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
                   shift_shape: list[int], shift_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return adaln_backward(dy, x, scale, mean, rstd, shift_shape, shift_dtype)
+    dx, dscale, dshift = adaln_backward(dy, x, scale, mean, rstd, shift_shape, shift_dtype)
+    if dscale.untyped_storage().data_ptr() == dshift.untyped_storage().data_ptr():
+        dshift = dshift.clone()  # views of one sum (the joint partials): a custom op's outputs may not alias
+    return dx, dscale, dshift
 
 
 @_adaln_bwd_op.register_fake
