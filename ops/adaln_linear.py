@@ -28,6 +28,15 @@ from ops.adaln import BACKENDS, adaln_backward, adaln_forward, adaln_modulate, t
 from ops.gelu_ffn import _once, autocast_args, ffn_backward, ffn_forward, gelu_ffn_reference
 
 
+def bias_grad(d2: torch.Tensor) -> torch.Tensor:
+    """Σ_rows d2 of a [rows, D] gradient, in d2's dtype. On CUDA a matrix-vector product with ones (cuBLAS gemv,
+    fp32 accumulation): at 32760 × 1536 in bf16 on an H200 0.035 ms against 0.051 ms for aten's column sum, the
+    same relative error against fp64 (results/step_h200/run23_probe_projections.json)."""
+    if d2.is_cuda and d2.dtype in (torch.bfloat16, torch.float16) and d2.shape[0] > 0:
+        return d2.new_ones(d2.shape[0]) @ d2
+    return d2.sum(0)
+
+
 class _Linears:
     """out_i = y · W_iᵀ + b_i; params (W_1, b_1, W_2, b_2, …), a bias may be None."""
 
@@ -41,7 +50,7 @@ class _Linears:
         for i, (w, dout) in enumerate(zip(saved, douts)):
             d2 = dout.reshape(-1, dout.shape[-1])
             grads.append(d2.t() @ y2 if needs[2 * i] else None)
-            grads.append(d2.sum(0) if needs[2 * i + 1] and ctx.has_bias[i] else None)
+            grads.append(bias_grad(d2) if needs[2 * i + 1] and ctx.has_bias[i] else None)
             if dy is None:
                 dy = (d2 @ w).to(ctx.x_dtype)
             elif dy.dtype == d2.dtype:

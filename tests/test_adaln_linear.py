@@ -146,3 +146,21 @@ def test_torch_backend_is_the_reference_and_frozen_weights_get_no_grad():
     (out,) = adaln_linear(x, scale, shift, 1e-6, [(w, b)], backend="triton")
     out.sum().backward()
     assert w.grad is None and b.grad is None and x.grad is not None and scale.grad is not None
+
+
+@pytest.mark.parametrize("rows", [0, 4099])
+def test_bias_grad_is_the_column_sum(rows):
+    """ops.adaln_linear.bias_grad, the projections' bias gradient: on CUDA a matrix-vector product with ones (cuBLAS
+    gemv, fp32 accumulation), elsewhere aten's sum — either way Σ_rows in the gradient's dtype, as close to fp64 as
+    aten's own bf16 sum, the same bits twice; no rows give zeros."""
+    from ops.adaln_linear import bias_grad
+    g = torch.Generator().manual_seed(3)
+    d = (torch.randn(rows, 1536, generator=g) + 0.25).to(DEV, torch.bfloat16)
+    got = bias_grad(d)
+    assert got.dtype == torch.bfloat16 and got.shape == (1536,)
+    if rows == 0:
+        assert not got.any()
+        return
+    ref = d.double().sum(0)
+    assert rel_err(got, ref) <= 1.5 * rel_err(d.sum(0), ref) + 1e-6 and rel_err(got, ref) < 8e-3
+    assert torch.equal(bias_grad(d), got)
