@@ -436,7 +436,8 @@ def adaln_backward(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean:
                    shift_shape, shift_dtype: torch.dtype, dmod: str = "fused", config: KernelConfig | None = None,
                    dtile_config: KernelConfig | None = None, dres: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward: (dx, dscale, dshift), each in its input's dtype and shape.
+    """Launch the backward: (dx, dscale, dshift), each in its input's dtype and shape (per-sample dscale and dshift
+    may be views of one tensor: their partials are reduced together).
 
     dmod="fused": per-sample dscale/dshift as partial sums in the dx pass; "dtile": the paper's D-tile kernel.
     dres: a gradient of x's shape added to dx in the same pass (a residual around the norm), one rounding."""

@@ -174,6 +174,13 @@ def gate_w2_(G: torch.Tensor, w2: torch.Tensor, gate_row: torch.Tensor, dw2: tor
     G·W2, the row sum). Wan 1.3B's [1536, 8960] on an H200: 0.035 ms against 0.136 ms (device time,
     results/step_h200/run26_probe_projections.json)."""
     D, F_ = G.shape
+    for name, t, shape in (("G", G, (D, F_)), ("w2", w2, (D, F_)), ("gate_row", gate_row, (D,)),
+                           ("dw2", dw2, (D, F_)), ("dgate_row", dgate_row, (D,))):
+        if t is not None and (tuple(t.shape) != shape or not t.is_contiguous()):  # the kernel reads rows of F
+            raise ValueError(f"gate_w2_: {name} must be contiguous of shape {shape}, got {tuple(t.shape)} with "
+                             f"strides {t.stride()}")
+    if accumulate and dw2 is not None and dw2.dtype != torch.float32:
+        raise ValueError(f"gate_w2_: dw2 accumulates in fp32, got {dw2.dtype}")
     if D == 0 or F_ == 0 or (dw2 is None and dgate_row is None):
         if dgate_row is not None:
             dgate_row.zero_()
@@ -196,11 +203,13 @@ def _tail_backward(dz, do2, y, w1, w2, h, gate, R, needs):
     h2, y2, dz2 = h.reshape(-1, F_), y.reshape(-1, D), dz.reshape(-1, D)
     dy = torch.empty_like(y2)
     dw1 = None  # fp32, accumulated over every chunk of every sample, rounded once
-    db1 = ColumnSums(B * N, B * _cdiv(N, max(R, 1)), F_, y.device) if need_b1 else None  # reduced once, at the end
+    # db1's partial rows for every chunk (at S = 32760, F = 8960: ≈ 19 MB held through the chunks), reduced once
+    db1 = ColumnSums(B * N, B * _cdiv(N, max(R, 1)), F_, y.device) if need_b1 else None
     # B > 1: fp32, accumulated over the samples, rounded once; B = 1: written once, in w2's dtype, made after the
     # chunks (not held through them: the block's peak is there)
     dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=y.device) if need_w2 and B > 1 else None
     dgate = torch.empty(B, D, dtype=torch.float32, device=y.device) if need_gate else None
+    w2c = w2.contiguous()
     for b in range(B):
         G = None
         for r in range(b * N, (b + 1) * N, R):
@@ -213,17 +222,12 @@ def _tail_backward(dz, do2, y, w1, w2, h, gate, R, needs):
                 dw1 = _mm_f32(dw1, dh.t(), y2[r:e])
             torch.mm(dh, w1, out=dy[r:e])
             del a, dh
+        if G is None:  # nothing asked of G (N ≥ 1 here: gated_tail_applies)
+            continue
         if need_w2 and B == 1:
             dw2 = torch.empty(w2.shape, dtype=w2.dtype, device=y.device)
-        if G is None:  # no rows in this sample (or nothing asked of G)
-            if dgate is not None:
-                dgate[b].zero_()
-            if dw2 is not None and B == 1:
-                dw2.zero_()
-            continue
         # dW2 (+)= G ⊙ gate_b and dgate_b = Σ_k G ⊙ W2 in one pass over G
-        gate_w2_(G, w2.contiguous(), gate[b, 0].float().contiguous(), dw2, dgate[b] if need_gate else None,
-                 accumulate=B > 1)
+        gate_w2_(G, w2c, gate[b, 0].float().contiguous(), dw2, dgate[b] if need_gate else None, accumulate=B > 1)
     if need_w2 and B > 1:
         dw2 = dw2.to(w2.dtype)
     return (dy.view(y.shape), dw1.to(w1.dtype) if need_w1 else None, db1.total().to(w1.dtype) if need_b1 else None,

@@ -95,6 +95,15 @@ def test_gate_w2_one_pass(accumulate):
     else:
         assert torch.equal(dw2, (G * gate[:, None]).to(torch.bfloat16))
     assert rel_err(dgate, (G.double() * w2.double()).sum(1)) < 1e-6
+    # one of the two asked for: the other untouched
+    dw2_only, dgate_only = dw2.clone(), torch.full((D,), float("nan"), device=DEV)
+    gated_ffn.gate_w2_(G, w2, gate, dw2_only, None, accumulate=accumulate)
+    gated_ffn.gate_w2_(G, w2, gate, None, dgate_only, accumulate=accumulate)
+    if not accumulate:
+        assert torch.equal(dw2_only, dw2)
+    assert torch.equal(dgate_only, dgate)
+    with pytest.raises(ValueError, match="contiguous"):  # the kernel reads rows of F: a strided view is refused
+        gated_ffn.gate_w2_(G, w2, torch.randn(D, 2, device=DEV)[:, 0], dw2, dgate, accumulate=accumulate)
 
 
 class _CountMatmuls(TorchDispatchMode):
