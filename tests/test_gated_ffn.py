@@ -99,7 +99,9 @@ def test_gate_w2_one_pass(accumulate):
     dw2_only, dgate_only = dw2.clone(), torch.full((D,), float("nan"), device=DEV)
     gated_ffn.gate_w2_(G, w2, gate, dw2_only, None, accumulate=accumulate)
     gated_ffn.gate_w2_(G, w2, gate, None, dgate_only, accumulate=accumulate)
-    if not accumulate:
+    if accumulate:  # a second accumulation onto the first
+        torch.testing.assert_close(dw2_only, dw2 + G * gate[:, None], rtol=1e-6, atol=1e-6)
+    else:
         assert torch.equal(dw2_only, dw2)
     assert torch.equal(dgate_only, dgate)
     with pytest.raises(ValueError, match="contiguous"):  # the kernel reads rows of F: a strided view is refused
