@@ -8,9 +8,11 @@ freeing what it allocated (CONTRACTS §6).
 
 The scan: buckets in ascending S; in each, B rises geometrically from 1 towards `top_tokens`/S, so that points
 span both S and B·S. A bucket stops at its first infeasible B, at a B·S at or above one already found
-infeasible, or where the memory model fitted to the points so far predicts more than `mem_budget_bytes`. At most
-`max_points` points are timed (the H200's budget: 12), spread over the buckets; with `n > max_points` buckets a
-spread of them by S is scanned. On several ranks every decision to run a point, and its outcome, is agreed
+infeasible, or where the memory model fitted to the points so far predicts more than `mem_budget_bytes`. With a
+memory budget, the last point probes the shortest bucket at the largest B the memory model allows: the planners
+fill short buckets up to that bound, several times the ladder's top, and a model fitted below it is checked there.
+At most `max_points` points are timed (the H200's budget: 12), spread over the buckets; with `n > max_points`
+buckets a spread of them by S is scanned. On several ranks every decision to run a point, and its outcome, is agreed
 through `agree(ok) -> all ranks ok` (an all-reduce), so that no rank enters a step the others skip.
 
 The calibration file (JSON) holds, per checkpointing mode, the points, both cost fits with their errors, the
@@ -82,16 +84,57 @@ def _quotas(tokens: Mapping[str, int], max_points: int) -> dict[str, int]:
 def scan(step_fn: Callable[[str, int], StepResult], tokens: Mapping[str, int], *, max_points: int = 12,
          top_tokens: Optional[float] = None, mem_budget_bytes: Optional[float] = None, warmup: int = 1,
          repeats: int = 2, agree: Optional[Callable[[bool], bool]] = None, time_budget_s: Optional[float] = None,
-         log: Callable[[str], None] = lambda s: None) -> list[Point]:
-    """Time step_fn over buckets (name → S) and B upward; returns every point tried, timed or not."""
+         probe_cap: bool = True, log: Callable[[str], None] = lambda s: None) -> list[Point]:
+    """Time step_fn over buckets (name → S) and B upward; returns every point tried, timed or not.
+
+    probe_cap (with mem_budget_bytes and max_points ≥ 3): the last timed point is the shortest bucket at the largest
+    B that the memory model fitted to the other points allows in the budget — where the planners' memory bound
+    binds, far above the ladder's top. It checks the model's extrapolation (the final fit includes it); on
+    out-of-memory it is retried at PROBE_SHRINK of that B, up to PROBE_TRIES times."""
     if max_points < 1 or repeats < 1 or warmup < 0:
         raise ValueError(f"max_points and repeats must be ≥ 1 and warmup ≥ 0, got {max_points}, {repeats}, {warmup}")
     agree = agree or (lambda ok: ok)
     top_tokens = top_tokens or 2 * max(tokens.values())
+    probe = probe_cap and mem_budget_bytes is not None and max_points >= 3
     quotas = _quotas(tokens, max_points)
+    if probe:  # the probe's point comes out of the shortest bucket with two or more (its B = 1 is launch-bound)
+        short = next((n for n in quotas if quotas[n] >= 2), None)
+        if short is None:
+            quotas = _quotas(tokens, max_points - 1)
+        else:
+            quotas[short] -= 1
     t_start = time.perf_counter()
     points: list[Point] = []
     infeasible_tokens = math.inf
+
+    def over_budget() -> bool:
+        return time_budget_s is not None and time.perf_counter() - t_start > time_budget_s
+
+    def attempt(name: str, S: int, B: int, why: str) -> Optional[Point]:
+        """Run (name, B) unless `why` or another rank says no; the point, or None where it was not run."""
+        if not agree(not why):
+            points.append(Point(name, S, B, False, why=why or "another rank predicts it infeasible"))
+            log(f"skip {name} S={S} B={B}: {points[-1].why}")
+            return None
+        try:
+            for _ in range(warmup):
+                step_fn(name, B)
+            runs = [step_fn(name, B) for _ in range(repeats)]
+            ok, err = True, ""
+        except Infeasible as e:
+            ok, runs, err = False, [], str(e)
+        if not agree(ok):
+            points.append(Point(name, S, B, False, why=f"out of memory{'' if ok else ': ' + err[:200]}"))
+            log(f"infeasible {name} S={S} B={B}")
+            return points[-1]
+        peaks = [r.peak_bytes for r in runs if r.peak_bytes is not None]
+        p = Point(name, S, B, True, float(np.median([r.ms for r in runs])), [float(r.ms) for r in runs],
+                  float(np.median([r.optim_ms for r in runs])), float(max(peaks)) if peaks else None)
+        points.append(p)
+        log(f"{name:<14} S={S:>6} B={B:>4}  {p.ms:9.2f} ms  optim {p.optim_ms:7.2f} ms"
+            + (f"  peak {p.peak_bytes / 2**30:6.2f} GiB" if p.peak_bytes else ""))
+        return p
+
     for name in quotas:
         S = int(tokens[name])
         for B in _ladder(S, quotas[name], top_tokens):
@@ -99,7 +142,7 @@ def scan(step_fn: Callable[[str, int], StepResult], tokens: Mapping[str, int], *
             why = ""
             if len(timed) >= max_points:
                 why = f"cap of {max_points} timed points reached"
-            elif time_budget_s is not None and time.perf_counter() - t_start > time_budget_s:
+            elif over_budget():
                 why = f"time budget of {time_budget_s:g} s spent"
             elif B * S >= infeasible_tokens:
                 why = f"B·S = {B * S} ≥ {infeasible_tokens:g}, already infeasible"
@@ -108,29 +151,42 @@ def scan(step_fn: Callable[[str, int], StepResult], tokens: Mapping[str, int], *
                 if mem is not None and mem.predict(B, S) > mem_budget_bytes:
                     why = (f"memory model predicts {mem.predict(B, S) / 2**30:.1f} GiB > budget "
                            f"{mem_budget_bytes / 2**30:.1f} GiB")
-            if not agree(not why):
-                points.append(Point(name, S, B, False, why=why or "another rank predicts it infeasible"))
-                log(f"skip {name} S={S} B={B}: {points[-1].why}")
+            p = attempt(name, S, B, why)
+            if p is None or not p.feasible:
+                if p is not None:
+                    infeasible_tokens = min(infeasible_tokens, B * S)
                 break
-            try:
-                for _ in range(warmup):
-                    step_fn(name, B)
-                runs = [step_fn(name, B) for _ in range(repeats)]
-                ok = True
-            except Infeasible as e:
-                ok, runs, err = False, [], str(e)
-            if not agree(ok):
-                infeasible_tokens = min(infeasible_tokens, B * S)
-                points.append(Point(name, S, B, False, why=f"out of memory{'' if ok else ': ' + err[:200]}"))
-                log(f"infeasible {name} S={S} B={B}")
-                break
-            peaks = [r.peak_bytes for r in runs if r.peak_bytes is not None]
-            p = Point(name, S, B, True, float(np.median([r.ms for r in runs])), [float(r.ms) for r in runs],
-                      float(np.median([r.optim_ms for r in runs])), float(max(peaks)) if peaks else None)
-            points.append(p)
-            log(f"{name:<14} S={S:>6} B={B:>4}  {p.ms:9.2f} ms  optim {p.optim_ms:7.2f} ms"
-                + (f"  peak {p.peak_bytes / 2**30:6.2f} GiB" if p.peak_bytes else ""))
+    if probe:
+        _probe_cap(points, tokens, mem_budget_bytes, max_points, over_budget, attempt, log)
     return points
+
+
+PROBE_SHRINK = 0.85  # the cap probe's next B after an out-of-memory
+PROBE_TRIES = 3
+
+
+def _probe_cap(points, tokens, budget, max_points, over_budget, attempt, log) -> None:
+    name = min(tokens, key=lambda n: (tokens[n], n))
+    S = int(tokens[name])
+    mem = _memory_fit([p for p in points if p.feasible])
+    if mem is None:
+        log("cap probe skipped: too few points with a measured peak for a memory model")
+        return
+    done = max([p.B for p in points if p.feasible and p.bucket == name], default=0)
+    B = mem.max_batch(S, budget)
+    for _ in range(PROBE_TRIES):
+        timed = sum(p.feasible for p in points)
+        if B <= done:
+            log(f"cap probe: {name} B={B} is not above the B={done} already timed")
+            return
+        why = (f"cap of {max_points} timed points reached" if timed >= max_points
+               else "time budget spent" if over_budget() else "")
+        log(f"cap probe: {name} S={S} B={B}, memory model (so far) predicts {mem.predict(B, S) / 2**30:.1f} GiB "
+            f"of the {budget / 2**30:.1f} GiB budget")
+        p = attempt(name, S, B, why)
+        if p is None or p.feasible:
+            return
+        B = int(B * PROBE_SHRINK)
 
 
 def _memory_fit(points: list[Point]) -> Optional[MemoryModel]:
@@ -235,12 +291,13 @@ class Calibration:
     def hbm_bytes(self) -> Optional[float]:
         return self.data.get("hbm_bytes")
 
-    def default_m_mem(self, mode: str) -> Optional[int]:
-        """m_mem from the memory model at 90 % of the device's memory, when both are known."""
+    def default_m_mem(self, mode: str, S_min: float) -> Optional[int]:
+        """m_mem from the memory model at 90 % of the device's memory, when both are known (S_min: the shortest
+        bucket's S, where the model's per-sample term weighs most)."""
         mem = self.memory_model(mode)
         if mem is None or not self.hbm_bytes:
             return None
-        return mem.m_mem(HBM_FRACTION * self.hbm_bytes)
+        return mem.m_mem(HBM_FRACTION * self.hbm_bytes, S_min)
 
     def chosen(self, strategy: str, world_size: Optional[int] = None) -> dict:
         """The simulator's best settings for `strategy` at the nearest simulated world size ({} if none)."""
@@ -257,7 +314,8 @@ class Calibration:
 
 
 def refit(cal: Calibration, min_tokens: Optional[float]) -> Calibration:
-    """The same measured points fitted again (e.g. with another min_tokens); no device needed."""
+    """The same measured points fitted again (e.g. with another min_tokens, or a newer form of the cost or memory
+    model); no device needed."""
     ext = cal.data.get("extrapolation") or {}
     scale = float(ext.get("scale", 1.0))
     for mode, rec in list(cal.data["modes"].items()):
@@ -265,9 +323,6 @@ def refit(cal: Calibration, min_tokens: Optional[float]) -> Calibration:
         cost = rec.get("cost_model") or {}  # an MMDiT scan fitted joint attention over S + L: so does the refit
         new = fit_mode(points, scale=scale, L=cost.get("L"), joint=bool(cost.get("joint")),
                        memory_valid=rec.get("memory_model") is not None, min_tokens=min_tokens)
-        for k in ("memory_model", "memory_model_k_blocks"):  # measured memory stays as the scan fitted it
-            if k in rec:
-                new[k] = rec[k]
         if rec.get("optim_ms") is None:
             new["optim_ms"] = None
         cal.data["modes"][mode] = new

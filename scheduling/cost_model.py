@@ -249,21 +249,55 @@ def _loo(form, B, S, t, L, joint) -> float:
 # --------------------------------------------------------------------------------------------- memory model
 @dataclass
 class MemoryModel:
-    """peak_bytes ≈ c0 + c1·B·S of one training step (optimizer state included)."""
+    """peak_bytes ≈ max(floor, c0 + c1·B·S + c2·B) of one training step (optimizer state included).
+
+    c1: bytes a token (the saved activations); c2: bytes a sample beyond its tokens (the text tokens' activations,
+    which every sample carries whatever its S). floor: a peak that does not grow with the micro-batch — the
+    optimizer step's (fp32 states, gradients and the update's temporaries); a small micro-batch peaks there, not in
+    backward. A line through such points as well as the large ones bends towards them and under-states c1: on the
+    H200 (Wan 1.3B, 30 blocks) every B = 1 point up to S = 46,800 peaked at 26.6 GiB, and the plain line gave
+    148 KiB a token where the large micro-batches take 200."""
     c0: float
     c1: float
     rel_rmse: float = float("nan")
     n_points: int = 0
     measured: bool = True  # False: an estimate, not a fit to measurements (the file says how)
+    c2: float = 0.0
+    floor: float = 0.0
+    max_rel_err: float = float("nan")
 
     def predict(self, B, S):
-        return self.c0 + self.c1 * np.asarray(B, dtype=np.float64) * np.asarray(S, dtype=np.float64)
+        B, S = np.asarray(B, dtype=np.float64), np.asarray(S, dtype=np.float64)
+        return np.maximum(self.floor, self.c0 + self.c1 * B * S + self.c2 * B)
 
-    def m_mem(self, budget_bytes: float) -> int:
-        """Largest token count B·S whose predicted peak stays within budget_bytes (0 when none does)."""
+    def max_batch(self, S: float, budget_bytes: float) -> int:
+        """Largest B whose predicted peak at sequence length S stays within budget_bytes (0 when none does)."""
         if self.c1 <= 0:
             raise ValueError("the memory model has no per-token cost (c1 ≤ 0): it cannot bound B·S")
-        return max(0, math.floor((budget_bytes - self.c0) / self.c1 * (1 + 1e-12)))  # 1e-12: float round-off
+        if self.floor > budget_bytes:
+            return 0
+        return max(0, math.floor((budget_bytes - self.c0) / (self.c1 * S + self.c2) * (1 + 1e-12)))
+
+    def m_mem(self, budget_bytes: float, S_min: Optional[float] = None) -> int:
+        """Largest token count B·S whose predicted peak stays within budget_bytes for every bucket with S ≥ S_min
+        (0 when none does). The per-sample term weighs most on the shortest sequences, so a model with c2 > 0
+        needs S_min, the shortest bucket's S."""
+        if self.c1 <= 0:
+            raise ValueError("the memory model has no per-token cost (c1 ≤ 0): it cannot bound B·S")
+        if self.c2 > 0 and not S_min:
+            raise ValueError("this memory model has a per-sample term: m_mem needs the shortest bucket's S (S_min)")
+        if self.floor > budget_bytes:
+            return 0
+        per_token = self.c1 + (self.c2 / S_min if self.c2 > 0 else 0.0)
+        return max(0, math.floor((budget_bytes - self.c0) / per_token * (1 + 1e-12)))  # 1e-12: float round-off
+
+    def describe(self) -> str:
+        s = f"{self.c0 / 2**30:.1f} GiB + {self.c1 / 2**10:.0f} KiB per token"
+        if self.c2:
+            s += f" + {self.c2 / 2**20:.1f} MiB per sample"
+        if self.floor:
+            s += f", at least {self.floor / 2**30:.1f} GiB (the optimizer step)"
+        return s
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -273,13 +307,35 @@ class MemoryModel:
         return cls(**d)
 
 
+FLOOR_TOL = 0.01  # a point within 1 % of a candidate floor is explained by the floor
+FLOOR_GAIN = 0.5  # a floor is kept only where it halves the plain line's error (noise alone does not)
+
+
 def fit_memory_model(B: Sequence[float], S: Sequence[float], peak_bytes: Sequence[float]) -> MemoryModel:
-    """Least squares of peak ≈ c0 + c1·B·S on relative residuals, c0, c1 ≥ 0 (needs two distinct B·S)."""
+    """Least squares of peak ≈ max(floor, c0 + c1·B·S + c2·B) on relative residuals, coefficients ≥ 0.
+
+    The floor is tried at 0 and at each measured peak: points within FLOOR_TOL of it are taken as the floor's, the
+    line is fitted (NNLS) to the rest, and the candidate with the lowest error over all points wins — a floor only
+    where it halves the plain line's error, so that noise at the small end does not pass for one. The per-sample
+    term c2 is fitted only with four or more points on the line (three unknowns), else it is 0. Needs two distinct
+    token counts B·S on the line."""
     B, S, y = _as_arrays(B, S, peak_bytes)
     tokens = B * S
     if len(np.unique(tokens)) < 2:
         raise ValueError("the memory model needs points at two or more token counts B·S")
-    X = np.stack([np.ones_like(tokens), tokens], axis=1)
-    c, _ = _weighted_nnls(X, y)
-    rel = (X @ c - y) / y
-    return MemoryModel(float(c[0]), float(c[1]), float(np.sqrt(np.mean(rel ** 2))), len(y))
+    best = None
+    for floor in [0.0, *sorted(set(y.tolist()))]:
+        line = y > floor * (1 + FLOOR_TOL)
+        if len(np.unique(tokens[line])) < 2:
+            continue
+        cols = [np.ones(line.sum()), tokens[line]] + ([B[line]] if line.sum() >= 4 else [])
+        c, _ = _weighted_nnls(np.stack(cols, axis=1), y[line])
+        c0, c1, c2 = float(c[0]), float(c[1]), float(c[2]) if len(c) > 2 else 0.0
+        rel = (np.maximum(floor, c0 + c1 * tokens + c2 * B) - y) / y
+        rmse = float(np.sqrt(np.mean(rel ** 2)))
+        if floor > 0 and best[0] <= 1e-4:  # the plain line fits to 0.01 %: no floor to find
+            break
+        if best is None or rmse < best[0] * (FLOOR_GAIN if best[1].floor == 0 else 1 - 1e-9):
+            best = (rmse, MemoryModel(c0, c1, rmse, len(y), c2=c2, floor=floor,
+                                      max_rel_err=float(np.max(np.abs(rel)))))
+    return best[1]

@@ -78,11 +78,12 @@ class PartialRecompute:
     none_cost: object
     full_cost: object
     attention_bytes: float = 0.0  # > 0 (model.keep_attention): bytes a token per block that keeping attention costs
+    S_min: Optional[float] = None  # the shortest bucket's S (a memory model's per-sample term weighs most there)
 
     @property
     def none_tokens(self) -> int:
-        """The largest B·S that runs without any recompute."""
-        return self.none_mem.m_mem(self.budget)
+        """The largest B·S that runs without any recompute (in every bucket)."""
+        return self.none_mem.m_mem(self.budget, self.S_min)
 
     def blocks(self, B: int, S: int) -> int:
         return self.decide(B, S)[0]
@@ -151,7 +152,7 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
     """tokens: bucket name → S, in bucket order; checkpointing: model.checkpointing (picks the calibration's
     record); world_size: picks the simulator's choice made for the nearest cluster size; keep_attention: the
     model's knob of that name (checkpointing=auto then spends memory on kept self-attention outputs first)."""
-    S_max = max(tokens.values())
+    S_max, S_min = max(tokens.values()), min(tokens.values())
     src: dict = {}
     val: dict = {}
     notes: list = []
@@ -175,7 +176,7 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
                       else HBM_FRACTION * cal.hbm_bytes if cal.hbm_bytes else None)
             if budget is not None:
                 partial = PartialRecompute(shape.layers, budget, cal.memory_model("none"), memory,
-                                           cal.cost_model("none"), cost_model,
+                                           cal.cost_model("none"), cost_model, S_min=S_min,
                                            attention_bytes=kept_bytes_per_token(shape.dim)
                                            if keep_attention else 0.0)
                 recompute, cost_fn = (partial.decide if keep_attention else partial.blocks), partial.predict
@@ -189,17 +190,18 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
         if memory is None:
             raise ValueError("scheduling.mem_budget_gib needs a measured memory model: set scheduling.calibration "
                              "to a file with one (scripts/calibrate.py on the GPU) or set scheduling.m_mem")
-        val["m_mem"] = memory.m_mem(cfg.mem_budget_gib * 2**30)
+        val["m_mem"] = memory.m_mem(cfg.mem_budget_gib * 2**30, S_min)
         src["m_mem"] = f"mem_budget_gib={cfg.mem_budget_gib:g}(config) × memory model(calibration)"
         if val["m_mem"] < S_max:
             raise ValueError(f"scheduling.mem_budget_gib={cfg.mem_budget_gib:g} leaves room for "
-                             f"{val['m_mem']} tokens (the memory model: {memory.c0 / 2**30:.1f} GiB + "
-                             f"{memory.c1 / 2**10:.1f} KiB per token), below the longest bucket's S={S_max}: "
+                             f"{val['m_mem']} tokens (the memory model: {memory.describe()}), below the "
+                             f"longest bucket's S={S_max}: "
                              "raise the budget, turn on model.checkpointing, or drop the bucket")
     elif chosen.get("m_mem") is not None:
         val["m_mem"], src["m_mem"] = chosen["m_mem"], "calibration:chosen"
-    elif cal is not None and cal.default_m_mem(mode) is not None:
-        val["m_mem"], src["m_mem"] = cal.default_m_mem(mode), f"calibration:memory model at {HBM_FRACTION:.0%} of HBM"
+    elif cal is not None and cal.default_m_mem(mode, S_min) is not None:
+        val["m_mem"] = cal.default_m_mem(mode, S_min)
+        src["m_mem"] = f"calibration:memory model at {HBM_FRACTION:.0%} of HBM"
     m_mem = val.get("m_mem")
 
     def pick(name: str, default, default_why: str):

@@ -10,7 +10,10 @@ Options (`+calibrate.KEY=VALUE`): max_points (12), blocks (time k of the model's
 layers/k; the file says so), warmup (1), repeats (2), top_tokens (largest B·S aimed at; default 2·S_max),
 time_budget_s, buckets (a list of names; default all), out (the file; default scheduling.calibration),
 fit_min_tokens (points with B·S below it stay in the file but out of the cost fit: launch-bound on a GPU),
-refit (a calibration file: fit its measured points again with fit_min_tokens, no device; writes out or itself).
+refit (a calibration file: fit its measured points again with fit_min_tokens, no device; writes out or itself),
+probe_cap (true: the last point is the shortest bucket at the memory model's largest B; scheduling/calibrate.py),
+check (a list of bucket:B, e.g. [i480:461,i480:328]: no scan; one step each, its peak and ms against
+scheduling.calibration's memory and cost models — does this micro-batch fit? — written to out as JSON if given).
 
 The step: the config's model (models.build.build_model), precision (autocast), checkpointing mode (model.checkpointing;
 `auto` scans both `none` and `full`), compile and FSDP; flow matching on synthetic inputs of each bucket's latent
@@ -22,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import gc
+import json
 import os
 import platform
 import sys
@@ -43,7 +47,7 @@ from training.optim import build_optimizer  # noqa: E402
 from training.step import autocast_for  # noqa: E402
 
 DEFAULTS = dict(max_points=12, blocks=None, warmup=1, repeats=2, top_tokens=None, time_budget_s=None,
-                buckets=None, out=None, fit_min_tokens=None, refit=None)
+                buckets=None, out=None, fit_min_tokens=None, refit=None, probe_cap=True, check=None)
 CPU_M_MEM_FACTOR = 8  # CPU: no device memory to bound; m_mem = 8·S_max so every rule has a bound
 
 
@@ -138,6 +142,8 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
     budget = (cfg.scheduling.mem_budget_gib * 2**30 if cfg.scheduling.mem_budget_gib
               else HBM_FRACTION * hbm if hbm else None)
     modes = ["none", "full"] if cfg.model.checkpointing == "auto" else [cfg.model.checkpointing]
+    if opts["check"]:
+        return check_points(cfg, opts, table, modes, model, objective, optimizer, ctx, autocast, budget, log)
     t_start = time.perf_counter()
     records = {}
     for mode in modes:
@@ -146,7 +152,8 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
         say(f"checkpointing={mode}: scanning {len(tokens)} buckets, at most {opts['max_points']} timed points")
         points = scan(step_fn, tokens, max_points=int(opts["max_points"]), top_tokens=opts["top_tokens"],
                       mem_budget_bytes=budget, warmup=int(opts["warmup"]), repeats=int(opts["repeats"]),
-                      agree=_agree(ctx), time_budget_s=opts["time_budget_s"], log=say)
+                      agree=_agree(ctx), time_budget_s=opts["time_budget_s"], probe_cap=bool(opts["probe_cap"]),
+                      log=say)
         records[mode] = fit_mode(points, scale=layers / k, memory_valid=(k == layers),
                                  min_tokens=opts["fit_min_tokens"], L=cfg.model.text_len,
                                  joint=cfg.model.name == "mmdit")  # MMDiT's joint attention: (S + L)²
@@ -180,6 +187,52 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
         log(f"wrote {out} ({elapsed:.0f} s)")
     ctx.barrier()
     return cal
+
+
+def _parse_checks(items, table) -> list[tuple[str, int]]:
+    out = []
+    for item in items:
+        name, _, B = str(item).partition(":")
+        if name not in table or not B.isdigit() or int(B) < 1:
+            raise ValueError(f"calibrate.check={item!r}: expected bucket:B with a bucket of data.buckets "
+                             f"({list(table)}) and B ≥ 1")
+        out.append((name, int(B)))
+    return out
+
+
+def check_points(cfg, opts, table, modes, model, objective, optimizer, ctx, autocast, budget, log) -> list[dict]:
+    """calibrate.check: one step at each bucket:B, its peak and ms beside the calibration's predictions."""
+    checks = _parse_checks(opts["check"], table)
+    if len(modes) != 1:
+        raise ValueError("calibrate.check runs one checkpointing mode: set model.checkpointing to none or full")
+    cal = Calibration.load(cfg.scheduling.calibration) if cfg.scheduling.calibration else None
+    mode = cal.mode_name(modes[0]) if cal else None
+    mem, cost = (cal.memory_model(mode), cal.cost_model(mode)) if cal else (None, None)
+    step_fn = make_step_fn(model, objective, optimizer, table, cfg.model, ctx.device, autocast, modes[0] == "full")
+    rows = []
+    for name, B in checks:
+        S = table[name].tokens
+        row = {"bucket": name, "S": S, "B": B, "calibration": cal.path if cal else None,
+               "predicted_peak_bytes": float(mem.predict(B, S)) if mem else None,
+               "predicted_ms": float(cost.predict(B, S)) if cost else None, "budget_bytes": budget}
+        try:
+            r = step_fn(name, B)
+            row.update(fits=True, ms=r.ms, optim_ms=r.optim_ms, peak_bytes=r.peak_bytes)
+        except Infeasible as e:
+            row.update(fits=False, why=str(e)[:300])
+        rows.append(row)
+        gib = (lambda v: f"{v / 2**30:.1f} GiB" if v else "—")
+        log(f"check {name} S={S} B={B}: " + (f"peak {gib(row['peak_bytes'])}, {row['ms']:.0f} ms" if row["fits"]
+                                              else "out of memory")
+            + f" (predicted {gib(row['predicted_peak_bytes'])}"
+            + (f", {row['predicted_ms']:.0f} ms" if row["predicted_ms"] else "") + ")")
+    if opts["out"] and ctx.is_main:
+        os.makedirs(os.path.dirname(os.path.abspath(opts["out"])), exist_ok=True)
+        with open(opts["out"], "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "CPU",
+                       "date": datetime.date.today().isoformat(), "checkpointing": modes[0], "rows": rows}, f,
+                      indent=1)
+    return rows
 
 
 def refit_file(path: str, min_tokens, command: str, out=None, log=print) -> Calibration:

@@ -74,7 +74,7 @@ def run_protocol(cal: Calibration, mode: str, mix: Mix, ranks, sweep_ranks, M: i
     power = cal.cost_model(mode, "power")
     memory = cal.memory_model(mode)
     if memory is not None and cal.hbm_bytes:
-        m_mem = memory.m_mem(HBM_FRACTION * cal.hbm_bytes)
+        m_mem = memory.m_mem(HBM_FRACTION * cal.hbm_bytes, min(mix.S))
     elif (cal.data.get("chosen") or {}).get("m_mem"):  # a CPU calibration: no device memory, its stated bound
         m_mem = cal.data["chosen"]["m_mem"]
         log(f"no memory model: m_mem={m_mem} from the calibration's chosen settings")
@@ -169,9 +169,9 @@ def write_outputs(res: dict, cal: Calibration, cal_path: str, out: str) -> list[
     lines += [f"- {n}" for n in cal.data.get("notes", [])]
     c, m = res["cost"], res["memory"]
     lines += ["", f"Cost model ({c.form}, full depth): {c.describe()}.",
-              (f"Memory model ({'measured' if m.measured else 'estimated'}): {m.c0 / 2**30:.1f} GiB + "
-               f"{m.c1 / 2**10:.0f} KiB per token → m_mem = {res['m_mem']} tokens at {HBM_FRACTION:.0%} of "
-               f"{cal.hbm_bytes / 2**30:.1f} GiB." if m is not None and cal.hbm_bytes else
+              (f"Memory model ({'measured' if m.measured else 'estimated'}): {m.describe()} → m_mem = "
+               f"{res['m_mem']} tokens at {HBM_FRACTION:.0%} of {cal.hbm_bytes / 2**30:.1f} GiB (every bucket "
+               f"from S = {min(mix.S)} up)." if m is not None and cal.hbm_bytes else
                f"No memory model: m_mem = {res['m_mem']} tokens (the calibration's chosen bound).")
               + f" p = {res['p']:.3f} (power fit). Optimizer: {res['optim_ms']:.0f} ms / R per step.", "",
               "Protocol (issue 4, part 6): mix = shares of samples "

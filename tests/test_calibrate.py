@@ -43,9 +43,49 @@ def test_b_rises_per_bucket_and_out_of_memory_stops_the_bucket_and_longer_ones()
 def test_the_memory_fit_stops_a_bucket_before_it_runs_out():
     calls = []
     budget = C0 + C1 * 30_000
-    pts = scan(fake_step(calls=calls), TOKENS, max_points=9, top_tokens=64_000, mem_budget_bytes=budget)
+    pts = scan(fake_step(calls=calls), TOKENS, max_points=9, top_tokens=64_000, mem_budget_bytes=budget,
+               probe_cap=False)
     assert all(B * TOKENS[b] <= 30_000 for b, B in calls)  # no point the fit predicts infeasible ran
     assert any(p.why.startswith("memory model predicts") for p in pts)
+
+
+def test_the_last_point_probes_the_memory_bound_of_the_shortest_bucket():
+    """With a memory budget, the scan's last point is the shortest bucket at the largest B that the fit allows —
+    far above the ladder — and an out-of-memory there retries smaller. The fake device has a floor (the optimizer
+    step) and a per-sample term, as the H200 has."""
+    floor, c2 = C0 * 1.2, 5 * 2**20  # the longest bucket at B = 1 peaks above the floor, as on the H200
+
+    def peak(B, S):
+        return max(floor, C0 + C1 * B * S + c2 * B)
+
+    def step(oom_at=None, calls=None):
+        def step_fn(bucket, B):
+            S = TOKENS[bucket]
+            if calls is not None:
+                calls.append((bucket, B))
+            if peak(B, S) > (oom_at or float("inf")):
+                raise Infeasible("CUDA out of memory (fake)")
+            return StepResult(2.0 + 1e-3 * B * S, 1.0, peak(B, S))
+        return step_fn
+
+    budget = C0 + C1 * 200_000
+    calls = []
+    pts = scan(step(calls=calls), TOKENS, max_points=7, top_tokens=32_000, mem_budget_bytes=budget, warmup=0,
+               repeats=1)
+    timed = [p for p in pts if p.feasible]
+    assert len(timed) == 7 and timed[-1].bucket == "img" and calls[-1] == ("img", timed[-1].B)
+    assert timed[-1].B * 1000 > 5 * 32_000  # far above the ladder's top
+    assert peak(timed[-1].B, 1000) <= budget < peak(timed[-1].B + 1, 1000)  # at the bound, the fit exact
+    assert [p.B for p in timed if p.bucket == "img"] == [1, 32, timed[-1].B]  # its ladder of 3 gave up a point
+    assert len(scan(step(), TOKENS, max_points=7, top_tokens=32_000, warmup=0, repeats=1)) == 7  # no budget
+    B1 = int(timed[-1].B * 0.85)
+    oom_at = (peak(B1, 1000) + peak(int(B1 * 0.85), 1000)) / 2  # the device holds less than the model says
+    pts = scan(step(oom_at=oom_at), TOKENS, max_points=7, top_tokens=32_000, mem_budget_bytes=budget,
+               warmup=0, repeats=1)
+    probes = [p for p in pts if p.bucket == "img" and p.B > 32]
+    assert [p.feasible for p in probes] == [False, False, True]
+    assert probes[1].B == int(probes[0].B * 0.85) and probes[2].B == int(probes[1].B * 0.85)
+    assert fit_mode(pts)["memory_model"]["c1"] == pytest.approx(C1, rel=1e-6)
 
 
 def test_the_point_cap_and_agreement_across_ranks():
