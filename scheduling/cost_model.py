@@ -2,9 +2,13 @@
 
 Time of forward + backward of a micro-batch of B samples of S tokens (text length L):
     power      t = a + b·B·S^p                               the paper's form; nonlinear least squares
-    quadratic  t = a + b1·B·S + b2·B·S² [+ b3·B·S·L]         the FLOP shape: projections/MLP ∝ S, self-attention
+    quadratic  t = a + b0·B + b1·B·S + b2·B·S² [+ b3·B·S·L]  the FLOP shape: projections/MLP ∝ S, self-attention
                                                              ∝ S², cross-attention ∝ S·L; non-negative LS
-               t = a + b1·B·(S+L) + b2·B·(S+L)²              joint attention (MMDiT): text joins the sequence
+               t = a + b0·B + b1·B·(S+L) + b2·B·(S+L)²       joint attention (MMDiT): text joins the sequence
+           b0: work each sample costs whatever its S (its text tokens' projections, its conditioning). The issue's
+           form has no such term; on the H200 (Wan 1.3B, 512 text tokens) it is 6 ms a sample, and without it a
+           fit to the calibration ladder misses i480 at B = 459 by 13 % (results/calibration_h200.json). It is
+           fitted from B0_MIN_POINTS points on (fewer: 0).
     auto       whichever of the two has the lower leave-one-out relative error
 Every fit minimises relative residuals, Σ((t̂ − t)/t)² (weights 1/t): a 60 ms and a 1 s point count alike.
 The power form is fitted by variable projection: for fixed p the problem is a non-negative LS in (a, b), so p
@@ -61,9 +65,10 @@ class CostModel:
             t = q["a"] + q["b"] * B * S ** q["p"]
         elif self.joint:
             T = S + L
-            t = q["a"] + q["b1"] * B * T + q["b2"] * B * T * T
+            t = q["a"] + q.get("b0", 0.0) * B + q["b1"] * B * T + q["b2"] * B * T * T
         else:
-            t = q["a"] + q["b1"] * B * S + q["b2"] * B * S * S + q.get("b3", 0.0) * B * S * L
+            t = (q["a"] + q.get("b0", 0.0) * B + q["b1"] * B * S + q["b2"] * B * S * S
+                 + q.get("b3", 0.0) * B * S * L)
         return float(t) if scalar else t
 
     __call__ = predict
@@ -90,14 +95,18 @@ class CostModel:
         with open(path) as f:
             return cls.from_dict(json.load(f))
 
+    def _b0(self) -> str:
+        b0 = self.params.get("b0", 0.0)
+        return f" + {b0:.4g}·B" if b0 else ""
+
     def describe(self) -> str:
         q = self.params
         if self.form == "power":
             s = f"t = {q['a']:.4g} + {q['b']:.4g}·B·S^{q['p']:.4f}"
         elif self.joint:
-            s = f"t = {q['a']:.4g} + {q['b1']:.4g}·B·(S+L) + {q['b2']:.4g}·B·(S+L)²"
+            s = f"t = {q['a']:.4g}{self._b0()} + {q['b1']:.4g}·B·(S+L) + {q['b2']:.4g}·B·(S+L)²"
         else:
-            s = f"t = {q['a']:.4g} + {q['b1']:.4g}·B·S + {q['b2']:.4g}·B·S²"
+            s = f"t = {q['a']:.4g}{self._b0()} + {q['b1']:.4g}·B·S + {q['b2']:.4g}·B·S²"
             if "b3" in q:
                 s += f" + {q['b3']:.4g}·B·S·L"
         return f"{s} ms  (rel RMSE {100 * self.rel_rmse:.2f} %, leave-one-out {100 * self.loo_rel_rmse:.2f} %)"
@@ -147,19 +156,23 @@ def _golden(f, lo: float, hi: float, tol: float = 1e-7) -> float:
     return (a + b) / 2
 
 
-def _quadratic_features(B, S, L, joint):
+B0_MIN_POINTS = 5  # the per-sample term b0 is fitted from this many points (one more than its form's unknowns)
+
+
+def _quadratic_features(B, S, L, joint, per_sample):
+    first = ([np.ones_like(B), B], ["a", "b0"]) if per_sample else ([np.ones_like(B)], ["a"])
     if joint:
         T = S + L
-        return np.stack([np.ones_like(B), B * T, B * T * T], axis=1), ("a", "b1", "b2")
-    cols, names = [np.ones_like(B), B * S, B * S * S], ["a", "b1", "b2"]
+        return np.stack(first[0] + [B * T, B * T * T], axis=1), tuple(first[1] + ["b1", "b2"])
+    cols, names = first[0] + [B * S, B * S * S], first[1] + ["b1", "b2"]
     if L is not None:
         cols.append(B * S * L)
         names.append("b3")
     return np.stack(cols, axis=1), tuple(names)
 
 
-def _fit_quadratic(B, S, t, L, joint) -> dict:
-    X, names = _quadratic_features(B, S, L, joint)
+def _fit_quadratic(B, S, t, L, joint, per_sample) -> dict:
+    X, names = _quadratic_features(B, S, L, joint, per_sample)
     c, _ = _weighted_nnls(X, t)
     return dict(zip(names, (float(v) for v in c)))
 
@@ -179,8 +192,8 @@ def _fit_power(B, S, t) -> dict:
     return {"a": float(c[0]), "b": float(c[1]), "p": float(p)}
 
 
-def _fit(form, B, S, t, L, joint) -> CostModel:
-    params = _fit_power(B, S, t) if form == "power" else _fit_quadratic(B, S, t, L, joint)
+def _fit(form, B, S, t, L, joint, per_sample=False) -> CostModel:
+    params = _fit_power(B, S, t) if form == "power" else _fit_quadratic(B, S, t, L, joint, per_sample)
     model = CostModel(form, params, joint=joint and form == "quadratic")
     model.L = None  # arrays of L are used while fitting; a scalar default is set by the caller
     return model
@@ -208,18 +221,19 @@ def fit_cost_model(B: Sequence[float], S: Sequence[float], t: Sequence[float], f
     if joint and Lv is None:
         raise ValueError("joint attention needs the text lengths L")
     forms = FORMS if form == "auto" else (form,)
-    n_params = {"power": 3, "quadratic": 3 + (Lv is not None and not joint)}
+    per_sample = len(t) >= B0_MIN_POINTS  # the leave-one-out fits keep the full fit's terms
+    n_params = {"power": 3, "quadratic": 3 + per_sample + (Lv is not None and not joint)}
     fits = {}
     for f in forms:
         if len(t) < n_params[f]:
             raise ValueError(f"{len(t)} points cannot fit the {f} form ({n_params[f]} parameters)")
-        model = _fit(f, B, S, t, Lv, joint)
+        model = _fit(f, B, S, t, Lv, joint, per_sample)
         rel = (_predict_with(model, B, S, Lv) - t) / t
         model.residuals = [float(r) for r in rel]
         model.rel_rmse = float(np.sqrt(np.mean(rel ** 2)))
         model.max_rel_err = float(np.max(np.abs(rel)))
         model.n_points = len(t)
-        model.loo_rel_rmse = _loo(f, B, S, t, Lv, joint) if len(t) > n_params[f] else float("nan")
+        model.loo_rel_rmse = _loo(f, B, S, t, Lv, joint, per_sample) if len(t) > n_params[f] else float("nan")
         model.L = None if Lv is None else float(np.mean(Lv))
         fits[f] = model
     return fits[form] if form != "auto" else best_fit(fits)
@@ -236,11 +250,11 @@ def fit_both(B, S, t, L=None, joint=False) -> dict[str, CostModel]:
     return {f: fit_cost_model(B, S, t, form=f, L=L, joint=joint) for f in FORMS}
 
 
-def _loo(form, B, S, t, L, joint) -> float:
+def _loo(form, B, S, t, L, joint, per_sample) -> float:
     errs = []
     for i in range(len(t)):
         keep = np.arange(len(t)) != i
-        m = _fit(form, B[keep], S[keep], t[keep], None if L is None else L[keep], joint)
+        m = _fit(form, B[keep], S[keep], t[keep], None if L is None else L[keep], joint, per_sample)
         pred = _predict_with(m, B[i:i + 1], S[i:i + 1], None if L is None else L[i:i + 1])
         errs.append(float((pred[0] - t[i]) / t[i]))
     return float(np.sqrt(np.mean(np.square(errs))))

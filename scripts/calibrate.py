@@ -12,8 +12,9 @@ time_budget_s, buckets (a list of names; default all), out (the file; default sc
 fit_min_tokens (points with B·S below it stay in the file but out of the cost fit: launch-bound on a GPU),
 refit (a calibration file: fit its measured points again with fit_min_tokens, no device; writes out or itself),
 probe_cap (true: the last point is the shortest bucket at the memory model's largest B; scheduling/calibrate.py),
-check (a list of bucket:B, e.g. [i480:461,i480:328]: no scan; one step each, its peak and ms against
-scheduling.calibration's memory and cost models — does this micro-batch fit? — written to out as JSON if given).
+check (a list of bucket:B, e.g. [i480:461,i480:328]: no scan; warmup + repeats steps each, after one step that
+creates the optimizer's state; peak and ms against scheduling.calibration's memory and cost models — does this
+micro-batch fit, and how long does it take? — written to out as JSON if given).
 
 The step: the config's model (models.build.build_model), precision (autocast), checkpointing mode (model.checkpointing;
 `auto` scans both `none` and `full`), compile and FSDP; flow matching on synthetic inputs of each bucket's latent
@@ -209,6 +210,7 @@ def check_points(cfg, opts, table, modes, model, objective, optimizer, ctx, auto
     mode = cal.mode_name(modes[0]) if cal else None
     mem, cost = (cal.memory_model(mode), cal.cost_model(mode)) if cal else (None, None)
     step_fn = make_step_fn(model, objective, optimizer, table, cfg.model, ctx.device, autocast, modes[0] == "full")
+    step_fn(checks[0][0], 1)  # the optimizer's state exists from the first step on: every peak below includes it
     rows = []
     for name, B in checks:
         S = table[name].tokens
@@ -216,8 +218,12 @@ def check_points(cfg, opts, table, modes, model, objective, optimizer, ctx, auto
                "predicted_peak_bytes": float(mem.predict(B, S)) if mem else None,
                "predicted_ms": float(cost.predict(B, S)) if cost else None, "budget_bytes": budget}
         try:
-            r = step_fn(name, B)
-            row.update(fits=True, ms=r.ms, optim_ms=r.optim_ms, peak_bytes=r.peak_bytes)
+            for _ in range(int(opts["warmup"])):
+                step_fn(name, B)
+            runs = [step_fn(name, B) for _ in range(int(opts["repeats"]))]
+            peaks = [r.peak_bytes for r in runs if r.peak_bytes is not None]
+            row.update(fits=True, ms=float(sorted(r.ms for r in runs)[len(runs) // 2]), ms_runs=[r.ms for r in runs],
+                       optim_ms=runs[0].optim_ms, peak_bytes=max(peaks) if peaks else None)
         except Infeasible as e:
             row.update(fits=False, why=str(e)[:300])
         rows.append(row)
