@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call on the H200: the committed calibration checked by real steps at given bucket:B (calibrate.check:
-# does the planners' largest micro-batch fit, and is its time as predicted? CHECK=..., REPEATS=...), then a fresh calibration of Wan 2.1 1.3B (conf=wan21_1p3b, full
-# recompute, 12 timed points, the last one the memory probe at the shortest bucket; SCAN=0 skips it). Everything
-# lands in $OUT.
+# does the planners' largest micro-batch fit, and is its time as predicted? CHECK=..., REPEATS=...), then a fresh
+# calibration of Wan 2.1 1.3B (conf=wan21_1p3b, full recompute, 12 timed points, the last one the memory probe at
+# the shortest bucket; SCAN=0 skips it). Everything lands in $OUT.
 # Needs .whl/ (bash ../shared/device/make_wheels.sh) on the GPU image, which lacks hydra/omegaconf/wandb/diffusers.
 set -uo pipefail
 source scripts/h200_env.sh h200_out
