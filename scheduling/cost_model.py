@@ -16,8 +16,11 @@ is found by a grid and a golden-section search over the projected residual. Plai
 image has no scipy): with ≤ 4 coefficients, exact NNLS is the best of the supports' least-squares solutions.
 
 Peak memory of a training step:
-    peak_bytes ≈ c0 + c1·B·S          c0: weights, gradients, optimizer state, workspace; c1: activations per token
-    m_mem = ⌊(budget − c0) / c1⌋      the token bound B·S ≤ m_mem of the dual-constraint and cost rules
+    peak_bytes ≈ max(floor, c0 + c1·B·S + c2·B)   c0: weights, gradients, optimizer state, workspace; c1: activations
+                                                  a token; c2: a sample's beyond its tokens (its text); floor: the
+                                                  optimizer step's peak, where small micro-batches peak
+    m_mem = ⌊(budget − c0) / (c1 + c2/S_min)⌋     the token bound B·S ≤ m_mem of the dual-constraint and cost rules,
+                                                  safe for every bucket from the shortest (S_min) up
 """
 from __future__ import annotations
 
