@@ -84,16 +84,20 @@ def _quotas(tokens: Mapping[str, int], max_points: int) -> dict[str, int]:
 def scan(step_fn: Callable[[str, int], StepResult], tokens: Mapping[str, int], *, max_points: int = 12,
          top_tokens: Optional[float] = None, mem_budget_bytes: Optional[float] = None, warmup: int = 1,
          repeats: int = 2, agree: Optional[Callable[[bool], bool]] = None, time_budget_s: Optional[float] = None,
-         probe_cap: bool = True, log: Callable[[str], None] = lambda s: None) -> list[Point]:
+         probe_cap: bool = True, agree_min: Optional[Callable[[int], int]] = None,
+         log: Callable[[str], None] = lambda s: None) -> list[Point]:
     """Time step_fn over buckets (name → S) and B upward; returns every point tried, timed or not.
 
     probe_cap (with mem_budget_bytes and max_points ≥ 3): the last timed point is the shortest bucket at the largest
     B that the memory model fitted to the other points allows in the budget — where the planners' memory bound
     binds, far above the ladder's top. It checks the model's extrapolation (the final fit includes it); on
-    out-of-memory it is retried at PROBE_SHRINK of that B, up to PROBE_TRIES times."""
+    out-of-memory it is retried at PROBE_SHRINK of that B, up to PROBE_TRIES times. Each rank fits its own peaks, so
+    the ranks take the smallest of their B (`agree_min(B) -> min over ranks`, an all-reduce); every rank calls agree()
+    and agree_min() the same number of times whatever its own fit says."""
     if max_points < 1 or repeats < 1 or warmup < 0:
         raise ValueError(f"max_points and repeats must be ≥ 1 and warmup ≥ 0, got {max_points}, {repeats}, {warmup}")
     agree = agree or (lambda ok: ok)
+    agree_min = agree_min or (lambda v: v)
     top_tokens = top_tokens or 2 * max(tokens.values())
     probe = probe_cap and mem_budget_bytes is not None and max_points >= 3
     quotas = _quotas(tokens, max_points)
@@ -157,7 +161,8 @@ def scan(step_fn: Callable[[str, int], StepResult], tokens: Mapping[str, int], *
                     infeasible_tokens = min(infeasible_tokens, B * S)
                 break
     if probe:
-        _probe_cap(points, tokens, mem_budget_bytes, max_points, over_budget, attempt, log)
+        _probe_cap(points, tokens, mem_budget_bytes, max_points, infeasible_tokens, over_budget, attempt, agree_min,
+                   log)
     return points
 
 
@@ -165,28 +170,29 @@ PROBE_SHRINK = 0.85  # the cap probe's next B after an out-of-memory
 PROBE_TRIES = 3
 
 
-def _probe_cap(points, tokens, budget, max_points, over_budget, attempt, log) -> None:
+def _probe_cap(points, tokens, budget, max_points, infeasible_tokens, over_budget, attempt, agree_min, log) -> None:
     name = min(tokens, key=lambda n: (tokens[n], n))
     S = int(tokens[name])
+    done = max([p.B for p in points if p.feasible and p.bucket == name], default=0)  # the same on every rank
     mem = _memory_fit([p for p in points if p.feasible])
-    if mem is None:
-        log("cap probe skipped: too few points with a measured peak for a memory model")
-        return
-    done = max([p.B for p in points if p.feasible and p.bucket == name], default=0)
-    B = mem.max_batch(S, budget)
-    for _ in range(PROBE_TRIES):
-        timed = sum(p.feasible for p in points)
-        if B <= done:
-            log(f"cap probe: {name} B={B} is not above the B={done} already timed")
-            return
-        why = (f"cap of {max_points} timed points reached" if timed >= max_points
-               else "time budget spent" if over_budget() else "")
-        log(f"cap probe: {name} S={S} B={B}, memory model (so far) predicts {mem.predict(B, S) / 2**30:.1f} GiB "
-            f"of the {budget / 2**30:.1f} GiB budget")
-        p = attempt(name, S, B, why)
+    why = ("no memory model with a per-token cost fits the points" if mem is None or mem.c1 <= 0
+           else f"cap of {max_points} timed points reached" if sum(p.feasible for p in points) >= max_points
+           else "time budget spent" if over_budget() else "")
+    B = 0 if why else mem.max_batch(S, budget)
+    if math.isfinite(infeasible_tokens):  # never at or above a B·S that already ran out of memory
+        B = min(B, int((infeasible_tokens - 1) // S))
+    for i in range(PROBE_TRIES):
+        B = agree_min(B)
+        if not why and B <= done:
+            why = f"B={B} is not above the B={done} already timed"
+        if not why:
+            log(f"cap probe: {name} S={S} B={B}, memory model (so far) predicts {mem.predict(B, S) / 2**30:.1f} GiB "
+                f"of the {budget / 2**30:.1f} GiB budget")
+        p = attempt(name, S, B, "cap probe: " + why if why else "")
         if p is None or p.feasible:
             return
         B = int(B * PROBE_SHRINK)
+        why = "time budget spent" if over_budget() else ""
 
 
 def _memory_fit(points: list[Point]) -> Optional[MemoryModel]:
@@ -308,14 +314,15 @@ class Calibration:
             ref = world_size or chosen.get("reference_world_size") or int(min(by_r, key=int))
             R = min(by_r, key=lambda r: (abs(math.log(int(r) / ref)), int(r)))
             out = dict(by_r[R].get(strategy, {}))
-        if chosen.get("m_mem") is not None:
-            out.setdefault("m_mem", chosen["m_mem"])
+        for k in ("m_mem", "m_mem_S_min"):
+            if chosen.get(k) is not None:
+                out.setdefault(k, chosen[k])
         return out
 
 
 def refit(cal: Calibration, min_tokens: Optional[float]) -> Calibration:
     """The same measured points fitted again (e.g. with another min_tokens, or a newer form of the cost or memory
-    model); no device needed."""
+    model); no device needed. The simulator's "chosen" settings are dropped: they were chosen on the old fits."""
     ext = cal.data.get("extrapolation") or {}
     scale = float(ext.get("scale", 1.0))
     for mode, rec in list(cal.data["modes"].items()):
@@ -323,9 +330,16 @@ def refit(cal: Calibration, min_tokens: Optional[float]) -> Calibration:
         cost = rec.get("cost_model") or {}  # an MMDiT scan fitted joint attention over S + L: so does the refit
         new = fit_mode(points, scale=scale, L=cost.get("L"), joint=bool(cost.get("joint")),
                        memory_valid=rec.get("memory_model") is not None, min_tokens=min_tokens)
+        old_mem = rec.get("memory_model")
+        if old_mem is not None and (new.get("memory_model") is None or not old_mem.get("measured", True)):
+            new["memory_model"] = old_mem  # an estimate (no peaks among the points) stays as it was written
         if rec.get("optim_ms") is None:
             new["optim_ms"] = None
         cal.data["modes"][mode] = new
+    if "by_world_size" in (cal.data.get("chosen") or {}):  # the simulator chose them on the old fits, m_mem too
+        del cal.data["chosen"]
+        cal.data["notes"].append("the simulator's chosen settings were dropped on refit: run "
+                                 "scripts/simulate_cluster.py again to choose them on the new fits")
     return cal
 
 

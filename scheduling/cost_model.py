@@ -6,14 +6,16 @@ Time of forward + backward of a micro-batch of B samples of S tokens (text lengt
                                                              ∝ S², cross-attention ∝ S·L; non-negative LS
                t = a + b0·B + b1·B·(S+L) + b2·B·(S+L)²       joint attention (MMDiT): text joins the sequence
            b0: work each sample costs whatever its S (its text tokens' projections, its conditioning). The issue's
-           form has no such term; on the H200 (Wan 1.3B, 512 text tokens) it is 6 ms a sample, and without it a
-           fit to the calibration ladder misses i480 at B = 459 by 13 % (results/calibration_h200.json). It is
-           fitted from B0_MIN_POINTS points on (fewer: 0).
+           form has no such term. On the H200 (Wan 1.3B, 512 text tokens) it is 6 ms a sample. The form without it
+           fits the calibration's ten points at 2.65 % against 0.97 % (results/h200_calibration.md), and fitted to
+           the ladder alone it misses i480 at B = 459 by 13 %. That one large-B point at a short S (the memory
+           probe) is what pins b0: the ladder alone does not. b0 is fitted from B0_MIN_POINTS points on, and only
+           where B varies apart from S (else 0).
     auto       whichever of the two has the lower leave-one-out relative error
 Every fit minimises relative residuals, Σ((t̂ − t)/t)² (weights 1/t): a 60 ms and a 1 s point count alike.
 The power form is fitted by variable projection: for fixed p the problem is a non-negative LS in (a, b), so p
 is found by a grid and a golden-section search over the projected residual. Plain numpy throughout (the GPU
-image has no scipy): with ≤ 4 coefficients, exact NNLS is the best of the supports' least-squares solutions.
+image has no scipy): with ≤ 5 coefficients, exact NNLS is the best of the supports' least-squares solutions.
 
 Peak memory of a training step:
     peak_bytes ≈ max(floor, c0 + c1·B·S + c2·B)   c0: weights, gradients, optimizer state, workspace; c1: activations
@@ -131,6 +133,12 @@ def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
+def _full_rank(X: np.ndarray) -> bool:
+    """Are X's columns linearly independent (each scaled to unit norm first, so that units do not matter)?"""
+    n = np.linalg.norm(X, axis=0)
+    return bool(np.all(n > 0) and np.linalg.matrix_rank(X / n, tol=1e-9) == X.shape[1])
+
+
 def _weighted_nnls(X: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, float]:
     """min Σ((X·c − t)/t)² over c ≥ 0; columns scaled for conditioning. Returns (c, residual norm)."""
     A = X / t[:, None]
@@ -159,7 +167,7 @@ def _golden(f, lo: float, hi: float, tol: float = 1e-7) -> float:
     return (a + b) / 2
 
 
-B0_MIN_POINTS = 5  # the per-sample term b0 is fitted from this many points (one more than its form's unknowns)
+B0_MIN_POINTS = 5  # the per-sample term b0 is fitted from this many points (one more than a + b0 + b1 + b2)
 
 
 def _quadratic_features(B, S, L, joint, per_sample):
@@ -224,7 +232,9 @@ def fit_cost_model(B: Sequence[float], S: Sequence[float], t: Sequence[float], f
     if joint and Lv is None:
         raise ValueError("joint attention needs the text lengths L")
     forms = FORMS if form == "auto" else (form,)
-    per_sample = len(t) >= B0_MIN_POINTS  # the leave-one-out fits keep the full fit's terms
+    # b0 only where the points tell it from the intercept (B varies, not only with S); the leave-one-out fits keep
+    # the full fit's terms
+    per_sample = len(t) >= B0_MIN_POINTS and _full_rank(_quadratic_features(B, S, Lv, joint, True)[0])
     n_params = {"power": 3, "quadratic": 3 + per_sample + (Lv is not None and not joint)}
     fits = {}
     for f in forms:
@@ -272,8 +282,8 @@ class MemoryModel:
     which every sample carries whatever its S). floor: a peak that does not grow with the micro-batch — the
     optimizer step's (fp32 states, gradients and the update's temporaries); a small micro-batch peaks there, not in
     backward. A line through such points as well as the large ones bends towards them and under-states c1: on the
-    H200 (Wan 1.3B, 30 blocks) every B = 1 point up to S = 46,800 peaked at 26.6 GiB, and the plain line gave
-    148 KiB a token where the large micro-batches take 200."""
+    H200 (Wan 1.3B, 30 blocks, 2026-11-30) every B = 1 point up to S = 46,800 peaked at 26.6 GiB, and the plain
+    line gave 110 KiB a token where the large micro-batches take 148."""
     c0: float
     c1: float
     rel_rmse: float = float("nan")
@@ -334,8 +344,8 @@ def fit_memory_model(B: Sequence[float], S: Sequence[float], peak_bytes: Sequenc
     The floor is tried at 0 and at each measured peak: points within FLOOR_TOL of it are taken as the floor's, the
     line is fitted (NNLS) to the rest, and the candidate with the lowest error over all points wins — a floor only
     where it halves the plain line's error, so that noise at the small end does not pass for one. The per-sample
-    term c2 is fitted only with four or more points on the line (three unknowns), else it is 0. Needs two distinct
-    token counts B·S on the line."""
+    term c2 is fitted only with four or more points on the line (three unknowns) whose B is not tied to B·S (all at
+    B = 1, c2 would split c0 arbitrarily), else it is 0. Needs two distinct token counts B·S on the line."""
     B, S, y = _as_arrays(B, S, peak_bytes)
     tokens = B * S
     if len(np.unique(tokens)) < 2:
@@ -345,7 +355,9 @@ def fit_memory_model(B: Sequence[float], S: Sequence[float], peak_bytes: Sequenc
         line = y > floor * (1 + FLOOR_TOL)
         if len(np.unique(tokens[line])) < 2:
             continue
-        cols = [np.ones(line.sum()), tokens[line]] + ([B[line]] if line.sum() >= 4 else [])
+        cols = [np.ones(line.sum()), tokens[line]]
+        if line.sum() >= 4 and _full_rank(np.stack(cols + [B[line]], axis=1)):
+            cols.append(B[line])  # c2 only where B varies apart from B·S
         c, _ = _weighted_nnls(np.stack(cols, axis=1), y[line])
         c0, c1, c2 = float(c[0]), float(c[1]), float(c[2]) if len(c) > 2 else 0.0
         rel = (np.maximum(floor, c0 + c1 * tokens + c2 * B) - y) / y

@@ -197,7 +197,7 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
                              f"{val['m_mem']} tokens (the memory model: {memory.describe()}), below the "
                              f"longest bucket's S={S_max}: "
                              "raise the budget, turn on model.checkpointing, or drop the bucket")
-    elif chosen.get("m_mem") is not None:
+    elif chosen.get("m_mem") is not None and S_min >= chosen.get("m_mem_S_min", 0):
         val["m_mem"], src["m_mem"] = chosen["m_mem"], "calibration:chosen"
     elif cal is not None and cal.default_m_mem(mode, S_min) is not None:
         val["m_mem"] = cal.default_m_mem(mode, S_min)

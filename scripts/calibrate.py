@@ -35,6 +35,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from data.buckets import bucket_table  # noqa: E402
@@ -101,20 +102,22 @@ def make_step_fn(model, objective, optimizer, buckets, model_cfg, device, autoca
 
 
 def _agree(ctx):
+    """(agree(ok) → all ranks ok, agree_min(v) → the smallest v of all ranks); (None, None) on one process."""
     if not ctx.distributed:
-        return None
+        return None, None
     import torch.distributed as dist
 
-    def agree(ok: bool) -> bool:
-        flag = torch.tensor([1.0 if ok else 0.0], device=ctx.comm_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item() > 0)
+    def agree_min(v: int) -> int:
+        t = torch.tensor([int(v)], dtype=torch.int64, device=ctx.comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
 
-    return agree
+    return (lambda ok: agree_min(1 if ok else 0) > 0), agree_min
 
 
-def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print) -> Calibration:
-    """Scan, fit and write the calibration of `cfg` (a TrainConfig); returns it (rank 0 writes the file)."""
+def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print):
+    """Scan, fit and write the calibration of `cfg` (a TrainConfig); returns it (rank 0 writes the file). With
+    calibrate.check: runs the given micro-batches instead and returns their rows (check_points)."""
     opts = {**DEFAULTS, **(opts or {})}
     unknown = set(opts) - set(DEFAULTS)
     if unknown:
@@ -144,6 +147,8 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
               else HBM_FRACTION * hbm if hbm else None)
     modes = ["none", "full"] if cfg.model.checkpointing == "auto" else [cfg.model.checkpointing]
     if opts["check"]:
+        if k != layers or ctx.world_size > 1:
+            raise ValueError("calibrate.check runs the whole model (leave calibrate.blocks unset) on one process")
         return check_points(cfg, opts, table, modes, model, objective, optimizer, ctx, autocast, budget, log)
     t_start = time.perf_counter()
     records = {}
@@ -151,9 +156,11 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
         step_fn = make_step_fn(model, objective, optimizer, table, cfg.model, ctx.device, autocast, mode == "full")
         say = log if ctx.is_main else (lambda s: None)
         say(f"checkpointing={mode}: scanning {len(tokens)} buckets, at most {opts['max_points']} timed points")
+        agree, agree_min = _agree(ctx)
         points = scan(step_fn, tokens, max_points=int(opts["max_points"]), top_tokens=opts["top_tokens"],
                       mem_budget_bytes=budget, warmup=int(opts["warmup"]), repeats=int(opts["repeats"]),
-                      agree=_agree(ctx), time_budget_s=opts["time_budget_s"], probe_cap=bool(opts["probe_cap"]),
+                      agree=agree, agree_min=agree_min, time_budget_s=opts["time_budget_s"],
+                      probe_cap=bool(opts["probe_cap"]) and k == layers,  # a k-block model's bound is not the model's
                       log=say)
         records[mode] = fit_mode(points, scale=layers / k, memory_valid=(k == layers),
                                  min_tokens=opts["fit_min_tokens"], L=cfg.model.text_len,
@@ -222,7 +229,7 @@ def check_points(cfg, opts, table, modes, model, objective, optimizer, ctx, auto
                 step_fn(name, B)
             runs = [step_fn(name, B) for _ in range(int(opts["repeats"]))]
             peaks = [r.peak_bytes for r in runs if r.peak_bytes is not None]
-            row.update(fits=True, ms=float(sorted(r.ms for r in runs)[len(runs) // 2]), ms_runs=[r.ms for r in runs],
+            row.update(fits=True, ms=float(np.median([r.ms for r in runs])), ms_runs=[r.ms for r in runs],
                        optim_ms=runs[0].optim_ms, peak_bytes=max(peaks) if peaks else None)
         except Infeasible as e:
             row.update(fits=False, why=str(e)[:300])

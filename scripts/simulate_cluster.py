@@ -324,6 +324,7 @@ def record_chosen(cal: Calibration, res: dict, mode: str) -> None:
     cal.data["chosen"] = {
         "by": "scripts/simulate_cluster.py", "date": datetime.date.today().isoformat(), "mode": mode,
         "m_mem": int(res["m_mem"]), "m_mem_why": f"memory model at {HBM_FRACTION:.0%} of HBM",
+        "m_mem_S_min": int(min(res["mix"].S)),  # safe for buckets from this S up (training checks it)
         "micro_batches": res["M"], "reference_world_size": 8,
         "mix": [{"bucket": n, "S": S, "share": s} for n, S, s in zip(mix.names, mix.S, mix.share)],
         "criterion": "highest simulated tokens/s (≡ samples/s: the mix is fixed)", "by_world_size": by_r}

@@ -88,6 +88,95 @@ def test_the_last_point_probes_the_memory_bound_of_the_shortest_bucket():
     assert fit_mode(pts)["memory_model"]["c1"] == pytest.approx(C1, rel=1e-6)
 
 
+def test_the_probe_is_skipped_cleanly_and_never_retries_a_size_that_ran_out():
+    """All points at the optimizer floor (no per-token cost to fit): the probe is skipped, the scan's points kept.
+    A B·S already out of memory on the ladder caps the probe below it."""
+    floor = StepResult(10.0, 1.0, 30 * 2**30)
+    pts = scan(lambda b, B: floor, TOKENS, max_points=7, top_tokens=32_000, mem_budget_bytes=100 * 2**30,
+               warmup=0, repeats=1)
+    assert sum(p.feasible for p in pts) == 6 and pts[-1].why.startswith("cap probe: no memory model")
+    calls = []  # the device runs out at 30,000 tokens; the ladder finds it at img B = 64 (64,000 tokens)
+    pts = scan(fake_step(oom_tokens=30_000, calls=calls), TOKENS, max_points=7, top_tokens=64_000,
+               mem_budget_bytes=C0 + C1 * 200_000, warmup=0, repeats=1)
+    assert sum(B * TOKENS[b] >= 64_000 for b, B in calls) == 1  # the model says 200,000 fit: the probe stays under
+    probes = [p for p in pts if p.bucket == "img" and 1 < p.B < 64]
+    assert [p.B for p in probes] == [63, int(63 * 0.85), int(int(63 * 0.85) * 0.85)]
+    assert not any(p.feasible for p in probes) and calls[-1] == ("img", probes[-1].B)  # three tries, then done
+
+
+def test_the_probe_agrees_across_two_ranks_whose_fits_differ():
+    """Each rank fits its own peaks (here 3 % apart): the ranks run the probe at the smaller B and make the same
+    agree() / agree_min() calls, so neither waits on a collective the other skips (two threads, all-reduce MIN)."""
+    import threading
+
+    barrier, slots = threading.Barrier(2, timeout=20), [None, None]
+
+    def all_reduce_min(rank, v):
+        slots[rank] = v
+        barrier.wait()
+        out = min(slots)
+        barrier.wait()
+        return out
+
+    results = [None, None]
+
+    def rank_main(rank):
+        bump = 1.0 + 0.03 * rank
+
+        def step_fn(bucket, B):
+            S = TOKENS[bucket]
+            return StepResult(1.0 + 1e-3 * B * S, 1.0, bump * (C0 + C1 * B * S))
+        results[rank] = scan(step_fn, TOKENS, max_points=7, top_tokens=32_000, mem_budget_bytes=C0 + C1 * 200_000,
+                             warmup=0, repeats=1, agree=lambda ok: all_reduce_min(rank, int(ok)) > 0,
+                             agree_min=lambda v: all_reduce_min(rank, v))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(r is not None for r in results)  # neither rank hung
+    probes = [r[-1] for r in results]
+    assert probes[0].B == probes[1].B and probes[0].feasible and probes[0].bucket == "img"
+    from scheduling.cost_model import MemoryModel
+    stricter = MemoryModel(1.03 * C0, 1.03 * C1).max_batch(1000, C0 + C1 * 200_000)
+    assert abs(probes[0].B - stricter) <= 1 < MemoryModel(C0, C1).max_batch(1000, C0 + C1 * 200_000) - stricter
+
+
+def test_refit_keeps_an_estimated_memory_model_and_drops_stale_choices(tmp_path):
+    from scheduling.calibrate import refit
+    from scheduling.simulate import issue4_h200_calibration
+
+    cal = issue4_h200_calibration()
+    est = cal.data["modes"]["full"]["memory_model"]
+    cal.data["chosen"] = {"by": "scripts/simulate_cluster.py", "m_mem": 1, "by_world_size": {"8": {}}}
+    cal = refit(cal, None)
+    assert cal.data["modes"]["full"]["memory_model"] == est and "chosen" not in cal.data
+    assert "dropped on refit" in cal.data["notes"][-1]
+    cal.data["chosen"] = {"m_mem": 960, "why": "CPU"}  # a CPU file's stated bound is not a simulator choice
+    assert refit(cal, None).data["chosen"] == {"m_mem": 960, "why": "CPU"}
+
+
+def test_check_runs_given_micro_batches_against_a_calibration(tmp_path):
+    from scripts.calibrate import _parse_checks, calibrate_config
+    from tests.helpers import compose_config
+
+    cal = str(tmp_path / "cal.json")
+    cfg = compose_config([f"scheduling.calibration={cal}"])
+    calibrate_config(cfg, {"max_points": 6, "repeats": 1}, command="test", log=lambda s: None)
+    out = str(tmp_path / "check.json")
+    rows = calibrate_config(cfg, {"check": ["img_64:3", "vid_64_9f:2"], "repeats": 1, "out": out}, log=lambda s: None)
+    assert [(r["bucket"], r["B"], r["fits"]) for r in rows] == [("img_64", 3, True), ("vid_64_9f", 2, True)]
+    assert all(r["ms"] > 0 and r["predicted_ms"] > 0 and len(r["ms_runs"]) == 1 for r in rows)
+    assert json.load(open(out))["rows"] == rows
+    table = cfg.data.buckets
+    for bad in ("img_64", "nope:2", "img_64:0", "img_64:x"):
+        with pytest.raises(ValueError, match="bucket:B"):
+            _parse_checks([bad], table)
+    with pytest.raises(ValueError, match="whole model"):
+        calibrate_config(cfg, {"check": ["img_64:1"], "blocks": 1}, log=lambda s: None)
+
+
 def test_the_point_cap_and_agreement_across_ranks():
     many = {f"b{i}": 1000 * (i + 1) for i in range(20)}
     pts = scan(fake_step(tokens=many), many, max_points=12, repeats=1, warmup=0)

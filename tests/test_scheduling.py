@@ -184,6 +184,28 @@ def test_explicit_config_beats_the_calibration_and_sources_say_so(h200):
     assert s.values["m_comp"] == 4e6 and s.values["p"] == 1.3 and s.sources["p"] == "calibration:chosen"
 
 
+def test_m_mem_is_taken_at_the_shortest_bucket_on_every_path(tmp_path):
+    """A memory model with a per-sample term bounds B·S at the run's shortest S (mem_budget_gib, the 90 % default,
+    PartialRecompute); the simulator's chosen m_mem is used only where it was taken at an S no longer than it."""
+    cal = issue4_h200_calibration()
+    mem = MemoryModel(20 * 2**30, 150 * 2**10, c2=20 * 2**20, floor=26 * 2**30)
+    cal.data["modes"]["full"]["memory_model"] = mem.to_dict()
+    path = cal.save(str(tmp_path / "c.json"))
+    short = dict(WAN_TOKENS, tiny=256)  # a bucket shorter than the mix's 1560
+    for tokens in (WAN_TOKENS, short):
+        S_min = min(tokens.values())
+        s = resolve_schedule(SchedulingConfig("cost", calibration=path, mem_budget_gib=80.0), tokens, WAN13)
+        assert s.values["m_mem"] == mem.m_mem(80 * 2**30, S_min) < mem.m_mem(80 * 2**30, 75600)
+        s = resolve_schedule(SchedulingConfig("cost", calibration=path), tokens, WAN13)
+        assert s.values["m_mem"] == mem.m_mem(0.9 * cal.hbm_bytes, S_min) and "90%" in s.sources["m_mem"]
+        assert all(mem.predict(B, tokens[n]) <= 0.9 * cal.hbm_bytes for n, B in s.batch_sizes.items())
+    cal.data["chosen"] = {"m_mem": 600_000, "m_mem_S_min": 1560}
+    path = cal.save(str(tmp_path / "c.json"))
+    assert resolve_schedule(SchedulingConfig("cost", calibration=path), WAN_TOKENS, WAN13).values["m_mem"] == 600_000
+    s = resolve_schedule(SchedulingConfig("cost", calibration=path), short, WAN13)
+    assert s.values["m_mem"] == mem.m_mem(0.9 * cal.hbm_bytes, 256) and "90%" in s.sources["m_mem"]
+
+
 def test_defaults_without_simulator_choices(tmp_path):
     path = issue4_h200_calibration().save(str(tmp_path / "c.json"))
     s = resolve_schedule(SchedulingConfig("dual_constraint", calibration=path), WAN_TOKENS, WAN13)
