@@ -31,7 +31,8 @@ from typing import Callable, Mapping, Optional
 
 import numpy as np
 
-from scheduling.cost_model import CostModel, MemoryModel, best_fit, fit_both, fit_memory_model
+from scheduling.cost_model import (B0_MIN_POINTS, CostModel, MemoryModel, best_fit, fit_both, fit_cost_model,
+                                   fit_memory_model)
 
 FORMAT = "adaptiveload-calibration/1"
 HBM_FRACTION = 0.9  # the memory budget when none is given: 90 % of the device's memory
@@ -71,10 +72,18 @@ def _ladder(S: int, quota: int, top_tokens: float) -> list[int]:
 
 
 def _quotas(tokens: Mapping[str, int], max_points: int) -> dict[str, int]:
-    names = sorted(tokens, key=lambda n: (tokens[n], n))
-    if len(names) > max_points:  # a spread by S, the shortest and the longest always in
-        pick = sorted({int(round(x)) for x in np.linspace(0, len(names) - 1, max_points)})
-        return {names[i]: 1 for i in pick}
+    """Points per bucket: one bucket per distinct S (a portrait twin costs what its landscape one does); with more
+    distinct S than max_points / 2, a spread of max_points // 2 of them by S, the shortest and the longest always
+    in, so that each bucket gets two points (B = 1 and a large B) rather than one."""
+    names, seen = [], set()
+    for n in sorted(tokens, key=lambda n: (tokens[n], n)):
+        if tokens[n] not in seen:
+            seen.add(tokens[n])
+            names.append(n)
+    keep = max(1, max_points // 2)
+    if len(names) > keep:
+        pick = sorted({int(round(x)) for x in np.linspace(0, len(names) - 1, keep)})
+        names = [names[i] for i in pick]
     q = {n: max_points // len(names) for n in names}
     for n in names[:max_points % len(names)]:  # spare points to the cheap, short buckets
         q[n] += 1
@@ -202,18 +211,47 @@ def _memory_fit(points: list[Point]) -> Optional[MemoryModel]:
     return fit_memory_model([p.B for p in pts], [p.S for p in pts], [p.peak_bytes for p in pts])
 
 
+LAUNCH_BOUND_ERR = 0.25  # a point this much slower than the fit to the points above it is launch-bound
+
+
+def launch_bound_tokens(points: list[Point], L: Optional[float] = None, joint: bool = False) -> Optional[int]:
+    """The largest B·S of the launch-bound points at the small end: from the smallest B·S up, a point is dropped while
+    it took over LAUNCH_BOUND_ERR longer than the quadratic fit to the points above it predicts (the GPU waited on
+    the host: on the H200, i480 at B = 1 took 491 ms where 190 ms of work was predicted). At least five points stay.
+    None where no point is dropped."""
+    pts = sorted((p for p in points if p.feasible and p.ms), key=lambda p: p.B * p.S)
+    bound = None
+    while len(pts) > B0_MIN_POINTS:
+        rest = pts[1:]
+        B, S, t = (np.array([getattr(p, k) for p in rest], dtype=np.float64) for k in ("B", "S", "ms"))
+        Lv = np.full(len(t), float(L)) if joint and L is not None else None
+        model = fit_cost_model(B, S, t, form="quadratic", L=Lv, joint=Lv is not None)
+        p = pts[0]
+        if model.predict(p.B, p.S, L if Lv is not None else None) > p.ms / (1 + LAUNCH_BOUND_ERR):
+            break
+        bound, pts = p.B * p.S, rest
+    return bound
+
+
 def fit_mode(points: list[Point], scale: float = 1.0, L: Optional[float] = None,
              memory_valid: bool = True, min_tokens: Optional[float] = None, joint: bool = False) -> dict:
     """One checkpointing mode's record: points, both fits (× scale for a k-block scan), memory model, optim ms.
 
     min_tokens: points with B·S below it are kept in the file but left out of the cost fit — on a GPU a small
     micro-batch is launch-bound (the GPU waits on Python's kernel launches: the H200 takes ~0.4 s for 30 Wan-1.3B
-    blocks at any B·S under ~10k tokens), a regime no training micro-batch is planned in. The file reports the
+    blocks at any B·S under ~10k tokens), a regime no training micro-batch is planned in. "auto": just above the
+    largest launch-bound point (launch_bound_tokens), none where no point is. The file reports the
     fitted model's error on every timed point as well. joint: the model attends over S + L tokens (MMDiT); the
     quadratic form then fits in (S + L) with the scan's text length L.
     """
     timed = [p for p in points if p.feasible]
     rec: dict = {"points": [asdict(p) for p in points]}
+    if min_tokens == "auto":
+        bound = launch_bound_tokens(timed, L, joint)
+        min_tokens = None if bound is None else bound + 1
+        rec["fit_min_tokens_why"] = ("auto: no point is launch-bound" if bound is None else
+                                     f"auto: launch-bound up to B·S = {bound} (over {LAUNCH_BOUND_ERR:.0%} slower "
+                                     "than the fit to the points above predicts)")
     fitted = [p for p in timed if min_tokens is None or p.B * p.S >= min_tokens]
     if len(fitted) < 3:
         raise ValueError(f"only {len(fitted)} points were timed (and fitted): a cost model needs at least 3 "

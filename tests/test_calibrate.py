@@ -177,6 +177,35 @@ def test_check_runs_given_micro_batches_against_a_calibration(tmp_path):
         calibrate_config(cfg, {"check": ["img_64:1"], "blocks": 1}, log=lambda s: None)
 
 
+def test_launch_bound_points_are_found_without_a_threshold(monkeypatch):
+    """fit_min_tokens=auto: on the H200 scan i480 at B = 1 (491 ms) took longer than v480_17f at B = 1 with five
+    times its tokens (413 ms), so it is left out; issue 4's points (4 blocks, all compute-bound) lose none."""
+    from scheduling.calibrate import launch_bound_tokens
+    from scheduling.simulate import H200_ISSUE4_POINTS
+    from tests.helpers import ROOT
+
+    monkeypatch.chdir(ROOT)
+    pts = [Point(**p) for p in Calibration.load("results/calibration_h200.json").data["modes"]["full"]["points"]]
+    assert launch_bound_tokens(pts) == 1560
+    rec = fit_mode(pts, min_tokens="auto", L=512)
+    assert rec["fit_min_tokens"] == 1561 and rec["fit_points"] == 11 and "auto" in rec["fit_min_tokens_why"]
+    assert rec["fit_errors"]["quadratic"]["rel_rmse"] < 0.015 < fit_mode(pts, L=512)["fit_errors"]["quadratic"]["rel_rmse"]
+    issue4 = [Point("b", S, B, True, ms, [ms], 0.0) for B, S, ms in H200_ISSUE4_POINTS]
+    assert launch_bound_tokens(issue4) is None and fit_mode(issue4, min_tokens="auto")["fit_points"] == 12
+
+
+def test_buckets_of_one_length_are_scanned_once_and_each_gets_two_points():
+    from scheduling.calibrate import _quotas
+
+    wan = {"i480": 1560, "i480_p": 1560, "i720": 3600, "v480_17f": 7800, "v480_17f_p": 7800, "v480_33f": 14040,
+           "v720_17f": 18000, "v480_49f": 20280, "v720_33f": 32400, "v480_81f": 32760, "v720_49f": 46800,
+           "v720_81f": 75600, "v720_81f_p": 75600}
+    q = _quotas(wan, 12)
+    assert list(q) == ["i480", "v480_17f", "v720_17f", "v480_49f", "v480_81f", "v720_81f"]  # 6 of 10 S, spread
+    assert set(q.values()) == {2}
+    assert _quotas({"a": 100, "a_p": 100, "b": 200}, 12) == {"a": 6, "b": 6}
+
+
 def test_the_point_cap_and_agreement_across_ranks():
     many = {f"b{i}": 1000 * (i + 1) for i in range(20)}
     pts = scan(fake_step(tokens=many), many, max_points=12, repeats=1, warmup=0)
