@@ -11,8 +11,8 @@ span both S and B·S. A bucket stops at its first infeasible B, at a B·S at or 
 infeasible, or where the memory model fitted to the points so far predicts more than `mem_budget_bytes`. With a
 memory budget, the last point probes the shortest bucket at the largest B the memory model allows: the planners
 fill short buckets up to that bound, several times the ladder's top, and a model fitted below it is checked there.
-At most `max_points` points are timed (the H200's budget: 12), spread over the buckets; with `n > max_points`
-buckets a spread of them by S is scanned. On several ranks every decision to run a point, and its outcome, is agreed
+At most `max_points` points are timed (the H200's budget: 12), spread over the buckets: one bucket per length, and
+with more lengths than max_points / 2 a spread of them by S, two points each (_quotas). On several ranks every decision to run a point, and its outcome, is agreed
 through `agree(ok) -> all ranks ok` (an all-reduce), so that no rank enters a step the others skip.
 
 The calibration file (JSON) holds, per checkpointing mode, the points, both cost fits with their errors, the
