@@ -73,8 +73,8 @@ def _ladder(S: int, quota: int, top_tokens: float) -> list[int]:
 
 def _quotas(tokens: Mapping[str, int], max_points: int) -> dict[str, int]:
     """Points per bucket: one bucket per distinct S (a portrait twin costs what its landscape one does); with more
-    distinct S than max_points / 2, a spread of max_points // 2 of them by S, the shortest and the longest always
-    in, so that each bucket gets two points (B = 1 and a large B) rather than one."""
+    distinct S than max_points / 2, max_points // 2 of them spread evenly in log S (each the nearest to its target;
+    the shortest and the longest always in), so that each bucket gets two points (B = 1 and a large B), not one."""
     names, seen = [], set()
     for n in sorted(tokens, key=lambda n: (tokens[n], n)):
         if tokens[n] not in seen:
@@ -82,8 +82,12 @@ def _quotas(tokens: Mapping[str, int], max_points: int) -> dict[str, int]:
             names.append(n)
     keep = max(1, max_points // 2)
     if len(names) > keep:
-        pick = sorted({int(round(x)) for x in np.linspace(0, len(names) - 1, keep)})
-        names = [names[i] for i in pick]
+        logS = np.log([tokens[n] for n in names])
+        pick: list[int] = []
+        for target in np.linspace(logS[0], logS[-1], keep):
+            free = [i for i in range(len(names)) if i not in pick]
+            pick.append(min(free, key=lambda i: (abs(logS[i] - target), i)))
+        names = [names[i] for i in sorted(pick)]
     q = {n: max_points // len(names) for n in names}
     for n in names[:max_points % len(names)]:  # spare points to the cheap, short buckets
         q[n] += 1
@@ -110,12 +114,15 @@ def scan(step_fn: Callable[[str, int], StepResult], tokens: Mapping[str, int], *
     top_tokens = top_tokens or 2 * max(tokens.values())
     probe = probe_cap and mem_budget_bytes is not None and max_points >= 3
     quotas = _quotas(tokens, max_points)
-    if probe:  # the probe's point comes out of the shortest bucket with two or more (its B = 1 is launch-bound)
+    high = set()  # buckets whose single point is their ladder's top, not B = 1
+    if probe:  # the probe's point comes out of the shortest bucket with two or more
         short = next((n for n in quotas if quotas[n] >= 2), None)
         if short is None:
             quotas = _quotas(tokens, max_points - 1)
         else:
             quotas[short] -= 1
+            if quotas[short] == 1:  # its B = 1 would be launch-bound on a GPU; the probe covers the bucket's top end
+                high.add(short)
     t_start = time.perf_counter()
     points: list[Point] = []
     infeasible_tokens = math.inf
@@ -150,7 +157,8 @@ def scan(step_fn: Callable[[str, int], StepResult], tokens: Mapping[str, int], *
 
     for name in quotas:
         S = int(tokens[name])
-        for B in _ladder(S, quotas[name], top_tokens):
+        ladder = [max(1, int(top_tokens // S))] if name in high else _ladder(S, quotas[name], top_tokens)
+        for B in ladder:
             timed = [p for p in points if p.feasible]
             why = ""
             if len(timed) >= max_points:
@@ -211,25 +219,29 @@ def _memory_fit(points: list[Point]) -> Optional[MemoryModel]:
     return fit_memory_model([p.B for p in pts], [p.S for p in pts], [p.peak_bytes for p in pts])
 
 
-LAUNCH_BOUND_ERR = 0.25  # a point this much slower than the fit to the points above it is launch-bound
+LAUNCH_BOUND_ERR = 0.25  # a point this much slower than the fit to the points well above it is launch-bound
 
 
 def launch_bound_tokens(points: list[Point], L: Optional[float] = None, joint: bool = False) -> Optional[int]:
-    """The largest B·S of the launch-bound points at the small end: from the smallest B·S up, a point is dropped while
-    it took over LAUNCH_BOUND_ERR longer than the quadratic fit to the points above it predicts (the GPU waited on
-    the host: on the H200, i480 at B = 1 took 491 ms where 190 ms of work was predicted). At least five points stay.
-    None where no point is dropped."""
+    """The largest B·S of the launch-bound points: each point is held against the quadratic fit to the points with
+    at least twice its B·S (so that a slow neighbour does not bend the reference), and flagged where it took over
+    LAUNCH_BOUND_ERR longer than that fit predicts — the GPU waited on the host. On the H200 (run 1 of
+    results/h200_calibration.md) i480 and v480_17f at B = 1 took 492 and 413 ms where 211 and 300 ms of work were
+    predicted. The cut keeps B0_MIN_POINTS points or more above it (a flagged point whose cut would leave fewer
+    is not taken); None where nothing is cut."""
     pts = sorted((p for p in points if p.feasible and p.ms), key=lambda p: p.B * p.S)
     bound = None
-    while len(pts) > B0_MIN_POINTS:
-        rest = pts[1:]
-        B, S, t = (np.array([getattr(p, k) for p in rest], dtype=np.float64) for k in ("B", "S", "ms"))
+    for p in pts:
+        T = p.B * p.S
+        ref = [q for q in pts if q.B * q.S >= 2 * T]
+        if len(ref) < B0_MIN_POINTS:
+            break
+        B, S, t = (np.array([getattr(q, k) for q in ref], dtype=np.float64) for k in ("B", "S", "ms"))
         Lv = np.full(len(t), float(L)) if joint and L is not None else None
         model = fit_cost_model(B, S, t, form="quadratic", L=Lv, joint=Lv is not None)
-        p = pts[0]
-        if model.predict(p.B, p.S, L if Lv is not None else None) > p.ms / (1 + LAUNCH_BOUND_ERR):
-            break
-        bound, pts = p.B * p.S, rest
+        slow = model.predict(p.B, p.S, L if Lv is not None else None) * (1 + LAUNCH_BOUND_ERR) < p.ms
+        if slow and sum(q.B * q.S > T for q in pts) >= B0_MIN_POINTS:
+            bound = T
     return bound
 
 
@@ -251,7 +263,7 @@ def fit_mode(points: list[Point], scale: float = 1.0, L: Optional[float] = None,
         min_tokens = None if bound is None else bound + 1
         rec["fit_min_tokens_why"] = ("auto: no point is launch-bound" if bound is None else
                                      f"auto: launch-bound up to B·S = {bound} (over {LAUNCH_BOUND_ERR:.0%} slower "
-                                     "than the fit to the points above predicts)")
+                                     "than the fit to the points with twice its tokens predicts)")
     fitted = [p for p in timed if min_tokens is None or p.B * p.S >= min_tokens]
     if len(fitted) < 3:
         raise ValueError(f"only {len(fitted)} points were timed (and fitted): a cost model needs at least 3 "

@@ -169,6 +169,8 @@ def test_check_runs_given_micro_batches_against_a_calibration(tmp_path):
     assert [(r["bucket"], r["B"], r["fits"]) for r in rows] == [("img_64", 3, True), ("vid_64_9f", 2, True)]
     assert all(r["ms"] > 0 and r["predicted_ms"] > 0 and len(r["ms_runs"]) == 1 for r in rows)
     assert json.load(open(out))["rows"] == rows
+    from scripts.calibrate import DEFAULTS
+    assert DEFAULTS["fit_min_tokens"] == "auto" and DEFAULTS["probe_cap"] is True
     table = cfg.data.buckets
     for bad in ("img_64", "nope:2", "img_64:0", "img_64:x"):
         with pytest.raises(ValueError, match="bucket:B"):
@@ -195,6 +197,32 @@ def test_launch_bound_points_are_found_without_a_threshold(monkeypatch):
     assert launch_bound_tokens(issue4) is None and fit_mode(issue4, min_tokens="auto")["fit_points"] == 12
 
 
+def test_launch_bound_cut_on_a_synthetic_scan():
+    """Run 3's cost (5.2 ms a sample) with a 450 ms launch floor: the two short B = 1 points are cut even though the
+    next one up runs 17 % slow; a point 20 % slow is not cut and one 30 % slow is; the cut keeps five points; a
+    joint (MMDiT) scan is held against its joint fit."""
+    from scheduling.calibrate import launch_bound_tokens
+
+    work = lambda B, S: 44.7 + 5.16 * B + 0.01817 * B * S + 1.53e-6 * B * S * S
+    shape = [(1, 1560), (1, 7800), (1, 14040), (19, 7800), (10, 14040), (1, 32760), (4, 32760), (1, 75600),
+             (2, 75600), (459, 1560)]
+    pts = lambda t: [Point("b", S, B, True, t(B, S)) for B, S in shape]
+    slow = {14040: 1.17}  # v480_33f at B = 1: partly launch-bound, under the threshold
+    assert launch_bound_tokens(pts(lambda B, S: max(450, work(B, S)) * (slow.get(S, 1) if B == 1 else 1))) == 7800
+    for factor, cut in ((1.2, None), (1.3, 1560)):
+        assert launch_bound_tokens(pts(lambda B, S: work(B, S) * (factor if (B, S) == (1, 1560) else 1))) == cut
+    six = [Point("b", S, B, True, work(B, S) * (3 if S == 2000 and B == 1 else 1))
+           for B, S in [(1, 2000), (2, 1000), (1, 16000), (4, 4000), (1, 64000), (2, 20000)]]
+    assert launch_bound_tokens(six) is None  # cutting B·S = 2000 would leave four points
+    assert launch_bound_tokens(six + [Point("b", 80000, 1, True, work(1, 80000))]) == 2000
+    L = 512
+    joint = lambda B, S: 30 + 0.02 * B * (S + L) + 2e-6 * B * (S + L) ** 2
+    jp = [Point("b", S, B, True, joint(B, S) * (1.3 if (B, S) == (1, 1000) else 1)) for B, S in shape[1:] +
+          [(1, 1000)]]
+    assert launch_bound_tokens(jp, L=L, joint=True) == 1000
+    assert launch_bound_tokens([Point("b", S, B, True, joint(B, S)) for B, S in shape], L=L, joint=True) is None
+
+
 def test_buckets_of_one_length_are_scanned_once_and_each_gets_two_points():
     from scheduling.calibrate import _quotas
 
@@ -202,7 +230,7 @@ def test_buckets_of_one_length_are_scanned_once_and_each_gets_two_points():
            "v720_17f": 18000, "v480_49f": 20280, "v720_33f": 32400, "v480_81f": 32760, "v720_49f": 46800,
            "v720_81f": 75600, "v720_81f_p": 75600}
     q = _quotas(wan, 12)
-    assert list(q) == ["i480", "v480_17f", "v720_17f", "v480_49f", "v480_81f", "v720_81f"]  # 6 of 10 S, spread
+    assert list(q) == ["i480", "i720", "v480_17f", "v720_17f", "v480_81f", "v720_81f"]  # 6 of 10 S, even in log S
     assert set(q.values()) == {2}
     assert _quotas({"a": 100, "a_p": 100, "b": 200}, 12) == {"a": 6, "b": 6}
 
