@@ -222,13 +222,14 @@ def _memory_fit(points: list[Point]) -> Optional[MemoryModel]:
 LAUNCH_BOUND_ERR = 0.25  # a point this much slower than the fit to the points well above it is launch-bound
 
 
-def launch_bound_tokens(points: list[Point], L: Optional[float] = None, joint: bool = False) -> Optional[int]:
+def launch_bound_tokens(points: list[Point]) -> Optional[int]:
     """The largest B·S of the launch-bound points: each point is held against the quadratic fit to the points with
     at least twice its B·S (so that a slow neighbour does not bend the reference), and flagged where it took over
     LAUNCH_BOUND_ERR longer than that fit predicts — the GPU waited on the host. On the H200 (run 1 of
     results/h200_calibration.md) i480 and v480_17f at B = 1 took 492 and 413 ms where 211 and 300 ms of work were
-    predicted. The cut keeps B0_MIN_POINTS points or more above it (a flagged point whose cut would leave fewer
-    is not taken); None where nothing is cut."""
+    predicted. A point is judged only with B0_MIN_POINTS or more points at twice its B·S, so the cut keeps at least
+    that many. None where nothing is cut. The form with b0 spans MMDiT's joint (S + L)² at a fixed L, so one fit
+    serves both."""
     pts = sorted((p for p in points if p.feasible and p.ms), key=lambda p: p.B * p.S)
     bound = None
     for p in pts:
@@ -237,10 +238,7 @@ def launch_bound_tokens(points: list[Point], L: Optional[float] = None, joint: b
         if len(ref) < B0_MIN_POINTS:
             break
         B, S, t = (np.array([getattr(q, k) for q in ref], dtype=np.float64) for k in ("B", "S", "ms"))
-        Lv = np.full(len(t), float(L)) if joint and L is not None else None
-        model = fit_cost_model(B, S, t, form="quadratic", L=Lv, joint=Lv is not None)
-        slow = model.predict(p.B, p.S, L if Lv is not None else None) * (1 + LAUNCH_BOUND_ERR) < p.ms
-        if slow and sum(q.B * q.S > T for q in pts) >= B0_MIN_POINTS:
+        if fit_cost_model(B, S, t, form="quadratic").predict(p.B, p.S) * (1 + LAUNCH_BOUND_ERR) < p.ms:
             bound = T
     return bound
 
@@ -259,7 +257,7 @@ def fit_mode(points: list[Point], scale: float = 1.0, L: Optional[float] = None,
     timed = [p for p in points if p.feasible]
     rec: dict = {"points": [asdict(p) for p in points]}
     if min_tokens == "auto":
-        bound = launch_bound_tokens(timed, L, joint)
+        bound = launch_bound_tokens(timed)
         min_tokens = None if bound is None else bound + 1
         rec["fit_min_tokens_why"] = ("auto: no point is launch-bound" if bound is None else
                                      f"auto: launch-bound up to B·S = {bound} (over {LAUNCH_BOUND_ERR:.0%} slower "

@@ -199,8 +199,8 @@ def test_launch_bound_points_are_found_without_a_threshold(monkeypatch):
 
 def test_launch_bound_cut_on_a_synthetic_scan():
     """Run 3's cost (5.2 ms a sample) with a 450 ms launch floor: the two short B = 1 points are cut even though the
-    next one up runs 17 % slow; a point 20 % slow is not cut and one 30 % slow is; the cut keeps five points; a
-    joint (MMDiT) scan is held against its joint fit."""
+    next one up runs 17 % slow; a point 20 % slow is not cut and one 30 % slow is; a point is judged only with five
+    points at twice its B·S; a joint (MMDiT) scan works alike."""
     from scheduling.calibrate import launch_bound_tokens
 
     work = lambda B, S: 44.7 + 5.16 * B + 0.01817 * B * S + 1.53e-6 * B * S * S
@@ -213,14 +213,14 @@ def test_launch_bound_cut_on_a_synthetic_scan():
         assert launch_bound_tokens(pts(lambda B, S: work(B, S) * (factor if (B, S) == (1, 1560) else 1))) == cut
     six = [Point("b", S, B, True, work(B, S) * (3 if S == 2000 and B == 1 else 1))
            for B, S in [(1, 2000), (2, 1000), (1, 16000), (4, 4000), (1, 64000), (2, 20000)]]
-    assert launch_bound_tokens(six) is None  # cutting B·S = 2000 would leave four points
+    assert launch_bound_tokens(six) is None  # four points at twice B·S = 2000: too few to judge it
     assert launch_bound_tokens(six + [Point("b", 80000, 1, True, work(1, 80000))]) == 2000
-    L = 512
+    L = 512  # a joint (MMDiT) scan: the form with b0 spans B·(S + L)² at a fixed L
     joint = lambda B, S: 30 + 0.02 * B * (S + L) + 2e-6 * B * (S + L) ** 2
     jp = [Point("b", S, B, True, joint(B, S) * (1.3 if (B, S) == (1, 1000) else 1)) for B, S in shape[1:] +
           [(1, 1000)]]
-    assert launch_bound_tokens(jp, L=L, joint=True) == 1000
-    assert launch_bound_tokens([Point("b", S, B, True, joint(B, S)) for B, S in shape], L=L, joint=True) is None
+    assert launch_bound_tokens(jp) == 1000
+    assert launch_bound_tokens([Point("b", S, B, True, joint(B, S)) for B, S in shape]) is None
 
 
 def test_buckets_of_one_length_are_scanned_once_and_each_gets_two_points():
