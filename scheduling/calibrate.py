@@ -12,8 +12,9 @@ infeasible, or where the memory model fitted to the points so far predicts more 
 memory budget, the last point probes the shortest bucket at the largest B the memory model allows: the planners
 fill short buckets up to that bound, several times the ladder's top, and a model fitted below it is checked there.
 At most `max_points` points are timed (the H200's budget: 12), spread over the buckets: one bucket per length, and
-with more lengths than max_points / 2 a spread of them by S, two points each (_quotas). On several ranks every decision to run a point, and its outcome, is agreed
-through `agree(ok) -> all ranks ok` (an all-reduce), so that no rank enters a step the others skip.
+with more lengths than max_points / 2 a spread of them in log S, two points each (_quotas). On several ranks every
+decision to run a point, and its outcome, is agreed through `agree(ok) -> all ranks ok` (an all-reduce), so that no
+rank enters a step the others skip.
 
 The calibration file (JSON) holds, per checkpointing mode, the points, both cost fits with their errors, the
 chosen (auto) cost model, the memory model and the optimizer ms; plus what was measured where and how, a k-block

@@ -6,8 +6,8 @@ Time of forward + backward of a micro-batch of B samples of S tokens (text lengt
                                                              ∝ S², cross-attention ∝ S·L; non-negative LS
                t = a + b0·B + b1·B·(S+L) + b2·B·(S+L)²       joint attention (MMDiT): text joins the sequence
            b0: work each sample costs whatever its S (its text tokens' projections, its conditioning). The issue's
-           form has no such term. On the H200 (Wan 1.3B, 512 text tokens, results/calibration_h200.json) it is
-           5.2 ms a sample. The form without it fits that scan's ten points at 2.1 % against 0.23 %, and fitted to
+           form has no such term. On the H200 (Wan 1.3B, 512 text tokens; run 3 of results/h200_calibration.md) it
+           is 5.2 ms a sample. The form without it fits that scan's ten points at 2.1 % against 0.23 %, and fitted to
            the ladder alone (without the memory probe, i480 at B = 459) it misses the probe by 11 %; with b0, by
            2.5 %. On a scan with fewer lengths the probe is what pins b0 (results/h200_calibration.md, run 1).
            b0 is fitted from B0_MIN_POINTS points on, and only where B varies apart from S (else 0).

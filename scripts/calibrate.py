@@ -10,7 +10,8 @@ Options (`+calibrate.KEY=VALUE`): max_points (12), blocks (time k of the model's
 layers/k; the file says so), warmup (1), repeats (2), top_tokens (largest B·S aimed at; default 2·S_max),
 time_budget_s, buckets (a list of names; default all), out (the file; default scheduling.calibration),
 fit_min_tokens (points with B·S below it stay in the file but out of the cost fit: launch-bound on a GPU; auto,
-the default: above every point whose time did not grow with twice its tokens; null: fit every point),
+the default: above every point that ran over 25 % slower than the fit to the points with twice its tokens
+predicts, scheduling/calibrate.py launch_bound_tokens; null: fit every point),
 refit (a calibration file: fit its measured points again with fit_min_tokens, no device; writes out or itself),
 probe_cap (true: the last point is the shortest bucket at the memory model's largest B; scheduling/calibrate.py),
 check (a list of bucket:B, e.g. [i480:461,i480:328]: no scan; warmup + repeats steps each, after one step that

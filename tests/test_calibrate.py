@@ -192,7 +192,8 @@ def test_launch_bound_points_are_found_without_a_threshold(monkeypatch):
     assert launch_bound_tokens(pts) == 7800
     rec = fit_mode(pts, min_tokens="auto", L=512)
     assert rec["fit_min_tokens"] == 7801 and rec["fit_points"] == 10 and "auto" in rec["fit_min_tokens_why"]
-    assert rec["fit_errors"]["quadratic"]["rel_rmse"] < 0.015 < fit_mode(pts, L=512)["fit_errors"]["quadratic"]["rel_rmse"]
+    all_points = fit_mode(pts, L=512)["fit_errors"]["quadratic"]["rel_rmse"]
+    assert rec["fit_errors"]["quadratic"]["rel_rmse"] < 0.015 < all_points
     issue4 = [Point("b", S, B, True, ms, [ms], 0.0) for B, S, ms in H200_ISSUE4_POINTS]
     assert launch_bound_tokens(issue4) is None and fit_mode(issue4, min_tokens="auto")["fit_points"] == 12
 
@@ -314,7 +315,7 @@ def test_the_committed_h200_calibration(monkeypatch):
     cal = Calibration.load("results/calibration_h200.json")
     rec = cal.data["modes"]["full"]
     assert cal.data["source"] == "measured" and cal.data["device"] == "NVIDIA H200"
-    assert rec["cost_model"]["form"] == "quadratic" and rec["fit_errors"]["quadratic"]["rel_rmse"] < 0.01
+    assert rec["cost_model"]["form"] == "quadratic" and rec["fit_errors"]["quadratic"]["rel_rmse"] < 0.015
     assert rec["fit_errors"]["power"]["rel_rmse"] > 0.10 and sum(p["feasible"] for p in rec["points"]) <= 12
     wan = {"i480": 1560, "v480_33f": 14040, "v720_81f": 75600}
     s = resolve_schedule(SchedulingConfig("balanced", calibration="results/calibration_h200.json"), wan,
