@@ -315,7 +315,7 @@ def test_the_committed_h200_calibration(monkeypatch):
     cal = Calibration.load("results/calibration_h200.json")
     rec = cal.data["modes"]["full"]
     assert cal.data["source"] == "measured" and cal.data["device"] == "NVIDIA H200"
-    assert rec["cost_model"]["form"] == "quadratic" and rec["fit_errors"]["quadratic"]["rel_rmse"] < 0.015
+    assert rec["cost_model"]["form"] == "quadratic" and rec["fit_errors"]["quadratic"]["rel_rmse"] < 0.01
     assert rec["fit_errors"]["power"]["rel_rmse"] > 0.10 and sum(p["feasible"] for p in rec["points"]) <= 12
     wan = {"i480": 1560, "v480_33f": 14040, "v720_81f": 75600}
     s = resolve_schedule(SchedulingConfig("balanced", calibration="results/calibration_h200.json"), wan,
