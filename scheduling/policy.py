@@ -199,9 +199,8 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
                              "raise the budget, turn on model.checkpointing, or drop the bucket")
     elif chosen.get("m_mem") is not None and S_min >= chosen.get("m_mem_S_min", 0):
         val["m_mem"], src["m_mem"] = chosen["m_mem"], "calibration:chosen"
-    elif cal is not None and cal.default_m_mem(mode, S_min) is not None:
-        val["m_mem"] = cal.default_m_mem(mode, S_min)
-        src["m_mem"] = f"calibration:memory model at {HBM_FRACTION:.0%} of HBM"
+    elif cal is not None and (default := cal.default_m_mem(mode, S_min)) is not None:
+        val["m_mem"], src["m_mem"] = default, f"calibration:memory model at {HBM_FRACTION:.0%} of HBM"
     m_mem = val.get("m_mem")
 
     def pick(name: str, default, default_why: str):
