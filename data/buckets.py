@@ -2,10 +2,12 @@
 
     latent frames  F' = 1 + (frames − 1) / stride_t        (Wan VAE: stride_t = 4, so frames = 1 + 4k)
     latent size    H' = height / stride_s, W' = width / stride_s   (stride_s = 8)
-    tokens         S  = (F' / p_t) · (H' / p_h) · (W' / p_w)     (patch (1, 2, 2))
+    tokens         S  = (F' / p_t) · (H' / p_h) · (W' / p_w)     (the model's patch: Wan 2.1 (1, 2, 2))
 
 Buckets are a dict keyed by name in the config (`data.buckets.v480_33f.frames=33`), so one entry can be
-overridden from the command line. Batch sizes are not decided here: they come from `scheduling/`.
+overridden from the command line. The patch is the model's (`cfg.model.patch`, plain ints), so S is the sequence
+length the model runs: a run builds its table with `bucket_table(cfg.data.buckets, patch=cfg.model.patch)`.
+Batch sizes are not decided here: they come from `scheduling/`.
 """
 from __future__ import annotations
 
@@ -30,8 +32,15 @@ class Bucket:
     def __post_init__(self):
         where = f"data.buckets.{self.name}"
         for field in ("frames", "height", "width"):
-            if int(getattr(self, field)) < 1:
-                raise ValueError(f"{where}.{field} must be ≥ 1, got {getattr(self, field)}")
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:  # 33.5 frames is no shape: never truncated
+                raise ValueError(f"{where}.{field} must be a positive integer, got {v!r}")
+        for field in ("stride_t", "stride_s"):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"the VAE's {field} must be a positive integer, got {v!r}")
+        if len(self.patch) != 3 or any(isinstance(p, bool) or not isinstance(p, int) or p < 1 for p in self.patch):
+            raise ValueError(f"model.patch_size must be three positive integers (t, h, w), got {self.patch!r}")
         if (self.frames - 1) % self.stride_t:
             raise ValueError(f"{where}.frames must be 1 + {self.stride_t}·k (the VAE's temporal stride), "
                              f"got {self.frames}; try {1 + (self.frames - 1) // self.stride_t * self.stride_t}")
@@ -56,16 +65,25 @@ class Bucket:
         return (channels, self.latent_frames, self.height // self.stride_s, self.width // self.stride_s)
 
     @property
-    def tokens(self) -> int:
-        """S: the transformer's sequence length for one sample of this bucket."""
+    def patch_grid(self) -> tuple[int, int, int]:
+        """(F'/p_t, H'/p_h, W'/p_w): patches along time, height and width."""
         _, f, h, w = self.latent_shape(1)
         pt, ph, pw = self.patch
-        return (f // pt) * (h // ph) * (w // pw)
+        return (f // pt, h // ph, w // pw)
+
+    @property
+    def tokens(self) -> int:
+        """S: the transformer's sequence length for one sample of this bucket."""
+        f, h, w = self.patch_grid
+        return f * h * w
 
 
 def bucket_table(buckets: Mapping[str, Mapping], stride_t: int = VAE_STRIDE_T, stride_s: int = VAE_STRIDE_S,
                  patch: tuple[int, int, int] = PATCH) -> dict[str, Bucket]:
-    """Config dict {name: {frames, height, width}} → {name: Bucket}, ordered by tokens S then name."""
+    """Config dict {name: {frames, height, width}} → {name: Bucket}, ordered by tokens S then name.
+
+    `patch` is the model's (p_t, p_h, p_w) as plain ints (`cfg.model.patch`): S counts the model's tokens.
+    """
     if not buckets:
         raise ValueError("data.buckets is empty: define at least one bucket {name: {frames, height, width}}")
     table = {}
@@ -76,6 +94,5 @@ def bucket_table(buckets: Mapping[str, Mapping], stride_t: int = VAE_STRIDE_T, s
         missing = {"frames", "height", "width"} - set(spec)
         if missing:
             raise ValueError(f"data.buckets.{name} is missing {sorted(missing)}")
-        table[name] = Bucket(name, int(spec["frames"]), int(spec["height"]), int(spec["width"]),
-                             stride_t, stride_s, tuple(patch))
+        table[name] = Bucket(name, spec["frames"], spec["height"], spec["width"], stride_t, stride_s, tuple(patch))
     return dict(sorted(table.items(), key=lambda kv: (kv[1].tokens, kv[0])))

@@ -1,6 +1,12 @@
-"""Typed configuration of the data side (the `data:` group)."""
+"""Typed configuration of the data side (the `data:` group).
+
+Numbers reach these dataclasses already checked finite and of their declared type (training/config.py; the
+entries of `buckets` and `mix` are typed, so theirs are too); the range of each is checked here, and the bucket
+shapes by data/buckets.py.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -14,8 +20,8 @@ class SyntheticConfig:
     num_samples: int = 192
     num_val: int = 8
     num_classes: int = 8
-    seed: int = 0
-    mix: dict = field(default_factory=dict)  # bucket name → share of samples; empty: equal shares
+    seed: int = 0                            # in [0, 2^64)
+    mix: dict[str, float] = field(default_factory=dict)  # bucket name → share ≥ 0 (0: none); empty: equal shares
     samples_per_shard: int = 64
     dtype: str = "float32"
 
@@ -24,15 +30,24 @@ class SyntheticConfig:
             raise ValueError(f"data.synthetic.num_samples must be ≥ 1, got {self.num_samples}")
         if self.num_val < 0:
             raise ValueError(f"data.synthetic.num_val must be ≥ 0, got {self.num_val}")
-        if any(float(v) < 0 for v in self.mix.values()):
-            raise ValueError(f"data.synthetic.mix shares must be ≥ 0, got {dict(self.mix)}")
+        for name in ("num_classes", "samples_per_shard"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.synthetic.{name} must be ≥ 1, got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**64:  # torch.manual_seed's range; numpy's default_rng refuses negative seeds
+            raise ValueError(f"data.synthetic.seed must lie in [0, 2^64), got {self.seed}")
+        # A share of 0 leaves that bucket out of the corpus while it stays in the bucket table.
+        for name, share in self.mix.items():
+            if not (math.isfinite(share) and share >= 0):
+                raise ValueError(f"data.synthetic.mix.{name} must be a finite share ≥ 0, got {share}")
+        if self.mix and not any(self.mix.values()):
+            raise ValueError(f"data.synthetic.mix gives every bucket a zero share: {dict(self.mix)}")
         if self.dtype not in ("float32", "float16"):
             raise ValueError(f"data.synthetic.dtype must be float32 or float16, got {self.dtype!r}")
 
 
 @dataclass
 class DataConfig:
-    buckets: dict = field(default_factory=dict)  # name → {frames, height, width}
+    buckets: dict[str, dict[str, int]] = field(default_factory=dict)  # name → {frames, height, width} in pixels
     index: Optional[str] = None                  # a corpus folder holding index.jsonl (latent or raw); with urls:
                                                  # where their index goes (default: beside the shards)
     urls: Optional[Any] = None                   # raw WebDataset shards: brace pattern, glob, list file, or a list
@@ -58,8 +73,9 @@ class DataConfig:
                     raise ValueError(f"data.sources[{i}] must be {{index: <corpus folder>, weight: <w>}} or "
                                      f"{{urls: <shards>, weight: <w>}} (index then says where their index goes), "
                                      f"got {s!r}")
-                if float(s.get("weight", 1.0)) <= 0:
-                    raise ValueError(f"data.sources[{i}].weight must be > 0, got {s.get('weight')}")
+                w = s.get("weight", 1.0)
+                if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w > 0):
+                    raise ValueError(f"data.sources[{i}].weight must be a finite number > 0, got {w!r}")
         if self.urls is not None:
             if self.sources is not None:
                 raise ValueError("set data.urls or data.sources, not both: a source takes {urls: ..., weight: ...}")

@@ -3,6 +3,9 @@
 Fine-tuning knobs live here too: `pretrained` (a local diffusers folder), `freeze` (parameters left out of training,
 by regex on their names) and `lora` (a peft LoRA adapter; models/lora.py applies it, and with it only the adapter
 trains).
+
+Numbers reach these dataclasses already checked finite and of their declared type (training/config.py); the range
+of each is checked here.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ class LoRAConfig:
     """
     rank: int = 0
     alpha: Optional[float] = None   # null: alpha = rank (scale 1)
-    targets: list = field(default_factory=lambda: list(LORA_BLOCK_LINEARS))  # module-name suffixes (peft)
+    targets: list[str] = field(default_factory=lambda: list(LORA_BLOCK_LINEARS))  # module-name suffixes (peft)
     dropout: float = 0.0
 
     def __post_init__(self):
@@ -51,7 +54,8 @@ class LoRAConfig:
 @dataclass
 class RunKnobs:
     """How a model runs and trains, whatever its architecture (the non-architecture half of `model:`)."""
-    text_len: int = 512                   # text tokens after zero-padding (diffusers' Wan pipeline: 512)
+    text_len: int = 512                   # text tokens after zero-padding (diffusers' Wan pipeline: 512); at most
+                                          # data.encoders.max_text_len (training/config.py checks it)
     precision: str = "bf16"               # matmuls under autocast on GPU; fp32 on CPU; master weights stay fp32
     adaln_backend: str = "auto"
     glue_backend: str = "auto"            # Wan's fused glue (ops/): torch | triton | auto (Triton on CUDA)
@@ -60,7 +64,7 @@ class RunKnobs:
     keep_attention: bool = False          # recomputed blocks keep SDPA's outputs (full: all; auto: as memory allows)
     compile: bool = False
     pretrained: Optional[str] = None      # a local diffusers-format folder (config.json + safetensors)
-    freeze: list = field(default_factory=list)  # regexes (re.search) of parameter names that do not train
+    freeze: list[str] = field(default_factory=list)  # regexes (re.search) of parameter names that do not train
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def _check_knobs(self) -> None:
@@ -94,7 +98,7 @@ class RunKnobs:
 class ModelConfig(RunKnobs):
     """`model:` for Wan 2.1 (name=wan); architecture fields are diffusers' WanTransformer3DModel config names."""
     name: str = "wan"
-    patch_size: tuple = (1, 2, 2)
+    patch_size: tuple[int, int, int] = (1, 2, 2)
     num_attention_heads: int = 12
     attention_head_dim: int = 128
     in_channels: int = 16
@@ -112,15 +116,27 @@ class ModelConfig(RunKnobs):
         if self.name != "wan":
             raise ValueError(f"model.name must be one of {sorted(MODEL_CONFIGS)}, got {self.name!r}")
         self._check_knobs()
-        self.patch_size = tuple(int(p) for p in self.patch_size)
-        if len(self.patch_size) != 3:
-            raise ValueError(f"model.patch_size must be (t, h, w), got {self.patch_size}")
+        self.patch_size = tuple(self.patch_size)
+        if len(self.patch_size) != 3 or any(isinstance(p, bool) or not isinstance(p, int) or p < 1
+                                            for p in self.patch_size):
+            raise ValueError(f"model.patch_size must be three positive integers (t, h, w), got {self.patch_size!r}")
         for name in ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim",
-                     "freq_dim", "ffn_dim", "num_layers"):
-            if int(getattr(self, name)) < 1:
+                     "freq_dim", "ffn_dim", "num_layers", "rope_max_seq_len"):
+            if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be ≥ 1, got {getattr(self, name)}")
         if self.freq_dim % 2:
             raise ValueError(f"model.freq_dim must be even (sin/cos halves), got {self.freq_dim}")
+        # Wan's RoPE bands: h = w = 2·⌊d/6⌋ and t the rest, each even and > 0 (models/wan.py).
+        if self.attention_head_dim < 12 or self.attention_head_dim % 2:
+            raise ValueError(f"model.attention_head_dim must be even and ≥ 12 (Wan's t, h, w RoPE bands), got "
+                             f"{self.attention_head_dim}")
+        if not self.eps > 0:
+            raise ValueError(f"model.eps must be > 0 (the norms' epsilon), got {self.eps}")
+
+    @property
+    def patch(self) -> tuple[int, int, int]:
+        """(p_t, p_h, p_w): what data/buckets.py divides the latent grid by to count tokens S."""
+        return self.patch_size
 
     @property
     def attention_layers(self) -> int:
@@ -153,17 +169,17 @@ class MMDiTConfig(RunKnobs):
     num_single_layers: int = 40
     num_refiner_layers: int = 2
     mlp_ratio: float = 4.0
-    patch_size: int = 2
+    patch_size: int = 2                   # spatial (h and w)
     patch_size_t: int = 1
     qk_norm: str = "rms_norm"
     guidance_embeds: bool = True
     text_embed_dim: int = 4096
     pooled_projection_dim: int = 768
     rope_theta: float = 256.0
-    rope_axes_dim: tuple = (16, 56, 56)
+    rope_axes_dim: tuple[int, int, int] = (16, 56, 56)
     image_condition_type: Optional[str] = None
     guidance_scale: float = 1.0           # embedded guidance while training: the model receives 1000·guidance_scale
-    text_len: int = 256
+    text_len: int = 256                   # diffusers' HunyuanVideo pipeline: 256 LLaMA tokens after the template
 
     def __post_init__(self):
         if self.name != "mmdit":
@@ -175,14 +191,27 @@ class MMDiTConfig(RunKnobs):
                              "auto / false")
         for name in ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "num_layers",
                      "text_embed_dim", "pooled_projection_dim", "patch_size", "patch_size_t"):
-            if int(getattr(self, name)) < 1:
+            if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be ≥ 1, got {getattr(self, name)}")
-        if self.num_single_layers < 0 or self.num_refiner_layers < 0:
-            raise ValueError("model.num_single_layers and model.num_refiner_layers must be ≥ 0")
-        self.rope_axes_dim = tuple(int(d) for d in self.rope_axes_dim)
-        if len(self.rope_axes_dim) != 3 or sum(self.rope_axes_dim) != self.attention_head_dim:
-            raise ValueError(f"model.rope_axes_dim={self.rope_axes_dim} must be three bands summing to "
-                             f"model.attention_head_dim={self.attention_head_dim}")
+        for name in ("num_single_layers", "num_refiner_layers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model.{name} must be ≥ 0, got {getattr(self, name)}")
+        for name in ("mlp_ratio", "rope_theta"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)}")
+        if not self.guidance_scale >= 0:
+            raise ValueError(f"model.guidance_scale must be ≥ 0, got {self.guidance_scale}")
+        self.rope_axes_dim = tuple(self.rope_axes_dim)
+        # Each band rotates pairs of channels, so each is even and > 0 (models/layers.py RoPE3D).
+        if (len(self.rope_axes_dim) != 3 or sum(self.rope_axes_dim) != self.attention_head_dim
+                or any(isinstance(d, bool) or not isinstance(d, int) or d < 2 or d % 2 for d in self.rope_axes_dim)):
+            raise ValueError(f"model.rope_axes_dim={self.rope_axes_dim} must be three positive even (t, h, w) bands "
+                             f"summing to model.attention_head_dim={self.attention_head_dim}")
+
+    @property
+    def patch(self) -> tuple[int, int, int]:
+        """(p_t, p_h, p_w): what data/buckets.py divides the latent grid by to count tokens S."""
+        return (self.patch_size_t, self.patch_size, self.patch_size)
 
     @property
     def dim(self) -> int:

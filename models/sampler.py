@@ -33,7 +33,7 @@ class SampleConfig:
     bucket: Optional[str] = None        # a data.buckets entry giving frames × height × width; null: smallest video
     prompts: list = field(default_factory=list)  # captions, encoded by data.encoders' text encoder
     val_prompts: int = 2                # without captions: the text of this many held-out (val) samples
-    seeds: list = field(default_factory=lambda: [0])  # one clip per (prompt, seed)
+    seeds: list[int] = field(default_factory=lambda: [0])  # one clip per (prompt, seed), each in [0, 2^64)
     fps: float = 16.0                   # of the written mp4 (Wan 2.1: 16)
 
     def __post_init__(self):
@@ -44,10 +44,13 @@ class SampleConfig:
         if not self.shift > 0:
             raise ValueError(f"sample.shift must be > 0, got {self.shift}")
         self.prompts = [str(p) for p in self.prompts]
-        if not self.prompts and self.val_prompts < 1:
-            raise ValueError("sample.val_prompts must be ≥ 1 when sample.prompts is empty")
-        if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) for s in self.seeds):
-            raise ValueError(f"sample.seeds must be a non-empty list of integers, got {self.seeds!r}")
+        if self.val_prompts < (0 if self.prompts else 1):
+            raise ValueError(f"sample.val_prompts must be ≥ 1 (≥ 0 when sample.prompts is given), got "
+                             f"{self.val_prompts}")
+        # torch.Generator().manual_seed takes seeds in [0, 2^64) (negative ones wrap around: refused).
+        if not self.seeds or any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**64
+                                 for s in self.seeds):
+            raise ValueError(f"sample.seeds must be a non-empty list of integers in [0, 2^64), got {self.seeds!r}")
         if not self.fps > 0:
             raise ValueError(f"sample.fps must be > 0, got {self.fps}")
 

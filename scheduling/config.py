@@ -24,7 +24,7 @@ class SchedulingConfig:
             raise ValueError(f"scheduling.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         for name in ("m_tokens", "m_mem", "mem_budget_gib", "m_comp", "p", "target_microbatch_ms"):
             v = getattr(self, name)
-            if v is not None and not float(v) > 0:
+            if v is not None and not v > 0:  # NaN fails here too; training/config.py refuses ±Inf first
                 raise ValueError(f"scheduling.{name} must be > 0 (or null), got {v}")
         if self.window < 1:
             raise ValueError(f"scheduling.window must be ≥ 1, got {self.window}")

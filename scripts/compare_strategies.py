@@ -61,7 +61,7 @@ def write_corpus(out: str, tiny: bool, samples: int) -> str:
         pass
     cfg = compose_config([] if tiny else ["conf=wan21_1p3b", "data=wan_short"])
     mix = TINY_MIX if tiny else MIX
-    write_synthetic_corpus(root, bucket_table(cfg.data.buckets), mix, num_samples=samples, num_val=8,
+    write_synthetic_corpus(root, bucket_table(cfg.data.buckets, patch=cfg.model.patch), mix, num_samples=samples, num_val=8,
                            latent_channels=cfg.model.in_channels, text_dim=cfg.model.text_dim, seed=0,
                            samples_per_shard=64, dtype="float32" if tiny else "float16")
     return root

@@ -22,7 +22,7 @@ def print_buckets(cfg) -> None:
     from models.build import build_model
     from scheduling.policy import ModelShape, schedule_for
 
-    table = bucket_table(cfg.data.buckets)
+    table = bucket_table(cfg.data.buckets, patch=cfg.model.patch)
     sc = cfg.scheduling
     meta = build_model(replace(cfg.model, pretrained=None), "meta")  # parameter counts without memory
     shape = ModelShape.of(cfg.model, meta.num_matmul_params())

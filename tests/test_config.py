@@ -27,7 +27,7 @@ def test_wan21_8gpu_resolves_14b():
     assert frames == {1, 17, 33, 49, 81}
     from data.buckets import bucket_table
 
-    tokens = {n: b.tokens for n, b in bucket_table(cfg.data.buckets).items()}
+    tokens = {n: b.tokens for n, b in bucket_table(cfg.data.buckets, patch=cfg.model.patch).items()}
     assert tokens["i480"] == 1560 and tokens["v480_81f"] == 32760 and tokens["v720_81f"] == 75600
 
 
@@ -78,7 +78,7 @@ def test_short_clip_data_group_for_the_strategy_comparison():
     from data.buckets import bucket_table
 
     cfg = compose_config(["conf=wan21_1p3b", "data=wan_short"])
-    tokens = {b.tokens for b in bucket_table(cfg.data.buckets).values()}
+    tokens = {b.tokens for b in bucket_table(cfg.data.buckets, patch=cfg.model.patch).values()}
     assert tokens == {1560, 3600, 7800, 14040} and set(cfg.data.synthetic.mix) == {"i480", "i720", "v480_17f", "v480_33f"}
 
 

@@ -236,7 +236,7 @@ def test_validation_sampler_and_cli_sample_a_lora_checkpoint(tmp_path):
     save_checkpoint(cfg.run_dir, 1, model, opt, ema, {}, OmegaConf.to_yaml(OmegaConf.create(compose_raw(overrides))),
                     ctx, 1)
     # the loop's hook: held-out texts, the smallest video bucket, the tiny VAE of data.encoders
-    corpus = open_corpus(cfg.data, bucket_table(cfg.data.buckets), cfg.model.in_channels, cfg.model.text_dim, 0)
+    corpus = open_corpus(cfg.data, bucket_table(cfg.data.buckets, patch=cfg.model.patch), cfg.model.in_channels, cfg.model.text_dim, 0)
     val = Loader(corpus, cfg.model.text_len, 0.0, 0, 0).val_batches()
     hook = ValidationSampler(cfg, ctx, val, corpus.empty_text, SampleConfig(steps=2, val_prompts=1, seeds=[1]))
     videos = hook(model, 1)

@@ -3,10 +3,17 @@
 Each component keeps its own dataclass beside it (models/config.py, data/config.py, scheduling/config.py,
 training/optim.py, ...); this file composes them and turns a plain dict into them, refusing unknown keys and
 wrong types with a ValueError that names the field. No code below train.py sees a DictConfig.
+
+Numbers are checked here once for every field, before any dataclass sees them: an `int` or `float` field (and
+every number inside a typed list, tuple or dict field) must be a finite number of that type (not a bool, not a
+string; an `int` field takes no fractional part), and any number inside an untyped container (a dict of
+encoder kwargs, a list of sources) must be finite. NaN would slip through the range checks (every comparison
+with it is false) and ±Inf through one-sided ones, so the ranges in each `__post_init__` assume finite values.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -32,7 +39,7 @@ class LaunchConfig:
 @dataclass
 class LoopConfig:
     steps: int = 60
-    seed: int = 0
+    seed: int = 0               # in [0, 2^64)
     micro_batches: int = 2      # M: micro-batches per rank per optimizer step (gradient accumulation)
     log_every: int = 1
     val_every: int = 20
@@ -40,14 +47,20 @@ class LoopConfig:
     progress: bool = True
     sample_every: int = 0       # steps between validation clips (sample:) in run_dir/samples/; 0: never
     gc_every: int = 50          # steps between Python garbage collections (paused inside steps); 0: Python's own
+    cuda_graphs: str = "auto"   # auto | on | off: micro-batches replayed as CUDA graphs (training/cuda_graphs.py)
+    graph_max_tokens: int = 16384  # micro-batches of more tokens (B·S) stay eager: their kernels hide the host
 
     def __post_init__(self):
-        for name in ("steps", "micro_batches", "log_every", "val_every", "max_bad_steps"):
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"train.cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
+        for name in ("steps", "micro_batches", "log_every", "val_every", "max_bad_steps", "graph_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be ≥ 1, got {getattr(self, name)}")
         for name, what in (("sample_every", "never"), ("gc_every", "Python's own schedule")):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be ≥ 0 (0: {what}), got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**64:  # torch.manual_seed's range; numpy's default_rng refuses negative seeds
+            raise ValueError(f"train.seed must lie in [0, 2^64), got {self.seed}")
 
 
 @dataclass
@@ -68,6 +81,7 @@ class TrainConfig:
     name: str = "default"
     run_dir: str = "runs/default"
     resume: Optional[str] = None  # null | auto | a checkpoint folder
+    resume_force: bool = False    # resume even where the config changes the plan or the trained state
     show_buckets: bool = False
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     train: LoopConfig = field(default_factory=LoopConfig)
@@ -88,42 +102,67 @@ class TrainConfig:
             raise ValueError(f"resume must be null, 'auto' or a checkpoint folder, got {self.resume!r}")
 
 
+def _number(tp, value, where: str):
+    """A finite int (no fractional part) or float for field `where`; bools and strings are refused."""
+    what = "an integer" if tp is int else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where} must be {what}, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where} must be a finite number, got {value!r}")
+    if tp is int:
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"{where} must be an integer, got {value!r}")
+        return int(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past the float range
+        raise ValueError(f"{where} must be a finite number, got {value!r}") from None
+
+
 def _coerce(tp, value, where: str):
     origin = typing.get_origin(tp)
     if origin is typing.Union:  # Optional[X]
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        return _coerce(args[0], value, where) if len(args) == 1 else value
+        return _coerce(args[0] if len(args) == 1 else Any, value, where)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
             raise ValueError(f"{where} must be a mapping, got {value!r}")
         return from_dict(tp, value, where + ".")
-    if tp is Any or value is None and tp in (dict, list):
+    if tp is Any:  # no declared type: only the numbers inside are checked (finite), wherever they sit
+        if isinstance(value, dict):
+            return {k: _coerce(Any, v, f"{where}.{k}") for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(_coerce(Any, v, f"{where}[{i}]") for i, v in enumerate(value))
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{where} must be a finite number, got {value!r}")
+        return value
+    if value is None and tp in (dict, list):
         return value
     if tp is bool:
         if not isinstance(value, bool):
             raise ValueError(f"{where} must be true or false, got {value!r}")
         return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or float(value) != int(value):
-            raise ValueError(f"{where} must be an integer, got {value!r}")
-        return int(value)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{where} must be a number, got {value!r}")
-        return float(value)
+    if tp in (int, float):
+        return _number(tp, value, where)
     if tp is str:
         if not isinstance(value, str):
             raise ValueError(f"{where} must be a string, got {value!r}")
         return value
     if tp in (tuple, list, dict) or origin in (tuple, list, dict):
-        want = origin or tp
+        want, args = origin or tp, typing.get_args(tp)
         if not isinstance(value, (list, tuple) if want in (tuple, list) else dict):
             raise ValueError(f"{where} must be a {want.__name__}, got {value!r}")
-        return want(value)
+        if want is dict:
+            return {k: _coerce(args[1] if args else Any, v, f"{where}.{k}") for k, v in value.items()}
+        if want is tuple and args and args[-1] is not Ellipsis:  # tuple[int, int, int]: a fixed length
+            if len(value) != len(args):
+                raise ValueError(f"{where} must hold {len(args)} values, got {value!r}")
+            return tuple(_coerce(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        return want(_coerce(args[0] if args else Any, v, f"{where}[{i}]") for i, v in enumerate(value))
     return value
 
 
@@ -152,7 +191,22 @@ def load_config(d: dict) -> TrainConfig:
 def _check_cross_fields(cfg: TrainConfig) -> None:
     from data.buckets import bucket_table
 
-    table = bucket_table(cfg.data.buckets)  # validates every bucket
+    m = cfg.model
+    table = bucket_table(cfg.data.buckets, patch=m.patch)  # validates every bucket against the model's patch
+    if m.text_len > cfg.data.encoders.max_text_len:
+        # The text encoder keeps at most max_text_len tokens per caption, so every text position past it is zero
+        # padding on every sample: attention compute and memory spent on nothing (diffusers' pipelines pad to the
+        # length they truncate at: 512 for Wan's UMT5, 256 for HunyuanVideo's LLaMA).
+        raise ValueError(f"model.text_len={m.text_len} exceeds data.encoders.max_text_len="
+                         f"{cfg.data.encoders.max_text_len}, the most tokens the text encoder keeps per caption: "
+                         "lower model.text_len (or raise data.encoders.max_text_len)")
+    rope_max = getattr(m, "rope_max_seq_len", None)  # Wan's RoPE covers this many positions per axis
+    if rope_max is not None:
+        for name, b in table.items():
+            grid = b.patch_grid
+            if max(grid) > rope_max:
+                raise ValueError(f"data.buckets.{name} is a {grid} (t, h, w) patch grid, past "
+                                 f"model.rope_max_seq_len={rope_max}: raise it or use a smaller bucket")
     if cfg.train.sample_every and cfg.model.name != "wan":
         raise ValueError(f"train.sample_every={cfg.train.sample_every} samples validation clips with Wan's sampler; "
                          f"model.name={cfg.model.name} needs its text mask and pooled text there, not yet wired: set "

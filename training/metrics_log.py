@@ -31,13 +31,18 @@ class LoggingConfig:
 class MetricsConfig:
     peak_tflops: Optional[float] = None   # the accelerator's dense bf16 peak, for perf/mfu (null on CPU)
     busy_every: int = 0                   # profile a step every N steps for measured busy time (0: never)
-    profile_steps: Optional[list] = None  # [first, last]: write a profiler trace for these steps
+    profile_steps: Optional[tuple[int, int]] = None  # [first, last]: write a profiler trace for these steps
 
     def __post_init__(self):
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ValueError(f"metrics.peak_tflops must be > 0 or null, got {self.peak_tflops}")
         if self.busy_every < 0:
             raise ValueError(f"metrics.busy_every must be ≥ 0, got {self.busy_every}")
+        if self.profile_steps is not None:
+            self.profile_steps = tuple(self.profile_steps)
+            if len(self.profile_steps) != 2 or not 0 <= self.profile_steps[0] <= self.profile_steps[1]:
+                raise ValueError(f"metrics.profile_steps must be [first, last] steps with 0 ≤ first ≤ last, or null, "
+                                 f"got {list(self.profile_steps)}")
 
 
 def _clean(v):
