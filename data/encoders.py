@@ -8,12 +8,14 @@
             pooled embedding [C_pool] where the encoder has one (an MMDiT needs it; UMT5 has none)
 
 Both load from local folders (a diffusers model root holding vae/, text_encoder/, tokenizer/, or the component
-folder itself) or are built tiny from config with weights seeded by `data.encoders.seed` — so two processes (the
+folder itself; weights from safetensors only — a folder holding only .bin pickles is refused, never unpickled — and
+no remote code) or are built tiny from config with weights seeded by `data.encoders.seed` — so two processes (the
 precompute script and a training run) build identical tiny encoders. Tiny text uses the byte-level ByT5 tokenizer,
 which needs no files. Heavy imports (diffusers, transformers) happen only when an encoder is built.
 """
 from __future__ import annotations
 
+import glob
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -51,6 +53,12 @@ class EncoderConfig:
             raise ValueError(f"data.encoders.text must be one of {sorted(TEXT_ENCODERS)}, got {self.text!r}")
         if self.max_text_len < 1 or self.batch_size < 1:
             raise ValueError("data.encoders.max_text_len and data.encoders.batch_size must be ≥ 1")
+        if self.pooled_dim is not None and self.pooled_dim < 1:
+            raise ValueError(f"data.encoders.pooled_dim must be ≥ 1 or null, got {self.pooled_dim}")
+        if self.llama_skip_layers < 0:
+            raise ValueError(f"data.encoders.llama_skip_layers must be ≥ 0, got {self.llama_skip_layers}")
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"data.encoders.seed must lie in [0, 2^64), got {self.seed}")
         for name in ("vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"):
             path = getattr(self, name)
             if path is not None and not os.path.isdir(path):
@@ -67,6 +75,18 @@ class EncoderConfig:
 def _component(path: str, sub: str) -> tuple[str, Optional[str]]:
     """(folder, subfolder) for from_pretrained: a model root holding `sub`/, or the component folder itself."""
     return (path, sub) if os.path.isdir(os.path.join(path, sub)) else (path, None)
+
+
+def _from_pretrained(cls, folder: str, sub: str, field: str, dtype: torch.dtype):
+    """cls.from_pretrained of a local component folder (`field` names its data.encoders entry), safetensors only."""
+    path, subfolder = _component(folder, sub)
+    where = os.path.join(path, subfolder) if subfolder else path
+    if not glob.glob(os.path.join(where, "*.safetensors")):
+        raise ValueError(f"data.encoders.{field}={folder!r}: {where} holds no .safetensors weights. Only safetensors "
+                         f"are loaded (a .bin checkpoint is a pickle, which can run code): convert it once where you "
+                         f"trust it, e.g. from_pretrained(...).save_pretrained(dir, safe_serialization=True)")
+    return cls.from_pretrained(path, subfolder=subfolder, torch_dtype=dtype, local_files_only=True,
+                               use_safetensors=True)
 
 
 def _place(model, dtype: torch.dtype, device: torch.device):
@@ -117,8 +137,7 @@ def build_vae(cfg: EncoderConfig, latent_channels: int, device: torch.device) ->
 
     dtype = DTYPES[cfg.vae_dtype]
     if cfg.vae:
-        path, sub = _component(cfg.vae, "vae")
-        model = AutoencoderKLWan.from_pretrained(path, subfolder=sub, torch_dtype=dtype, local_files_only=True)
+        model = _from_pretrained(AutoencoderKLWan, cfg.vae, "vae", "vae", dtype)
     else:
         g = torch.Generator().manual_seed(cfg.seed + 1)
         stats = torch.rand(2, latent_channels, generator=g)
@@ -198,8 +217,7 @@ def build_umt5(cfg: EncoderConfig, text_dim: int, device: torch.device) -> UMT5T
 
     dtype = DTYPES[cfg.text_dtype]
     if cfg.text_encoder:
-        path, sub = _component(cfg.text_encoder, "text_encoder")
-        model = UMT5EncoderModel.from_pretrained(path, subfolder=sub, torch_dtype=dtype, local_files_only=True)
+        model = _from_pretrained(UMT5EncoderModel, cfg.text_encoder, "text_encoder", "text_encoder", dtype)
         tokenizer = AutoTokenizer.from_pretrained(_tokenizer_folder(cfg), local_files_only=True)
     else:
         tokenizer = cfg.tokenizer and AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True)
@@ -264,8 +282,7 @@ def build_llama_clip(cfg: EncoderConfig, text_dim: int, device: torch.device) ->
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         if cfg.text_encoder:
-            path, sub = _component(cfg.text_encoder, "text_encoder")
-            llama = LlamaModel.from_pretrained(path, subfolder=sub, torch_dtype=dtype, local_files_only=True)
+            llama = _from_pretrained(LlamaModel, cfg.text_encoder, "text_encoder", "text_encoder", dtype)
         else:
             t = cfg.tiny_text
             llama = LlamaModel(LlamaConfig(vocab_size=len(llama_tok), hidden_size=text_dim,
@@ -275,8 +292,7 @@ def build_llama_clip(cfg: EncoderConfig, text_dim: int, device: torch.device) ->
                                            num_key_value_heads=t.get("num_heads", 4),
                                            pad_token_id=llama_tok.pad_token_id))
         if cfg.text_encoder_2:
-            path, sub = _component(cfg.text_encoder_2, "text_encoder_2")
-            clip = CLIPTextModel.from_pretrained(path, subfolder=sub, torch_dtype=dtype, local_files_only=True)
+            clip = _from_pretrained(CLIPTextModel, cfg.text_encoder_2, "text_encoder_2", "text_encoder_2", dtype)
         else:
             if cfg.pooled_dim is None:
                 raise ValueError("data.encoders.pooled_dim must be set for the tiny CLIP (the MMDiT's "

@@ -1,7 +1,8 @@
 """The sample index: one metadata record per sample, written beside the shards; reading a sample is a seek.
 
 Files in a corpus folder:
-    corpus.json      what the corpus holds (kind, latent channels, text dim, bucket table it was made for)
+    corpus.json      what the corpus holds (kind, latent channels, text dim, bucket table it was made for, and
+                     num_records: how many lines index.jsonl holds, so that a cut index is found)
     index.jsonl      one record per sample: key, shard (relative path), members {ext: [offset, size]} inside the
                      tar, kind (image | video | latent), frames/height/width (raw) or latent [C, F, H, W],
                      bucket, S, L_text, split (train | val); raw records also media/caption (which members),
@@ -12,7 +13,10 @@ Files in a corpus folder:
     skipped.jsonl    raw corpora: every sample the indexer skipped, with its reason
     *.tar            WebDataset shards
 
-The planner never sees records, only the (id, bucket, S) arrays of `SampleTable`.
+The planner never sees records, only the (id, bucket, S) arrays of `SampleTable`. An index that does not parse
+(a line that is not a JSON object with key/shard/members/kind/bucket, fewer lines than corpus.json counts, a
+corpus.json that is not a JSON object) raises CorruptIndex, a ValueError naming the file and line. Nothing here
+unpickles: arrays are read with allow_pickle=False.
 """
 from __future__ import annotations
 
@@ -32,6 +36,38 @@ CORPUS_FILE = "corpus.json"
 EMPTY_TEXT_FILE = "empty_text.pt"
 EMPTY_POOLED_FILE = "empty_pooled.pt"  # only where the text encoder has a pooled output
 FORMAT = "adaptiveload-index/1"
+RECORD_FIELDS = ("key", "shard", "members", "kind", "bucket")
+
+
+class CorruptIndex(ValueError):
+    """A sample index (or a file beside it) that does not parse: truncated, or written by something else."""
+
+
+def read_json(path: str):
+    """The JSON value in `path`; CorruptIndex naming the file when it does not parse."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptIndex(f"{path} is not valid JSON ({e}): the file is truncated or corrupt") from None
+
+
+def read_jsonl(path: str, fields: tuple[str, ...] = ()) -> list[dict]:
+    """One JSON object per non-blank line of `path`, each holding `fields`; CorruptIndex naming the line otherwise."""
+    out = []
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line.decode("utf-8"))
+            except (ValueError, UnicodeDecodeError) as e:
+                raise CorruptIndex(f"{path} line {n} is not valid JSON ({e}): the file is truncated or "
+                                   f"corrupt") from None
+            if not isinstance(rec, dict) or any(k not in rec for k in fields):
+                raise CorruptIndex(f"{path} line {n} is not a record with fields {list(fields)}: {line[:120]!r}")
+            out.append(rec)
+    return out
 
 
 @dataclass
@@ -42,16 +78,13 @@ class SampleIndex:
 
     @classmethod
     def load(cls, root: str) -> "SampleIndex":
-        path = os.path.join(root, INDEX_FILE)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no sample index at {path}: write one with data/synthetic.py, "
-                                    f"scripts/make_corpus.py or scripts/index_corpus.py")
-        with open(os.path.join(root, CORPUS_FILE)) as f:
-            meta = json.load(f)
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{root}/{CORPUS_FILE}: format {meta.get('format')!r}, expected {FORMAT!r}")
-        with open(path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+        """The index in `root`: FileNotFoundError when there is none, CorruptIndex when it does not parse."""
+        path = index_path(root)
+        meta = read_meta(root)
+        records = read_jsonl(path, RECORD_FIELDS)
+        if meta.get("num_records", len(records)) != len(records):
+            raise CorruptIndex(f"{path} holds {len(records)} records but {CORPUS_FILE} counts "
+                               f"{meta['num_records']}: the index is truncated")
         return cls(root, meta, records)
 
     def save(self) -> None:
@@ -61,7 +94,7 @@ class SampleIndex:
             for r in self.records:
                 f.write(json.dumps(r, separators=(",", ":")) + "\n")
         with open(os.path.join(self.root, CORPUS_FILE), "w") as f:
-            json.dump({"format": FORMAT, **self.meta}, f, indent=1)
+            json.dump({"format": FORMAT, **self.meta, "num_records": len(self.records)}, f, indent=1)
         os.replace(tmp, os.path.join(self.root, INDEX_FILE))  # the index appears last: its presence means complete
 
     def split(self, name: str) -> list[int]:
@@ -71,6 +104,30 @@ class SampleIndex:
         r = self.records[i]
         offset, size = r["members"][ext]
         return read_range(os.path.join(self.root, r["shard"]), offset, size)
+
+
+def index_path(root: str) -> str:
+    """The index.jsonl of the corpus in `root`; FileNotFoundError saying how to write one when there is none."""
+    path = os.path.join(root, INDEX_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no sample index at {path}: write one with data/synthetic.py, "
+                                f"scripts/make_corpus.py or scripts/index_corpus.py")
+    return path
+
+
+def read_meta(root: str) -> dict:
+    """corpus.json of the corpus in `root`: CorruptIndex when it does not parse, a plain ValueError when it is
+    another tool's (a format other than FORMAT: not ours to rewrite)."""
+    path = os.path.join(root, CORPUS_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no {CORPUS_FILE} in {root}: write the corpus with data/synthetic.py, "
+                                f"scripts/make_corpus.py, scripts/index_corpus.py or scripts/precompute_latents.py")
+    meta = read_json(path)
+    if not isinstance(meta, dict):
+        raise CorruptIndex(f"{path} holds a {type(meta).__name__}, not an object: the file is corrupt")
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
 
 
 class _FdCache(OrderedDict):
@@ -143,6 +200,8 @@ def scan_tar(path: str) -> TarScan:
     A header that fails its checksum is skipped block by block until the next valid one (tarfile's ignore_zeros);
     the bytes skipped between the end of one member and the next header are the corrupt member, named by the key its
     damaged header still shows. A shard cut short marks the members it cuts, and the last key, truncated_shard.
+    A file in which no valid header is found at all (not a tar: random bytes, an empty file, an empty archive) is
+    unreadable as a whole (`error`): with ignore_zeros tarfile would otherwise read it as a tar of nothing.
     """
     members: dict[str, dict[str, tuple[int, int]]] = {}
     broken: dict[str, str] = {}
@@ -159,7 +218,7 @@ def scan_tar(path: str) -> TarScan:
                 m = next(it)
             except StopIteration:
                 break
-            except (tarfile.TarError, OSError):  # "unexpected end of data": the shard was cut
+            except Exception:  # "unexpected end of data": the shard was cut (or damaged past what tarfile resyncs)
                 truncated = True
                 break
             if m.offset > end:  # bytes no valid header accounts for: a damaged member header
@@ -176,6 +235,8 @@ def scan_tar(path: str) -> TarScan:
             last_key = key
     if truncated and last_key is not None:
         broken.setdefault(last_key, "truncated_shard")
+    if not members and not broken:
+        return TarScan({}, {}, f"no tar member found in its {size} bytes: not a tar file, or an empty archive")
     return TarScan(members, broken)
 
 

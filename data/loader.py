@@ -9,9 +9,47 @@
                    samples ahead (PyAV and PIL release the GIL, so threads scale without copying frames between
                    processes); the VAE and text encoder run on the calling thread when the batch is taken, so
                    `data_wait_s` includes on-the-fly encoding. Every random choice (caption dropout, where a clip
-                   starts) is keyed by (seed, epoch, key), so workers, resumes and world sizes draw the same. A sample
-                   that fails to read or decode, or holds NaN/Inf, is replaced by the next good sample of its bucket,
-                   counted as data/skipped_<reason> and logged once with its key; it is not tried again.
+                   starts) is keyed by (seed, epoch, key), so workers, resumes and world sizes draw the same.
+
+Bad samples. A sample that fails in any way while it is read (any exception: a decode error, PIL's bomb error, a
+short read, an .npy that does not parse, a shape that does not match) is replaced by the next good sample of its
+bucket and split in id order (at most SEARCH candidates), counted once as data/skipped_<reason>, logged with its key
+(the first LOG_KEYS_PER_REASON per reason) and never read again. Goodness is a property of the files (and of the
+epoch's clip of a video), so every rank and every resumed run makes the same choice; `bad_state` / `restore_bad`
+carry the bad set across a resume. When no replacement is found, a zero placeholder of the bucket's shape with loss
+weight 0 goes in its place: a run never stops on data. At open, buckets of at most CHECK_AT_OPEN training samples are
+read in id order until one proves good; a bucket with none is left out of the plan, with a warning.
+
+Reasons (data/skipped_<reason>; one count per sample unless noted):
+    at indexing (data/raw.py; listed in skipped.jsonl, counted when the corpus is opened)
+    unreadable_shard    a shard with no readable tar member (not a tar, empty, no permission): counts shards
+    corrupt_member      a member whose tar header is damaged
+    truncated_shard     a member cut off by the end of its shard
+    no_media            no image or video member
+    corrupt_image       an image header PIL cannot read, or not a JPEG, PNG or WebP
+    corrupt_video       a container FFmpeg cannot open (or not mp4/mov/mkv/webm)
+    no_frames           a video with no frame
+    unreadable          (indexing) a probe failure none of these names
+    at indexing (bucket rules, data/raw.py assign_bucket; re-applied for each bucket table)
+    too_large           an image or video frame over data.raw.max_pixels pixels (also at load)
+    too_short           a video shorter than every video bucket at data.raw.fps
+    too_small           smaller than every bucket of its kind by more than data.raw.max_upscale
+    extreme_aspect      no bucket within data.raw.max_crop of its aspect ratio
+    no_image_bucket     an image, and the table has no 1-frame bucket (no_video_bucket: the reverse)
+    at indexing or at load
+    missing_caption     no txt/json member, or an empty caption
+    unreadable_caption  a caption that is not text (the rule: data/raw.py module docstring)
+    at load (here, and in scripts/precompute_latents.py)
+    decode_error        media whose header reads but whose data does not decode (a truncated mp4 or jpg)
+    unreadable          a member that cannot be read or parsed (a short read from a shard cut after indexing, not an
+                        .npy, an object array), or any other failure
+    bad_shape           a stored latent, text or pooled array whose shape or dtype does not match its record and the
+                        corpus: latent [C, F', H', W'] of its bucket, text [L_text, text_dim], pooled [pooled width],
+                        a float dtype (the corpus' dtype where corpus.json names one)
+    nonfinite           NaN/Inf in stored latents, text or pooled text, or in on-the-fly encoded latents or text
+    events
+    placeholder         a planned sample trained as a zero placeholder (loss weight 0): counts occurrences
+    empty_bucket        a bucket left out of the plan at open (no readable training sample): counts buckets
 """
 from __future__ import annotations
 
@@ -21,26 +59,87 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 
 from data.batch import Batch, collate
 from data.buckets import Bucket
-from data.index import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, SampleIndex, load_npy
+from data.decode import DecodeError
+from data.index import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, SampleIndex, index_path, load_npy, read_meta
 from data.raw import RawConfig, clip_start, common_dir, ensure_raw_index, expand_urls, load_raw, select_raw
 from models.flow_matching import keyed_generator
 from scheduling.balance import MicroBatch, SampleTable, StepPlan
 
 log = logging.getLogger(__name__)
 LOG_KEYS_PER_REASON = 20  # bad keys logged one by one per reason; the rest are counted only
+SEARCH = 64               # candidates tried for a replacement before a placeholder goes in
+CHECK_AT_OPEN = 8         # buckets with at most this many training samples are checked at open: few samples is
+                          # where all of them may be bad, and reading a handful per small bucket costs little
+FLOAT_DTYPES = ("float16", "float32", "float64")
+
+
+class BadSample(ValueError):
+    """A stored sample that does not match its record (bad_shape) or holds NaN/Inf (nonfinite)."""
+
+    def __init__(self, reason: str, why: str):
+        super().__init__(why)
+        self.reason = reason
+
+
+def skip_reason(e: BaseException) -> str:
+    """The data/skipped_<reason> an exception raised while reading a sample counts as."""
+    return e.reason if isinstance(e, (DecodeError, BadSample)) else "unreadable"
+
+
+class Item(NamedTuple):
+    """One read sample: latents and text (precomputed), or pixels and caption (raw); a placeholder is zeros."""
+    gid: int
+    a: Any                                  # latent [C, F, H, W] float32, or pixels [F, H, W, 3] uint8
+    b: Any                                  # text [L, C_text] float32, or the caption
+    pooled: Optional[torch.Tensor] = None   # stored pooled text [C_pool] (precomputed, where the corpus has it)
+    placeholder: bool = False               # zeros of the bucket's shape, trained with loss weight 0
+
+
+def _saved_tensor(path: str, ndim: int, width: Optional[int]) -> torch.Tensor:
+    """A float tensor saved with torch.save, loaded without unpickling code (weights_only) and checked."""
+    fix = ("rerun scripts/precompute_latents.py with the same --out and overrides (finished shards are kept; only "
+           "the index and the empty prompt are rewritten), or regenerate the synthetic corpus")
+    try:
+        t = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"{path} cannot be read as a tensor ({type(e).__name__}: {e}): {fix}") from None
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.ndim != ndim or 0 in t.shape \
+            or (width is not None and t.shape[-1] != width):
+        what = f"{type(t).__name__} {tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+        want = "[L, text_dim]" if ndim == 2 else "[pooled width]"
+        raise ValueError(f"{path} holds {what}, expected a float tensor {want}"
+                         f"{f' with width {width}' if width is not None else ''}: {fix}")
+    if not torch.isfinite(t).all():
+        raise ValueError(f"{path} holds NaN/Inf: {fix}")
+    return t.float()
+
+
+def load_empty_prompt(root: str, text_dim: Optional[int] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(empty_text [L, C_text], empty_pooled [C_pool] or None) of a latent corpus; ValueError naming the file and how
+    to write it when it is missing or is not a finite float tensor of that shape."""
+    path = os.path.join(root, EMPTY_TEXT_FILE)
+    if not os.path.exists(path):
+        raise ValueError(f"{path} is missing: a latent corpus needs the empty prompt's text embedding (caption "
+                         f"dropout, guidance). scripts/precompute_latents.py writes it when it finishes: rerun it with "
+                         f"the same --out and overrides (finished shards are kept, so only the index, corpus.json and "
+                         f"{EMPTY_TEXT_FILE} are rewritten); data/synthetic.py writes it for synthetic corpora")
+    text = _saved_tensor(path, 2, text_dim)
+    pooled = os.path.join(root, EMPTY_POOLED_FILE)
+    return text, _saved_tensor(pooled, 1, None) if os.path.exists(pooled) else None
 
 
 class LatentCorpus:
     def __init__(self, indexes: Sequence[SampleIndex], weights: Sequence[float], buckets: dict[str, Bucket],
                  val_samples: int, seed: int, raw: Optional[RawConfig] = None, encoders=None,
-                 skipped: Optional[Counter] = None):
+                 skipped: Optional[Counter] = None, latent_channels: Optional[int] = None,
+                 text_dim: Optional[int] = None):
         self.indexes = list(indexes)
         self.buckets = buckets
         self.bucket_names = list(buckets)
@@ -72,21 +171,56 @@ class LatentCorpus:
                 raise ValueError(f"corpus {self.indexes[s].root} has no training samples")
         self.bucket_of = np.array([bucket_no[self.record(i)["bucket"]] for i in range(len(self._where))], np.int32)
         self.S_of = np.array([buckets[self.record(i)["bucket"]].tokens for i in range(len(self._where))], np.int64)
-        self.table = self._epoch_table(rows_by_source, weights, seed)
         # replacements for a bad sample come from its own split: a held-out sample must never enter training
         self.is_train = np.zeros(len(self._where), dtype=bool)
         self.is_train[[i for ids in rows_by_source for i in ids]] = True
+        self._peers: dict[tuple[int, bool], np.ndarray] = {}
+        first = lambda k: next((ix.meta[k] for ix in self.indexes if ix.meta.get(k) is not None), None)  # noqa: E731
+        self.latent_channels = latent_channels if latent_channels is not None else (
+            encoders.vae.latent_channels if encoders is not None else first("latent_channels"))
+        self.text_dim = text_dim if text_dim is not None else (
+            encoders.text.dim if encoders is not None else first("text_dim"))
+        self._dtype = [np.dtype(ix.meta["dtype"]) if ix.meta.get("dtype") in FLOAT_DTYPES else None
+                       for ix in self.indexes]  # the stored latent dtype, where corpus.json names it
         if encoders is not None:  # the empty prompt of the encoder in use (precompute stores the same one)
             self.empty_text, self.empty_pooled = encoders.empty_text, encoders.empty_pooled
         else:
-            root = self.indexes[0].root
-            self.empty_text = torch.load(os.path.join(root, EMPTY_TEXT_FILE)).float()
-            pooled = os.path.join(root, EMPTY_POOLED_FILE)
-            self.empty_pooled = torch.load(pooled).float() if os.path.exists(pooled) else None
-        self.skipped: Counter = Counter(skipped or {})
-        self._bad: set[int] = set()
+            self.empty_text, self.empty_pooled = load_empty_prompt(self.indexes[0].root, self.text_dim)
+        self._index_skipped: Counter = Counter(skipped or {})  # what indexing skipped: not in this corpus' ids
+        self._bad: dict[int, str] = {}                         # id → reason, found by this process or restored
+        self._events: Counter = Counter()                      # placeholder, empty_bucket
         self._logged: Counter = Counter()
         self._lock = threading.Lock()
+        self.dropped_buckets = self._unreadable_buckets(rows_by_source)
+        if self.dropped_buckets:
+            gone = {bucket_no[n] for n in self.dropped_buckets}
+            rows_by_source = [[i for i in ids if self.bucket_of[i] not in gone] for ids in rows_by_source]
+            for s, ids in enumerate(rows_by_source):
+                if not ids:
+                    raise ValueError(f"corpus {self.indexes[s].root}: every training sample is in buckets that hold no "
+                                     f"readable sample ({self.dropped_buckets}); skipped so far: {dict(self.skipped)}")
+        self.table = self._epoch_table(rows_by_source, weights, seed)
+
+    def _unreadable_buckets(self, rows_by_source) -> list[str]:
+        """Names of the buckets of at most CHECK_AT_OPEN training samples none of which reads (epoch 0), each warned
+        about and counted; ValueError when that is every bucket with training samples."""
+        by_bucket: dict[int, list[int]] = {}
+        for gid in sorted(i for ids in rows_by_source for i in ids):
+            by_bucket.setdefault(int(self.bucket_of[gid]), []).append(gid)
+        dropped = []
+        for b, gids in sorted(by_bucket.items()):
+            # any(): reading stops at the first good sample; the bucket then has a replacement for every bad one
+            if len(gids) > CHECK_AT_OPEN or any(self._try(g, 0) is not None for g in gids):
+                continue
+            name = self.bucket_names[b]
+            dropped.append(name)
+            self._events["empty_bucket"] += 1
+            log.warning("bucket %s is left out of the plan: none of its %d training samples is readable (%s)", name,
+                        len(gids), dict(Counter(self._bad[g] for g in gids)))
+        if dropped and len(dropped) == len(by_bucket):
+            raise ValueError(f"no bucket has a readable training sample: {dropped} (every sample of each was read "
+                             f"and skipped: {dict(self.skipped)}; the keys are in the warnings above)")
+        return dropped
 
     def _epoch_table(self, rows_by_source, weights, seed) -> SampleTable:
         w = np.asarray(weights, dtype=np.float64)
@@ -111,9 +245,16 @@ class LatentCorpus:
     def is_raw(self, gid: int) -> bool:
         return self.record(gid)["kind"] != "latent"
 
+    @property
+    def skipped(self) -> Counter:
+        """Counts by reason: what indexing skipped, each sample known bad (once), and the events."""
+        with self._lock:
+            return self._index_skipped + Counter(self._bad.values()) + self._events
+
     def load(self, gid: int, epoch: int = 0):
-        """(latent [C, F, H, W], text [L, C_text]) for precomputed samples; (pixels [F, H, W, 3] uint8, caption)
-        for raw ones, the clip placed by a draw keyed by (seed, epoch, key)."""
+        """(latent [C, F, H, W], text [L, C_text]) for precomputed samples, checked (BadSample: bad_shape,
+        nonfinite); (pixels [F, H, W, 3] uint8, caption) for raw ones, the clip placed by a draw keyed by
+        (seed, epoch, key)."""
         s, row = self._where[gid]
         index = self.indexes[s]
         rec = index.records[row]
@@ -122,49 +263,124 @@ class LatentCorpus:
             if self.raw.clip == "random" and rec["kind"] == "video":
                 u = float(torch.rand((), generator=keyed_generator(self.seed, epoch, self.key(gid), "clip")))
             return load_raw(index, row, self.buckets[rec["bucket"]], self.raw, clip_start(self.raw, u))
-        latent = torch.from_numpy(load_npy(index.read(row, "latent.npy")).astype(np.float32, copy=False))
-        text = torch.from_numpy(load_npy(index.read(row, "text.npy")).astype(np.float32, copy=False))
+        shape = self.buckets[rec["bucket"]].latent_shape(self.latent_channels)
+        latent = self._array(s, row, "latent.npy", shape, self._dtype[s])
+        text = self._array(s, row, "text.npy", (rec.get("L_text"), self.text_dim))
         return latent, text
 
     def pooled(self, gid: int) -> Optional[torch.Tensor]:
-        """The stored pooled text embedding of a precomputed sample, where its encoder has one."""
+        """The stored pooled text embedding of a precomputed sample, where the corpus has pooled text (an
+        empty_pooled.pt gives its width), checked as `load` checks."""
         s, row = self._where[gid]
-        if "pooled.npy" not in self.indexes[s].records[row]["members"]:
+        if self.empty_pooled is None or "pooled.npy" not in self.indexes[s].records[row]["members"]:
             return None
-        return torch.from_numpy(load_npy(self.indexes[s].read(row, "pooled.npy")).astype(np.float32, copy=False))
+        return self._array(s, row, "pooled.npy", (int(self.empty_pooled.shape[-1]),))
+
+    def _array(self, s: int, row: int, ext: str, shape: tuple, dtype: Optional[np.dtype] = None) -> torch.Tensor:
+        """A stored array as float32, checked: a float dtype (`dtype` where given), `shape` (None: any length)."""
+        a = load_npy(self.indexes[s].read(row, ext))
+        if a.dtype.kind != "f" or a.dtype.name not in FLOAT_DTYPES or (dtype is not None and a.dtype != dtype):
+            raise BadSample("bad_shape", f"{ext} holds {a.dtype}, expected {dtype or 'float16/32/64'}")
+        if a.ndim != len(shape) or 0 in a.shape or any(w is not None and n != w for n, w in zip(a.shape, shape)):
+            want = "[" + ", ".join("L" if w is None else str(w) for w in shape) + "]"
+            raise BadSample("bad_shape", f"{ext} has shape {list(a.shape)}, expected {want}")
+        t = torch.from_numpy(a.astype(np.float32, copy=False))
+        if not torch.isfinite(t).all():
+            raise BadSample("nonfinite", f"NaN/Inf in {ext}")
+        return t
+
+    def _try(self, gid: int, epoch: int) -> Optional[Item]:
+        """gid read and checked, or None when it is (or now proves) bad."""
+        if gid in self._bad:
+            return None
+        try:
+            a, b = self.load(gid, epoch)
+            pooled = self.pooled(gid)
+        except Exception as e:  # whatever reading this sample raised: the run goes on without it
+            self._skip(skip_reason(e), gid, f"{type(e).__name__}: {e}")
+            return None
+        return Item(gid, a, b, pooled)
+
+    def _same(self, gid: int) -> np.ndarray:
+        """The ids of gid's bucket and split, ascending: where its replacement comes from."""
+        k = (int(self.bucket_of[gid]), bool(self.is_train[gid]))
+        if k not in self._peers:
+            self._peers[k] = np.flatnonzero((self.bucket_of == k[0]) & (self.is_train == k[1]))
+        return self._peers[k]
+
+    def read_checked(self, gid: int, epoch: int = 0) -> Item:
+        """gid's Item or, when it is bad, the next good sample of its bucket and split in id order (SEARCH tried);
+        when none reads, a placeholder. Never raises on data."""
+        same = self._same(gid)
+        start = int(np.searchsorted(same, gid))
+        for k in range(min(len(same), SEARCH)):
+            item = self._try(int(same[(start + k) % len(same)]), epoch)
+            if item is not None:
+                return item
+        return self.placeholder(gid)
 
     def load_checked(self, gid: int, epoch: int = 0):
-        """(id, *load(id)) for gid or, when it is bad, the next good sample of its bucket (never fails mid-run)."""
-        same = np.flatnonzero((self.bucket_of == self.bucket_of[gid]) & (self.is_train == self.is_train[gid]))
-        start = int(np.searchsorted(same, gid))
-        for k in range(min(len(same), 64)):
-            cand = int(same[(start + k) % len(same)])
-            if cand in self._bad:
-                continue
-            try:
-                a, b = self.load(cand, epoch)
-            except Exception as e:  # a corrupt member, truncated shard or undecodable media
-                self._skip(getattr(e, "reason", "unreadable"), cand, e)
-                continue
-            if isinstance(a, torch.Tensor) and not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-                self._skip("nonfinite", cand, "NaN/Inf in latents or text")
-                continue
-            return cand, a, b
-        raise RuntimeError(f"no readable sample found in bucket {self.bucket_names[self.bucket_of[gid]]} near "
-                           f"{self.key(gid)} (skipped so far: {dict(self.skipped)}): is the corpus all bad?")
+        """(id, *load(id)) of read_checked: gid or its replacement."""
+        item = self.read_checked(gid, epoch)
+        return item.gid, item.a, item.b
+
+    def placeholder(self, gid: int) -> Item:
+        """Zeros of gid's bucket's latent shape with the empty prompt, to be trained with loss weight 0 (counted)."""
+        name = self.bucket_names[self.bucket_of[gid]]
+        self._note("placeholder", gid, f"no readable sample of bucket {name} found in its place: zeros with loss "
+                                       f"weight 0 go in")
+        return Item(gid, torch.zeros(self.buckets[name].latent_shape(self.latent_channels)), self.empty_text,
+                    self.empty_pooled, placeholder=True)
 
     def _skip(self, reason: str, gid: int, why) -> None:
         with self._lock:
             if gid in self._bad:
                 return
-            self._bad.add(gid)
-            self.skipped[reason] += 1
+            self._bad[gid] = reason
+        self._log(reason, gid, why)
+
+    def _note(self, event: str, gid: int, why) -> None:
+        with self._lock:
+            self._events[event] += 1
+        self._log(event, gid, why)
+
+    def _log(self, reason: str, gid: int, why) -> None:
+        with self._lock:
             self._logged[reason] += 1
             n = self._logged[reason]
         if n <= LOG_KEYS_PER_REASON:
             log.warning("skipping sample %s (%s): %s%s", self.key(gid), reason, why,
                         "; further samples skipped for this reason are only counted" if n == LOG_KEYS_PER_REASON
                         else "")
+
+    def bad_state(self) -> dict:
+        """What a resumed run needs to neither recount nor retry known-bad samples (JSON-serialisable):
+        {"skipped": counts by reason, "bad": [[key, reason], ...] sorted by key}."""
+        with self._lock:
+            bad = sorted([self.key(g), r] for g, r in self._bad.items())
+        return {"skipped": {r: int(n) for r, n in self.skipped.items()}, "bad": bad}
+
+    def restore_bad(self, state: dict) -> None:
+        """Take back a bad_state: its bad samples are known bad here too (keys this corpus lacks are ignored), and
+        its placeholder count continues. The other counts follow from the bad set and this corpus' index, so a
+        sample is never counted twice; empty_bucket stays this open's."""
+        gid_of = {self.key(g): g for g in range(len(self._where))}
+        with self._lock:
+            for key, reason in state.get("bad", []):
+                if key in gid_of:
+                    self._bad.setdefault(gid_of[key], reason)
+            self._events["placeholder"] += int(state.get("skipped", {}).get("placeholder", 0))
+
+
+def merge_bad_states(states: Sequence[dict]) -> dict:
+    """One bad_state from every rank's: the union of their bad samples (each rank reads other samples) and the sum
+    of their placeholders; restore_bad rebuilds the other counts from the union, so nothing is counted twice."""
+    bad: dict[str, str] = {}
+    for st in states:
+        for key, reason in st.get("bad", []):
+            bad.setdefault(key, reason)
+    placeholders = sum(int(st.get("skipped", {}).get("placeholder", 0)) for st in states)
+    return {"skipped": {"placeholder": placeholders} if placeholders else {}, "bad": sorted(map(list, bad.items()))}
 
 
 def _sources(data_cfg) -> Optional[list[tuple[str, dict]]]:
@@ -178,11 +394,47 @@ def _sources(data_cfg) -> Optional[list[tuple[str, dict]]]:
     return None
 
 
+def _check_latent_meta(root: str, meta: dict, latent_channels: Optional[int], text_dim: Optional[int]) -> None:
+    c, d = meta.get("latent_channels"), meta.get("text_dim")
+    if latent_channels is not None and text_dim is not None and (c, d) != (latent_channels, text_dim):
+        raise ValueError(f"corpus {root} holds latents with {c} channels and text of dim {d}, but the "
+                         f"model takes in_channels={latent_channels}, text_dim={text_dim}")
+
+
+def check_corpus(data_cfg, latent_channels: Optional[int] = None, text_dim: Optional[int] = None) -> None:
+    """Cheap checks of the corpora the config names, for before the model is built (open_corpus runs them first):
+    shard patterns match files; each index folder has a corpus.json that parses; a latent corpus has the model's
+    channels and text width (when given); and where the empty prompt comes from a file (no raw source), the first
+    corpus' empty_text.pt (and empty_pooled.pt) is a finite float tensor of that width. ValueError naming the file
+    and the fix; FileNotFoundError for an index folder without an index. Nothing is read per sample, nothing is
+    indexed; the synthetic corpus (no data.index/urls/sources) passes, as it is generated to fit."""
+    sources = _sources(data_cfg)
+    if sources is None:
+        return
+    raw, latent_roots = False, []
+    for where, src in sources:
+        if src.get("urls") is not None:
+            expand_urls(src["urls"], f"{where}.urls" if where.startswith("data.sources") else where)
+            raw = True
+            continue
+        index_path(src["index"])
+        meta = read_meta(src["index"])
+        if meta.get("kind") == "raw":
+            raw = True
+            continue
+        _check_latent_meta(src["index"], meta, latent_channels, text_dim)
+        latent_roots.append(src["index"])
+    if not raw and latent_roots:
+        load_empty_prompt(latent_roots[0], text_dim)
+
+
 def open_corpus(data_cfg, buckets: dict[str, Bucket], latent_channels: int, text_dim: int, seed: int,
                 is_main: bool = True, barrier=lambda: None, pooled_dim: Optional[int] = None) -> LatentCorpus:
     """The training corpus the config names. Raw shards are indexed on first use (by rank 0, resumably); the
-    synthetic latent corpus is generated on first use (with pooled text of `pooled_dim` when the model takes it). Everything that can be checked without decoding — a pattern
-    that matches nothing, a corpus with no usable sample, a mismatched latent corpus — fails here, before training."""
+    synthetic latent corpus is generated on first use (with pooled text of `pooled_dim` when the model takes it).
+    Everything that can be checked without decoding — check_corpus, a corpus with no usable sample — fails here,
+    before training; so does a corpus whose small buckets all prove unreadable (LatentCorpus)."""
+    check_corpus(data_cfg, latent_channels, text_dim)
     sources = _sources(data_cfg)
     if sources is None:
         from data.synthetic import ensure_synthetic_corpus
@@ -216,10 +468,7 @@ def open_corpus(data_cfg, buckets: dict[str, Bucket], latent_channels: int, text
                 raise ValueError(f"{where}: no usable sample in {root} — every one was skipped "
                                  f"({dict(counts) or 'the corpus is empty'}); the list is in {root}/skipped.jsonl")
         else:
-            c, d = index.meta.get("latent_channels"), index.meta.get("text_dim")
-            if (c, d) != (latent_channels, text_dim):
-                raise ValueError(f"corpus {index.root} holds latents with {c} channels and text of dim {d}, but the "
-                                 f"model takes in_channels={latent_channels}, text_dim={text_dim}")
+            _check_latent_meta(index.root, index.meta, latent_channels, text_dim)
             skipped.update(index.meta.get("skipped", {}))
         indexes.append(index)
         weights.append(float(src.get("weight", 1.0)))
@@ -228,7 +477,8 @@ def open_corpus(data_cfg, buckets: dict[str, Bucket], latent_channels: int, text
         from data.encoders import build_encoders
 
         encoders = build_encoders(data_cfg.encoders, latent_channels, text_dim)
-    corpus = LatentCorpus(indexes, weights, buckets, data_cfg.val_samples, seed, data_cfg.raw, encoders, skipped)
+    corpus = LatentCorpus(indexes, weights, buckets, data_cfg.val_samples, seed, data_cfg.raw, encoders, skipped,
+                          latent_channels, text_dim)
     if pooled_dim:  # a model that takes pooled text (MMDiT): the corpus must supply it at that width, or the model
         have = None if corpus.empty_pooled is None else int(corpus.empty_pooled.shape[-1])  # pools the tokens
         if have is None and pooled_dim != text_dim:
@@ -247,20 +497,20 @@ class Loader:
         self._pool = ThreadPoolExecutor(num_workers) if num_workers > 0 else None
         self._ahead: dict[tuple[int, int], list[Future]] = {}
 
-    def _read(self, mb: MicroBatch, epoch: int) -> list[tuple]:
-        """(id, a, b) per sample of the micro-batch: latents and text, or pixels and caption (worker side)."""
-        return [self.corpus.load_checked(gid, epoch) for gid in mb.ids]
+    def _read(self, mb: MicroBatch, epoch: int) -> list[Item]:
+        """An Item per sample of the micro-batch: latents and text, or pixels and caption (worker side)."""
+        return [self.corpus.read_checked(gid, epoch) for gid in mb.ids]
 
-    def _assemble(self, mb: MicroBatch, items: list[tuple], epoch: int, drop: bool = True) -> Batch:
-        """Encode what is raw, apply caption dropout, pad and stack (calling thread: the encoders live here)."""
+    def _assemble(self, mb: MicroBatch, items: list[Item], epoch: int, drop: bool = True) -> Batch:
+        """Encode what is raw, apply caption dropout, pad and stack (calling thread: the encoders live here).
+        Placeholders, and raw samples that encode to NaN/Inf (then known bad), go in with loss weight 0."""
         corpus, enc = self.corpus, self.corpus.encoders
-        keys = [corpus.key(gid) for gid, _, _ in items]
+        items = list(items)
+        keys = [corpus.key(it.gid) for it in items]
         dropped = [drop and self.p_drop > 0 and bool(torch.rand((), generator=keyed_generator(
             self.seed, epoch, key, "caption")) < self.p_drop) for key in keys]
-        latents, texts = [a for _, a, _ in items], [b for _, _, b in items]
-        pooled: list[Optional[torch.Tensor]] = [corpus.pooled(gid) if not corpus.is_raw(gid) else None
-                                                for gid, _, _ in items]
-        raw = [j for j, (gid, _, _) in enumerate(items) if corpus.is_raw(gid)]
+        latents, texts, pooled = [it.a for it in items], [it.b for it in items], [it.pooled for it in items]
+        raw = [j for j, it in enumerate(items) if not it.placeholder and corpus.is_raw(it.gid)]
         if raw:
             z = enc.encode_pixels(torch.stack([torch.from_numpy(latents[j]) for j in raw]))
             for n, j in enumerate(raw):
@@ -271,10 +521,17 @@ class Loader:
                 for n, (j, e) in enumerate(zip(say, out.per_sample())):
                     texts[j] = e
                     pooled[j] = None if out.pooled is None else out.pooled[n]
+            for j in raw:
+                if not all(torch.isfinite(t).all() for t in (latents[j], texts[j], pooled[j])
+                           if isinstance(t, torch.Tensor)):
+                    corpus._skip("nonfinite", items[j].gid, "NaN/Inf in its encoded latents or text")
+                    items[j] = corpus.placeholder(items[j].gid)
+                    latents[j], texts[j], pooled[j] = items[j].a, items[j].b, items[j].pooled
         for j in range(len(items)):
             if dropped[j]:
                 texts[j], pooled[j] = corpus.empty_text, corpus.empty_pooled
-        batch = collate(latents, texts, keys, corpus.bucket_names[mb.bucket], mb.S, mb.weights, self.text_len)
+        weights = [0.0 if it.placeholder else w for it, w in zip(items, mb.weights)]
+        batch = collate(latents, texts, keys, corpus.bucket_names[mb.bucket], mb.S, weights, self.text_len)
         if all(p is not None for p in pooled):
             batch.pooled = torch.stack(pooled)
         return batch
@@ -312,7 +569,8 @@ class Loader:
             self._ahead.pop((plan.epoch, plan.pos), None)
 
     def val_batches(self, max_B: int = 8) -> list[Batch]:
-        """The fixed held-out samples, grouped by bucket (no caption dropout; clips placed as in epoch 0)."""
+        """The fixed held-out samples, grouped by bucket (no caption dropout; clips placed as in epoch 0). A held-out
+        sample with no readable replacement is left out (validation averages every sample it is given)."""
         by_bucket: dict[int, list[int]] = {}
         for gid in self.corpus.val_ids:
             by_bucket.setdefault(int(self.corpus.bucket_of[gid]), []).append(gid)
@@ -321,7 +579,10 @@ class Loader:
             for i in range(0, len(gids), max_B):
                 chunk = tuple(gids[i:i + max_B])
                 mb = MicroBatch(b, chunk, (1.0,) * len(chunk), int(self.corpus.S_of[chunk[0]]), 0.0)
-                out.append(self._assemble(mb, self._read(mb, 0), 0, drop=False))
+                items = [it for it in self._read(mb, 0) if not it.placeholder]
+                if items:
+                    mb = MicroBatch(b, tuple(it.gid for it in items), (1.0,) * len(items), mb.S, 0.0)
+                    out.append(self._assemble(mb, items, 0, drop=False))
         return out
 
     def close(self) -> None:

@@ -9,16 +9,26 @@ headers only; nothing is decoded until the loader asks:
     index_corpus(...)      shards → index.jsonl, corpus.json, skipped.jsonl; parallel over shards, and resumable:
                            each shard's probe results are kept in .index_parts/ and reused while the shard is unchanged
     assign_bucket(...)     a sample → the nearest bucket by duration, then aspect ratio, never upscaled past
-                           `max_upscale`, or the reason it has none (too_short, too_small, extreme_aspect)
+                           `max_upscale`, or the reason it has none (too_large, too_short, too_small, extreme_aspect)
     load_raw(...)          read + decode one sample for its bucket (what a loader worker runs)
 
-Bucket choice. Among the buckets of the sample's kind (images → 1-frame buckets, videos → the others):
+Bucket choice. A sample of more than raw.max_pixels pixels (an image, or a video's frame) has none (too_large).
+Among the buckets of the sample's kind (images → 1-frame buckets, videos → the others):
     1. duration: frames ≤ usable_frames(n, fps, raw.fps) (data/decode.py): a clip is never padded in time;
     2. aspect:   d = |log(w/h) − log(W/H)|, and the crop it implies 1 − e^(−d) ≤ raw.max_crop;
     3. size:     the resize to cover, max(H/h, W/w) ≤ raw.max_upscale;
     then, of the buckets within raw.aspect_tolerance of the best d: the longest, then one that needs no enlarging
     (else the least), then the largest — so 1080p footage goes to 720p buckets and 480p footage stays at 480p.
-Records keep the native metadata, so a corpus is re-bucketed for another bucket table without re-probing.
+Records keep the native metadata, so a corpus is re-bucketed for another bucket table (or another max_pixels)
+without re-probing.
+
+Captions. A sample's caption is the `txt` member, or the first of the json fields caption/text/prompt/txt that holds
+a non-empty string. It is unreadable (UnreadableCaption, data/skipped_unreadable_caption) when the member's bytes
+are not strict UTF-8 (a leading BOM is allowed), the json does not parse or is not an object, no caption field holds
+a string but one holds something else (a number, a list, an object), or the text holds a NUL character or more than
+MAX_CONTROL_SHARE of its characters are control characters (Unicode category Cc other than tab, newline, carriage
+return): binary bytes that happen to decode. It is missing (missing_caption) when there is no txt/json member or the
+caption is empty or blank.
 """
 from __future__ import annotations
 
@@ -28,6 +38,7 @@ import json
 import logging
 import math
 import os
+import unicodedata
 from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Iterable, Mapping, Optional, Sequence, Union
@@ -36,7 +47,7 @@ import numpy as np
 
 from data.buckets import Bucket
 from data.decode import DecodeError, decode_image, decode_video, probe_image, probe_video, usable_frames
-from data.index import SampleIndex, read_range, scan_tar
+from data.index import CorruptIndex, SampleIndex, read_jsonl, read_range, scan_tar
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +57,7 @@ CAPTION_FIELDS = ("caption", "text", "prompt", "txt")
 PARTS_DIR = ".index_parts"
 SKIPPED_FILE = "skipped.jsonl"
 CLIP_MODES = ("random", "start", "centre")
+MAX_CONTROL_SHARE = 0.1  # a caption with more control characters than this is binary, not text
 
 
 @dataclass
@@ -58,6 +70,9 @@ class RawConfig:
     clip: str = "random"            # where a clip starts in a longer video: random (keyed by seed, epoch, key),
                                     # start, or centre
     decode_threads: int = 1         # FFmpeg threads per decode; the loader already decodes samples in parallel
+    max_pixels: int = 1 << 26       # the most pixels (width × height) of an image or video frame; larger: too_large.
+                                    # 8192² = 67 M: passes 8K UHD (33 M) and 8K squares, stays under PIL's own bomb
+                                    # limit (89 M), and bounds one decode to 192 MiB of RGB per decoding thread
 
     def __post_init__(self):
         if self.fps <= 0:
@@ -72,10 +87,18 @@ class RawConfig:
             raise ValueError(f"data.raw.clip must be one of {CLIP_MODES}, got {self.clip!r}")
         if self.decode_threads < 0:
             raise ValueError(f"data.raw.decode_threads must be ≥ 0 (0: FFmpeg's choice), got {self.decode_threads}")
+        if int(self.max_pixels) < 1:
+            raise ValueError(f"data.raw.max_pixels must be ≥ 1 (the most pixels of an image or video frame), "
+                             f"got {self.max_pixels}")
 
 
 class MissingCaption(DecodeError):
     reason = "missing_caption"
+
+
+class UnreadableCaption(DecodeError):
+    """A caption member that is not text (see the module docstring for the rule)."""
+    reason = "unreadable_caption"
 
 
 # -- shards -----------------------------------------------------------------------------------------------------------
@@ -119,15 +142,38 @@ def _rel(path: str, root: str) -> str:
 
 # -- probing (no decode) ----------------------------------------------------------------------------------------------
 
+def _check_text(text: str) -> str:
+    if "\0" in text:
+        raise UnreadableCaption("the caption holds NUL characters")
+    control = sum(unicodedata.category(c) == "Cc" and c not in "\t\n\r" for c in text)
+    if control > MAX_CONTROL_SHARE * len(text):
+        raise UnreadableCaption(f"{control} of the caption's {len(text)} characters are control characters")
+    return text.strip()
+
+
 def parse_caption(data: bytes, ext: str) -> tuple[str, dict]:
-    """(caption, metadata) from a txt or json member; the caption is "" when absent."""
+    """(caption, metadata) from a txt or json member; the caption is "" when absent. UnreadableCaption when the
+    member is not text (the rule is in the module docstring)."""
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise UnreadableCaption(f"the {ext} member is not UTF-8: {e}") from None
     if ext == "txt":
-        return data.decode("utf-8", errors="replace").strip(), {}
-    meta = json.loads(data.decode("utf-8"))
+        return _check_text(text), {}
+    try:
+        meta = json.loads(text)
+    except ValueError as e:
+        raise UnreadableCaption(f"the json member does not parse: {e}") from None
     if not isinstance(meta, dict):
-        return "", {}
-    caption = next((meta[k] for k in CAPTION_FIELDS if isinstance(meta.get(k), str) and meta[k].strip()), "")
-    return caption.strip(), meta
+        raise UnreadableCaption(f"the json member is a {type(meta).__name__}, not an object")
+    caption = next((meta[k] for k in CAPTION_FIELDS if isinstance(meta.get(k), str) and meta[k].strip()), None)
+    if caption is None:
+        odd = {k: type(meta[k]).__name__ for k in CAPTION_FIELDS if meta.get(k) is not None
+               and not isinstance(meta[k], str)}
+        if odd:
+            raise UnreadableCaption(f"json caption fields that are not strings: {odd}")
+        return "", meta
+    return _check_text(caption), meta
 
 
 def _caption_ext(members: Mapping) -> Optional[str]:
@@ -135,7 +181,8 @@ def _caption_ext(members: Mapping) -> Optional[str]:
 
 
 def probe_sample(path: str, key: str, members: Mapping[str, Sequence[int]]) -> tuple[Optional[dict], str, str]:
-    """(record fields, "", "") for a usable sample, else (None, reason, why). Reads the caption and media headers."""
+    """(record fields, "", "") for a usable sample, else (None, reason, why). Reads the caption and media headers.
+    The size cap (too_large) is a bucket rule, applied by assign_bucket: probing reads headers only."""
     media = [e for e in members if e in IMAGE_EXTS or e in VIDEO_EXTS]
     if not media:
         return None, "no_media", f"no image or video member among {sorted(members)}"
@@ -145,8 +192,8 @@ def probe_sample(path: str, key: str, members: Mapping[str, Sequence[int]]) -> t
         return None, "missing_caption", "no txt or json member"
     try:
         caption, meta = parse_caption(read_range(path, *members[cap_ext]), cap_ext)
-    except (ValueError, UnicodeDecodeError) as e:
-        return None, "missing_caption", f"unreadable {cap_ext}: {e}"
+    except UnreadableCaption as e:
+        return None, e.reason, str(e)
     if not caption:
         return None, "missing_caption", f"empty caption in {cap_ext}"
     offset, size = members[ext]
@@ -160,7 +207,7 @@ def probe_sample(path: str, key: str, members: Mapping[str, Sequence[int]]) -> t
             return None, "corrupt_video", str(e)
         if info["frames"] < 1:
             return None, "no_frames", "the container holds no video frames"
-        if info["fps"] <= 0 and float(meta.get("fps", 0)) > 0:
+        if info["fps"] <= 0 and _number(meta.get("fps")) > 0:
             info["fps"] = float(meta["fps"])
     else:
         kind = "image"
@@ -173,19 +220,32 @@ def probe_sample(path: str, key: str, members: Mapping[str, Sequence[int]]) -> t
     return rec, "", ""
 
 
+def _number(x) -> float:
+    """A json metadata value as a number; 0 when it is none."""
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return 0.0
+
+
 def probe_shard(path: str, rel: str) -> dict:
-    """One shard's part of the index: records (without bucket) and skipped samples, in tar order."""
+    """One shard's part of the index: records (without bucket) and skipped samples, in tar order. A shard that is not
+    a readable tar is one skipped entry (unreadable_shard, its path as the key); a sample whose probe fails in a way
+    the probe does not name is skipped as unreadable."""
     scan = scan_tar(path)
     part: dict = {"shard": rel, "records": [], "skipped": []}
     if scan.error:
-        part["skipped"].append({"key": f"<shard {rel}>", "reason": "unreadable_shard", "why": scan.error})
+        part["skipped"].append({"key": f"<shard {rel}>", "reason": "unreadable_shard", "why": f"{path}: {scan.error}"})
         return part
     for key, reason in scan.broken.items():
         part["skipped"].append({"key": key, "reason": reason, "why": "seen in the tar headers"})
     for key, members in scan.members.items():
         if key in scan.broken:
             continue
-        rec, reason, why = probe_sample(path, key, members)
+        try:
+            rec, reason, why = probe_sample(path, key, members)
+        except Exception as e:  # a failure no reason above names (an I/O error, a library's own exception)
+            rec, reason, why = None, "unreadable", f"{type(e).__name__}: {e}"
         if rec is None:
             part["skipped"].append({"key": key, "reason": reason, "why": why})
             continue
@@ -204,6 +264,8 @@ def assign_bucket(kind: str, frames: int, fps: float, height: int, width: int, b
         return None, f"no_{kind}_bucket"
     if height < 1 or width < 1:
         return None, "too_small"
+    if height * width > cfg.max_pixels:
+        return None, "too_large"
     if kind == "video":
         avail = usable_frames(frames, fps, cfg.fps)
         cands = [b for b in cands if b.frames <= avail]
@@ -319,12 +381,16 @@ def index_corpus(shards: Sequence[str], out_dir: str, buckets: Mapping[str, Buck
 
 
 def log_skips(skipped: Sequence[dict], where: str) -> None:
-    """One line per reason, with the first key and how many (the full list is in skipped.jsonl)."""
+    """One line per reason, with the first key and how many (the full list is in skipped.jsonl); every shard that is
+    not a readable tar gets its own line, with its path."""
     first: dict[str, dict] = {}
     counts: Counter = Counter()
     for k in skipped:
         counts[k["reason"]] += 1
         first.setdefault(k["reason"], k)
+        if k["reason"] == "unreadable_shard":
+            log.warning("%s: skipped a shard that is not a readable tar: %s", where, k.get("why", k["key"]))
+    counts.pop("unreadable_shard", None)
     for reason, n in sorted(counts.items()):
         k = first[reason]
         log.warning("%s: skipped %d sample(s) as %s, e.g. %s (%s)", where, n, reason, k["key"], k.get("why", ""))
@@ -332,11 +398,16 @@ def log_skips(skipped: Sequence[dict], where: str) -> None:
 
 def ensure_raw_index(shards: Sequence[str], out_dir: str, buckets: Mapping[str, Bucket], cfg: RawConfig,
                      workers: int = 1) -> SampleIndex:
-    """The index of these shards in out_dir, built or extended (resumably) when it does not cover them all."""
+    """The index of these shards in out_dir, built or extended (resumably) when it does not cover them all. An index
+    that does not parse is rebuilt with a warning: for shards it is a cache (the probe results in .index_parts/ are
+    reused while valid)."""
     rels = [_rel(s, out_dir) for s in shards]
     try:
         index = SampleIndex.load(out_dir)
     except FileNotFoundError:
+        return index_corpus(shards, out_dir, buckets, cfg, workers)
+    except CorruptIndex as e:
+        log.warning("%s; re-indexing the shards", e)
         return index_corpus(shards, out_dir, buckets, cfg, workers)
     have = index.meta.get("shards", []) if index.meta.get("kind") == "raw" else []
     if set(rels) <= set(have) and all(_load_part(out_dir, s, r) is not None for s, r in zip(shards, rels)):
@@ -358,11 +429,14 @@ def select_raw(index: SampleIndex, buckets: Mapping[str, Bucket], cfg: RawConfig
     counts: Counter = Counter()
     path = os.path.join(index.root, SKIPPED_FILE)
     if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                k = json.loads(line)
-                if k.get("stage") == "probe" and (want is None or k.get("shard") in want):
-                    counts[k["reason"]] += 1
+        try:
+            listed = read_jsonl(path, ("reason",))
+        except CorruptIndex as e:  # only counts are lost: the index itself is whole
+            log.warning("%s; the samples skipped at indexing are not counted", e)
+            listed = []
+        for k in listed:
+            if k.get("stage") == "probe" and (want is None or k.get("shard") in want):
+                counts[k["reason"]] += 1
     counts.update(k["reason"] for k in bucket_skips)
     log_skips(bucket_skips, index.root)
     return SampleIndex(index.root, index.meta, [r for r in records if r["bucket"] is not None]), counts
@@ -371,11 +445,9 @@ def select_raw(index: SampleIndex, buckets: Mapping[str, Bucket], cfg: RawConfig
 # -- loading ----------------------------------------------------------------------------------------------------------
 
 def read_caption(index: SampleIndex, row: int) -> str:
+    """The caption of a raw sample; UnreadableCaption or MissingCaption (both DecodeErrors) when it has none."""
     r = index.records[row]
-    try:
-        caption, _ = parse_caption(index.read(row, r["caption"]), r["caption"])
-    except (ValueError, UnicodeDecodeError) as e:
-        raise MissingCaption(f"unreadable caption: {e}") from None
+    caption, _ = parse_caption(index.read(row, r["caption"]), r["caption"])
     if not caption:
         raise MissingCaption("empty caption")
     return caption
@@ -387,10 +459,12 @@ def clip_start(cfg: RawConfig, u: float) -> float:
 
 
 def load_raw(index: SampleIndex, row: int, bucket: Bucket, cfg: RawConfig, start: float) -> tuple[np.ndarray, str]:
-    """(pixels [F, H, W, 3] uint8 for the bucket, caption) of one raw sample; DecodeError says why it cannot be."""
+    """(pixels [F, H, W, 3] uint8 for the bucket, caption) of one raw sample; DecodeError says why it cannot be
+    (TooLarge over raw.max_pixels, whatever the index recorded: the member may have changed since)."""
     r = index.records[row]
     caption = read_caption(index, row)
     data = index.read(row, r["media"])
     if r["kind"] == "image":
-        return decode_image(data, bucket.height, bucket.width), caption
-    return decode_video(data, bucket.frames, bucket.height, bucket.width, cfg.fps, start, cfg.decode_threads), caption
+        return decode_image(data, bucket.height, bucket.width, cfg.max_pixels), caption
+    return decode_video(data, bucket.frames, bucket.height, bucket.width, cfg.fps, start, cfg.decode_threads,
+                        cfg.max_pixels), caption

@@ -7,7 +7,9 @@ Writes index.jsonl, corpus.json and skipped.jsonl into --out (default: the shard
 shards (processes); resumable: each shard's results are kept in .index_parts/ and reused while the shard is unchanged,
 so a killed run, or a run over more shards, probes only what is new. Buckets come from the config's data group
 (Hydra overrides after `--`; default conf/data/tiny.yaml); training re-buckets from the stored native metadata, so
-a corpus need not be re-indexed for another bucket table. Exits non-zero when no sample is usable.
+a corpus need not be re-indexed for another bucket table. Exits non-zero when no sample is usable. Every skipped
+sample (and every shard that is not a readable tar) is listed in skipped.jsonl with its reason, and the counts by
+reason are printed; images and video frames over data.raw.max_pixels count as too_large.
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     from data.buckets import bucket_table
-    from data.raw import common_dir, expand_urls, index_corpus
+    from data.raw import bucket_records, common_dir, expand_urls, index_corpus
 
     cfg = script_config(overrides)
     try:
@@ -63,15 +65,18 @@ def main(argv=None) -> int:
         done[0] += 1
         print(f"\r{done[0]} shards probed", end="", file=sys.stderr)
 
-    index = index_corpus(shards, out, bucket_table(cfg.data.buckets), cfg.data.raw, a.workers, progress)
+    buckets = bucket_table(cfg.data.buckets)
+    index = index_corpus(shards, out, buckets, cfg.data.raw, a.workers, progress)
     usable = [r for r in index.records if r["bucket"] is not None]
     by_bucket = Counter(r["bucket"] for r in usable)
     kinds = Counter(r["kind"] for r in usable)
     print(f"\n{len(shards)} shards → {out}: {len(usable)} usable samples ({dict(kinds)}) in {time.time() - t0:.1f} s")
     for name, n in sorted(by_bucket.items(), key=lambda kv: -kv[1]):
         print(f"  {name:<16}{n:>8}")
+    _, no_bucket = bucket_records(index.records, buckets, cfg.data.raw)
     print(f"skipped at probe: {index.meta['skipped'] or 'none'}; without a bucket in this table: "
-          f"{len(index.records) - len(usable)} (details in {os.path.join(out, 'skipped.jsonl')})")
+          f"{dict(Counter(k['reason'] for k in no_bucket)) or 'none'} "
+          f"(details in {os.path.join(out, 'skipped.jsonl')})")
     if not usable:
         print(f"error: no usable sample in {len(shards)} shards", file=sys.stderr)
         return 1

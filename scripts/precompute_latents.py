@@ -13,8 +13,10 @@ on the precomputed corpus sees, in epoch 0, the batches an on-the-fly run would;
 Split: rank r of R takes the samples i ≡ r (mod R) of the raw index order that are not done yet. Resumable: each
 finished shard is listed in .precompute_parts/; a rerun (on any number of ranks) skips what the parts hold and
 overwrites any shard a killed run left unlisted. Rank 0 waits for every part, then writes index.jsonl (in the raw
-order, so the planner sees the same table), corpus.json and empty_text.pt. Samples that fail to decode, or encode to
-NaN/Inf, are left out and counted in corpus.json's "skipped".
+order, so the planner sees the same table), corpus.json and empty_text.pt (empty_pooled.pt where the text encoder
+pools); a rerun over a finished --out only rewrites those, which is how a lost empty_text.pt is made again. Samples
+that fail to read or decode (any exception, by the reasons of data/loader.py), or encode to NaN/Inf, are left out
+and counted in corpus.json's "skipped".
 """
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ def precompute(data_cfg, buckets: dict, latent_channels: int, text_dim: int, see
     import torch
 
     from data.index import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, SampleIndex, npy_bytes
-    from data.loader import open_corpus
+    from data.loader import open_corpus, skip_reason
 
     deadline = time.time() + wait_s
     while True:  # rank 0 indexes the raw shards if no index covers them yet; the others wait for it
@@ -118,8 +120,8 @@ def precompute(data_cfg, buckets: dict, latent_channels: int, text_dim: int, see
             for g in gids[i:i + enc.batch_size]:
                 try:
                     pixels, caption = corpus.load(g, epoch=0)
-                except Exception as e:
-                    reason = getattr(e, "reason", "unreadable")
+                except Exception as e:  # any failure of one sample is a counted skip (data/loader.py lists them)
+                    reason = skip_reason(e)
                     skipped[reason] += 1
                     pending_skips.append({"order": g, "key": corpus.key(g), "reason": reason, "why": str(e)})
                     log.warning("skipping %s (%s): %s", corpus.key(g), reason, e)
@@ -131,7 +133,8 @@ def precompute(data_cfg, buckets: dict, latent_channels: int, text_dim: int, see
             text = enc.encode_text([c for _, _, c in loaded])
             for n, ((g, _, caption), e) in enumerate(zip(loaded, text.per_sample())):
                 rec_raw = corpus.record(g)
-                if not (torch.isfinite(z[n]).all() and torch.isfinite(e).all()):
+                if not (torch.isfinite(z[n]).all() and torch.isfinite(e).all()
+                        and (text.pooled is None or torch.isfinite(text.pooled[n]).all())):
                     skipped["nonfinite"] += 1
                     pending_skips.append({"order": g, "key": rec_raw["key"], "reason": "nonfinite"})
                     continue

@@ -70,3 +70,58 @@ def check_checkpointing_and_compile(model, forward, weight, keys, ignore_grad=la
     print(f"compiled blocks: output rel diff {rel(y_c, y_off):.2e}, worst grad rel diff {worst}")
     assert rel(y_c, y_off) <= 2e-2
     assert worst[0] <= 0.1, worst  # inductor fuses in fp32 where eager rounds to bf16: 3.7e-2 seen on the H200
+
+
+# -- data robustness: files tests write to plant bad samples -----------------------------------------------------------
+
+def write_tar(path: str, samples) -> None:
+    """A WebDataset tar of [(key, {ext: bytes})], members in the order given."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w") as tar:
+        for key, members in samples:
+            for ext, data in members.items():
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def rewrite_members(root: str, changes: dict) -> None:
+    """Replace members of a corpus' samples ({(key, ext): bytes}) by rewriting their shards, and point index.jsonl at
+    the new offsets (the other records of those shards move too)."""
+    import tarfile
+
+    from data.index import SampleIndex, tar_members
+
+    index = SampleIndex.load(root)
+    shards = {r["shard"] for r in index.records if any((r["key"], ext) in changes for ext in r["members"])}
+    for shard in shards:
+        path = os.path.join(root, shard)
+        samples: dict = {}
+        with tarfile.open(path) as tar:
+            for m in tar.getmembers():
+                key, _, ext = m.name.partition(".")
+                samples.setdefault(key, {})[ext] = changes.get((key, ext), tar.extractfile(m).read())
+        write_tar(path, samples.items())
+        offsets = tar_members(path)
+        for r in index.records:
+            if r["shard"] == shard:
+                r["members"] = {e: list(v) for e, v in offsets[r["key"]].items()}
+    index.save()
+
+
+def png_claiming(width: int, height: int, rows: int = 1) -> bytes:
+    """A 1-bit greyscale PNG whose header says width × height; its pixel data holds `rows` rows of zeros (all of
+    them: a real image, which compresses to a few bytes per row; fewer: a bomb that is cut short)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    z = zlib.compressobj(9)
+    row = b"\0" * (1 + (width + 7) // 8)
+    idat = b"".join(z.compress(row) for _ in range(rows)) + z.flush()
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0))
+            + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
