@@ -67,7 +67,12 @@ def model_inputs(cfg, batch) -> dict:
         pooled = (batch.text * m).sum(1) / m.sum(1).clamp_min(1)
     guidance = (torch.full((batch.B,), 1000.0 * cfg.guidance_scale, device=batch.latents.device)
                 if cfg.guidance_embeds else None)
-    return dict(encoder_attention_mask=mask, pooled_projections=pooled, guidance=guidance)
+    out = dict(encoder_attention_mask=mask, pooled_projections=pooled, guidance=guidance)
+    if mask is not None and mask.device.type == "cpu":  # on the host: no sync inside the model's forward
+        from models.mmdit import text_span
+
+        out["text_span"] = text_span(mask)
+    return out
 
 
 def matmul_params(model: torch.nn.Module) -> int:

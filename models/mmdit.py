@@ -339,10 +339,10 @@ class MMDiT(DiffusersFormat, PolicyKnobs, nn.Module):
     # ----------------------------------------------------------------------------------------------- forward
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 encoder_attention_mask: torch.Tensor | None = None, pooled_projections: torch.Tensor | None = None,
-                guidance: torch.Tensor | None = None) -> torch.Tensor:
+                guidance: torch.Tensor | None = None, text_span: tuple[int, bool] | None = None) -> torch.Tensor:
         """x [B, C, F, H, W], timestep [B] (1000·t), text [B, L, text_embed_dim], text mask [B, L] (None: all
         valid), pooled text [B, pooled_projection_dim], guidance [B] (1000·scale; guidance_embeds only)
-        → [B, C_out, F, H, W]."""
+        → [B, C_out, F, H, W]. text_span: `text_span(mask)` computed by a caller that has the mask on the host."""
         B, _, frames, height, width = hidden_states.shape
         p_t, p_h, p_w = self.patch
         if frames % p_t or height % p_h or width % p_w:
@@ -359,7 +359,7 @@ class MMDiT(DiffusersFormat, PolicyKnobs, nn.Module):
         f, h, w = frames // p_t, height // p_h, width // p_w  # token grid
         N = f * h * w
 
-        text_BLC, mask_BL, masked = _trim_text(encoder_hidden_states, encoder_attention_mask)
+        text_BLC, mask_BL, masked = _trim_text(encoder_hidden_states, encoder_attention_mask, text_span)
         L = text_BLC.shape[1]
         temb_BD = self.time_text_embed(timestep, pooled_projections, guidance)
         x_BND = self.x_embedder(hidden_states)
@@ -430,21 +430,28 @@ class MMDiT(DiffusersFormat, PolicyKnobs, nn.Module):
         return float(matmul + 12 * self.dim * (layers * (S + L) ** 2 + R * L ** 2))
 
 
-def _trim_text(text_BLC: torch.Tensor, mask_BL: torch.Tensor | None):
+def text_span(mask_BL: torch.Tensor) -> tuple[int, bool]:
+    """(keep, masked): the text positions up to the last one any sample attends (at least one: the refiner always
+    lets queries see key 0), and whether some row is padded within them. A host sync when the mask is on a GPU;
+    a caller holding the mask on the host computes it there and passes it as `text_span` (CUDA graphs need that)."""
+    mask_BL = mask_BL.bool()
+    pos_L = torch.arange(1, mask_BL.shape[1] + 1, device=mask_BL.device)
+    keep, fewest = torch.stack([(mask_BL.any(0) * pos_L).max(), mask_BL.sum(1).min()]).tolist()
+    keep = max(1, keep)
+    # every row valid over the kept span ⇔ its count equals the span (nothing valid lies beyond it)
+    return keep, fewest < keep
+
+
+def _trim_text(text_BLC: torch.Tensor, mask_BL: torch.Tensor | None, span: tuple[int, bool] | None = None):
     """(text, bool mask, whether attention needs the mask) with trailing positions no sample attends cut off.
 
     Exact: a masked key adds nothing to any softmax, and a masked text query only feeds its own token, which no
-    video token ever reads. One host sync per forward; it lets unpadded batches (e.g. B = 1) run SDPA's flash kernel.
+    video token ever reads. It lets unpadded batches (e.g. B = 1) run SDPA's flash kernel.
     """
     if mask_BL is None:
         return text_BLC, None, False
     if mask_BL.shape != text_BLC.shape[:2]:
         raise ValueError(f"encoder_attention_mask must be [B, L] = {tuple(text_BLC.shape[:2])}, "
                          f"got {tuple(mask_BL.shape)}")
-    mask_BL = mask_BL.bool()
-    pos_L = torch.arange(1, mask_BL.shape[1] + 1, device=mask_BL.device)
-    # Keep up to the last position any sample attends (at least one: the refiner always lets queries see key 0).
-    keep, fewest = torch.stack([(mask_BL.any(0) * pos_L).max(), mask_BL.sum(1).min()]).tolist()
-    keep = max(1, keep)
-    # every row valid over the kept span ⇔ its count equals the span (nothing valid lies beyond it)
-    return text_BLC[:, :keep], mask_BL[:, :keep], fewest < keep
+    keep, masked = span if span is not None else text_span(mask_BL)
+    return text_BLC[:, :keep], mask_BL.bool()[:, :keep], masked

@@ -48,6 +48,7 @@ from scheduling.calibrate import (HBM_FRACTION, Calibration, Infeasible, StepRes
                                   new_calibration, refit, scan)
 from training.dist import init_distributed  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
+from training.cuda_graphs import graph_blockers, graphs_for  # noqa: E402
 from training.step import autocast_for  # noqa: E402
 
 DEFAULTS = dict(max_points=12, blocks=None, warmup=1, repeats=2, top_tokens=None, time_budget_s=None,
@@ -60,44 +61,70 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def make_step_fn(model, objective, optimizer, buckets, model_cfg, device, autocast, checkpointing: bool):
-    """step_fn(bucket, B) → StepResult: one real training step on synthetic inputs (CONTRACTS §6)."""
+def make_step_fn(model, objective, optimizer, buckets, model_cfg, device, autocast, checkpointing: bool,
+                 graphs=None):
+    """step_fn(bucket, B) → StepResult: one real training step on synthetic inputs (CONTRACTS §6). With `graphs`
+    (training/cuda_graphs.py, as the trainer runs) each (bucket, B) is captured before it is timed: the capture
+    and its eager warm-up run untimed, and the peak is the capture's (a replay allocates nothing)."""
     cuda = device.type == "cuda"
+    loss_sum = torch.zeros((), device=device)
+    capture_peak: dict = {}  # key → the peak while it was captured (a replay allocates nothing of its own)
+
+    def micro_batch(x: dict) -> None:
+        cond = model_inputs(model_cfg, SimpleNamespace(latents=x["x0"], text=x["text"], text_mask=x["mask"],
+                                                       pooled=None, B=x["x0"].shape[0]))
+        with autocast():
+            loss = objective.per_sample_loss(model, x["x0"], x["text"], x["t"], x["noise"], **cond).mean()
+        loss.backward()
+        loss_sum.add_(loss.detach())
 
     def step_fn(name: str, B: int) -> StepResult:
         shape = buckets[name].latent_shape(model_cfg.in_channels)
         oom = None
-        x0 = text = t = noise = loss = None
+        x = None
         try:
             x0 = torch.randn(B, *shape, device=device)
-            text = torch.randn(B, model_cfg.text_len, model_cfg.text_dim, device=device)
-            t, noise = torch.rand(B, device=device), torch.randn_like(x0)
+            x = {"x0": x0, "text": torch.randn(B, model_cfg.text_len, model_cfg.text_dim, device=device),
+                 "t": torch.rand(B, device=device), "noise": torch.randn_like(x0),
+                 "mask": torch.ones(B, model_cfg.text_len, dtype=torch.bool, device=device)}
             model.set_activation_checkpointing(checkpointing)
+            key, tokens = (name, B, checkpointing), B * buckets[name].tokens
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            _sync(device)
-            t0 = time.perf_counter()
-            mask = torch.ones(B, model_cfg.text_len, dtype=torch.bool, device=device)
-            cond = model_inputs(model_cfg, SimpleNamespace(latents=x0, text=text, text_mask=mask, pooled=None, B=B))
-            with autocast():
-                loss = objective.per_sample_loss(model, x0, text, t, noise, **cond).mean()
-            loss.backward()
+            if graphs is not None:
+                if graphs.wants_capture(key, tokens):
+                    for p in model.parameters():
+                        if p.requires_grad and p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                    while graphs.wants_capture(key, tokens):  # eager warm-up, then the capture (untimed)
+                        graphs.run(key, tokens, micro_batch, x)
+                    optimizer.zero_grad(set_to_none=False)
+                    capture_peak[key] = float(torch.cuda.max_memory_allocated(device)) if cuda else None
+                _sync(device)
+                t0 = time.perf_counter()
+                graphs.run(key, tokens, micro_batch, x)
+            else:
+                _sync(device)
+                t0 = time.perf_counter()
+                micro_batch(x)
             _sync(device)
             t1 = time.perf_counter()
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=graphs is None)
             _sync(device)
             t2 = time.perf_counter()
         except torch.OutOfMemoryError as e:
             oom = str(e).splitlines()[0]
         if oom is not None:  # outside the except block, so the traceback no longer pins the step's tensors
-            x0 = text = t = noise = loss = None
-            optimizer.zero_grad(set_to_none=True)
+            x = None
+            optimizer.zero_grad(set_to_none=graphs is None)
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
             raise Infeasible(oom)
         peak = float(torch.cuda.max_memory_allocated(device)) if cuda else None
+        if peak is not None and capture_peak.get(key) is not None:
+            peak = max(peak, capture_peak[key])
         return StepResult((t1 - t0) * 1e3, (t2 - t1) * 1e3, peak)
 
     return step_fn
@@ -126,7 +153,7 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
         raise ValueError(f"unknown calibrate option(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
     ctx = init_distributed()
     torch.manual_seed(cfg.train.seed)
-    table = bucket_table(cfg.data.buckets)
+    table = bucket_table(cfg.data.buckets, patch=cfg.model.patch)
     names = list(opts["buckets"] or table)
     missing = [n for n in names if n not in table]
     if missing:
@@ -141,7 +168,9 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
     model = build_model(dataclasses.replace(cfg.model, num_layers=k), ctx.device)
     parallelize(model, compile=cfg.model.compile, world_size=ctx.world_size)
     optimizer, _ = build_optimizer(model, cfg.optim, 1000)
-    autocast = autocast_for(ctx.device, cfg.model.precision)
+    graphs = graphs_for(cfg.train.cuda_graphs, ctx.device, ctx.world_size, graph_blockers(cfg.model),
+                        cfg.train.graph_max_tokens)  # as the trainer runs each micro-batch
+    autocast = autocast_for(ctx.device, cfg.model.precision, cache=graphs is None)
     objective = FlowMatching(cfg.objective)
     cuda = ctx.device.type == "cuda"
     hbm = float(torch.cuda.get_device_properties(ctx.device).total_memory) if cuda else None
@@ -155,7 +184,8 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
     t_start = time.perf_counter()
     records = {}
     for mode in modes:
-        step_fn = make_step_fn(model, objective, optimizer, table, cfg.model, ctx.device, autocast, mode == "full")
+        step_fn = make_step_fn(model, objective, optimizer, table, cfg.model, ctx.device, autocast, mode == "full",
+                               graphs)
         say = log if ctx.is_main else (lambda s: None)
         say(f"checkpointing={mode}: scanning {len(tokens)} buckets, at most {opts['max_points']} timed points")
         agree, agree_min = _agree(ctx)

@@ -21,7 +21,7 @@ import torch
 class OptimConfig:
     lr: float = 1e-4
     weight_decay: float = 0.0
-    betas: tuple = (0.9, 0.999)
+    betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     warmup_steps: int = 0
     schedule: str = "constant"   # constant | cosine | linear (after warm-up)
@@ -31,11 +31,14 @@ class OptimConfig:
     groups: dict = field(default_factory=dict)  # name → {match: regex, lr: float, weight_decay: float (optional)}
 
     def __post_init__(self):
+        # Comparisons written so that NaN fails them (training/config.py refuses NaN and ±Inf before this runs).
         if not self.lr > 0:
             raise ValueError(f"optim.lr must be > 0, got {self.lr}")
-        if self.weight_decay < 0:
+        if not self.weight_decay >= 0:
             raise ValueError(f"optim.weight_decay must be ≥ 0, got {self.weight_decay}")
-        self.betas = tuple(float(b) for b in self.betas)
+        if not self.eps > 0:
+            raise ValueError(f"optim.eps must be > 0 (AdamW's denominator term), got {self.eps}")
+        self.betas = tuple(self.betas)
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
         if self.warmup_steps < 0:
@@ -44,7 +47,7 @@ class OptimConfig:
             raise ValueError(f"optim.schedule must be constant, cosine or linear, got {self.schedule!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"optim.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
-        if self.grad_clip < 0:
+        if not self.grad_clip >= 0:
             raise ValueError(f"optim.grad_clip must be ≥ 0 (0 disables), got {self.grad_clip}")
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             raise ValueError(f"optim.ema_decay must lie in (0, 1) or be null, got {self.ema_decay}")
@@ -60,11 +63,12 @@ class OptimConfig:
                 re.compile(g["match"])
             except (re.error, TypeError) as e:
                 raise ValueError(f"{where}.match is not a valid regex: {g['match']!r} ({e})") from None
-            if isinstance(g["lr"], bool) or not isinstance(g["lr"], (int, float)) or not g["lr"] > 0:
-                raise ValueError(f"{where}.lr must be a number > 0, got {g['lr']!r}")
-            wd = g.get("weight_decay")
-            if wd is not None and (isinstance(wd, bool) or not isinstance(wd, (int, float)) or wd < 0):
-                raise ValueError(f"{where}.weight_decay must be a number ≥ 0, got {wd!r}")
+            lr, wd = g["lr"], g.get("weight_decay")
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr > 0):
+                raise ValueError(f"{where}.lr must be a finite number > 0, got {lr!r}")
+            if wd is not None and (isinstance(wd, bool) or not isinstance(wd, (int, float))
+                                   or not (math.isfinite(wd) and wd >= 0)):
+                raise ValueError(f"{where}.weight_decay must be a finite number ≥ 0, got {wd!r}")
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -103,11 +107,20 @@ def param_groups(model: torch.nn.Module, cfg: OptimConfig) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def _plain_cuda(tensors) -> bool:
+    """Every tensor a plain (not sharded) CUDA tensor: what the fused and foreach single-kernel paths take."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = list(tensors)
+    return bool(tensors) and all(t.device.type == "cuda" and not isinstance(t, DTensor) for t in tensors)
+
+
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int):
+    """AdamW: fused (a few kernels for every parameter) on one CUDA device, foreach elsewhere."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = param_groups(model, cfg)
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                            foreach=not any(p.device.type == "meta" for p in params))
+    kind = {"fused": True} if _plain_cuda(params) else {"foreach": not any(p.device.type == "meta" for p in params)}
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kind)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg, total_steps))
     return opt, sched
 
@@ -121,9 +134,12 @@ class EMA:
 
     @torch.no_grad()
     def update(self, model: torch.nn.Module) -> None:
-        for n, p in model.named_parameters():
-            if n in self.shadow:
-                self.shadow[n].lerp_(p.detach().float(), 1 - self.decay)
+        pairs = [(self.shadow[n], p.detach().float()) for n, p in model.named_parameters() if n in self.shadow]
+        if _plain_cuda(s for s, _ in pairs):  # one launch per few hundred tensors instead of one each
+            torch._foreach_lerp_([s for s, _ in pairs], [p for _, p in pairs], 1 - self.decay)
+        else:
+            for shadow, p in pairs:
+                shadow.lerp_(p, 1 - self.decay)
 
     def state_dict(self) -> dict:
         return self.shadow

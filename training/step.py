@@ -34,51 +34,106 @@ class StepStats:
     buckets: list = field(default_factory=list)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def autocast_for(device: torch.device, precision: str):
+def autocast_for(device: torch.device, precision: str, cache: bool = True):
+    """The autocast context factory of a run. cache=False turns off autocast's weight-cast cache, which CUDA graph
+    captures require (the numbers are the same: the cache only saves repeating a cast)."""
     if device.type == "cuda" and precision == "bf16":
-        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache)
     return contextlib.nullcontext
+
+
+class _Clock:
+    """Forward and backward seconds of each micro-batch without a host sync inside the step: CUDA events read once
+    at its end (graph replays mark the forward's end with an event captured in the graph); perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def now(self, external: bool = False):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True, external=external)
+        ev.record()
+        return ev
+
+    def add(self, start, mid, end) -> None:
+        self.marks.append((start, mid, end))
+
+    def totals(self) -> tuple[float, float]:
+        if not self.cuda:
+            return (sum(m - s for s, m, _ in self.marks), sum(e - m for _, m, e in self.marks))
+        # a graph replayed twice in a step re-records its one mark: the last replay's share of forward serves all
+        fwd = bwd = 0.0
+        share: dict[int, float] = {}
+        for start, mid, end in reversed(self.marks):
+            whole = start.elapsed_time(end) / 1e3
+            if id(mid) not in share:
+                share[id(mid)] = min(1.0, start.elapsed_time(mid) / 1e3 / whole) if whole > 0 else 0.5
+            fwd, bwd = fwd + whole * share[id(mid)], bwd + whole * (1 - share[id(mid)])
+        return fwd, bwd
 
 
 def train_step(model, objective: FlowMatching, batches: Iterable[Batch], num_samples: int, ctx: DistContext,
                optimizer, scheduler, ema, grad_clip: float, seed: int, epoch: int,
-               checkpoint_policy: Callable[[int, int], bool], autocast, model_inputs=lambda batch: {}) -> StepStats:
-    """model_inputs(batch) → the model's extra keyword inputs (models.build.model_inputs: MMDiT's mask, pooled)."""
+               checkpoint_policy: Callable[[int, int], bool], autocast, model_inputs=lambda batch: {},
+               graphs=None) -> StepStats:
+    """model_inputs(batch) → the model's extra keyword inputs (models.build.model_inputs: MMDiT's mask, pooled).
+    graphs: a training.cuda_graphs.MicroBatchGraphs that replays each (bucket shape, B, recompute decision) after
+    its first eager run; parameter gradients then stay allocated between steps (zeroed in place)."""
     st = StepStats()
-    scale = ctx.world_size / max(1, num_samples)
-    loss_sum = torch.zeros((), device=ctx.device)
+    dev = ctx.device
+    loss_sum = torch.zeros((), device=dev) if graphs is None else \
+        graphs.buffer("loss_sum", lambda: torch.zeros((), device=dev)).zero_()
+    scale = torch.full((), ctx.world_size / max(1, num_samples))
+    clock = _Clock(dev)
+    if graphs is not None:  # replays accumulate into these very tensors
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
     for k, batch in enumerate(batches):
         with torch.profiler.record_function(f"slot{k}"):  # busy time per slot is read from these ranges
             st.data_wait_s += batch.data_wait_s
             st.S.append(batch.S), st.B.append(batch.B), st.buckets.append(batch.bucket)
             t, noise = objective.draw(batch.keys, batch.latents.shape[1:], seed, epoch)
-            batch = batch.to(ctx.device)
-            t, noise = t.to(ctx.device), noise.to(ctx.device)
             decision = checkpoint_policy(batch.B, batch.S)  # k, or (k, blocks keeping attention)
             model.set_activation_checkpointing(*(decision if isinstance(decision, tuple) else (decision,)))
-            _sync(ctx.device)
-            t0 = time.perf_counter()
-            with autocast():
-                per_sample = objective.per_sample_loss(model, batch.latents, batch.text, t, noise,
-                                                       **model_inputs(batch))
-            weighted = (per_sample * batch.loss_weight).sum()
-            _sync(ctx.device)
-            t1 = time.perf_counter()
-            (weighted * scale).backward()
-            _sync(ctx.device)
-            st.fwd_s += t1 - t0
-            st.bwd_s += time.perf_counter() - t1
-            loss_sum += weighted.detach()
+            inputs = {"latents": batch.latents, "text": batch.text, "loss_weight": batch.loss_weight, "t": t,
+                      "noise": noise, "scale": scale}
+            cond = {n: v for n, v in model_inputs(batch).items() if v is not None}
+            extra = {f"extra.{n}": v for n, v in cond.items() if isinstance(v, torch.Tensor)}
+            fixed = {n: v for n, v in cond.items() if not isinstance(v, torch.Tensor)}  # part of the graph's key
+            inputs.update(extra)
+            if dev.type == "cuda":  # page-locked: the copies below then return at once instead of waiting
+                inputs = {n: v.pin_memory() if v.device.type == "cpu" else v for n, v in inputs.items()}
+            key = (batch.bucket, tuple(batch.latents.shape), tuple(batch.text.shape), str(decision),
+                   tuple(sorted(extra)), tuple(sorted(fixed.items())))
+            # where the forward's end is marked: a graph's replays re-record the event its capture made there
+            mark = graphs.marks.setdefault(key, {}) if graphs is not None else {}
+
+            def micro_batch(x: dict, external: bool = False) -> None:
+                kw = {n[len("extra."):]: v for n, v in x.items() if n.startswith("extra.")} | fixed
+                with autocast():
+                    per_sample = objective.per_sample_loss(model, x["latents"], x["text"], x["t"], x["noise"], **kw)
+                weighted = (per_sample * x["loss_weight"]).sum()
+                mark["ev"] = clock.now(external)
+                (weighted * x["scale"]).backward()
+                loss_sum.add_(weighted.detach())
+
+            start = clock.now()
+            if graphs is None:
+                micro_batch({n: v.to(dev, non_blocking=True) for n, v in inputs.items()})
+            else:
+                graphs.run(key, batch.B * batch.S, lambda x: micro_batch(x, external=dev.type == "cuda"), inputs)
+            clock.add(start, mark.get("ev"), clock.now())
     t0 = time.perf_counter()
-    st.loss_sum = float(loss_sum)
+    st.fwd_s, st.bwd_s = (0.0, 0.0) if clock.cuda else clock.totals()
     params = [p for p in model.parameters() if p.requires_grad]
     norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    st.grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    st.loss_sum, st.grad_norm = torch.stack([loss_sum.float(), norm.float()]).tolist()  # the step's one host sync
+    if clock.cuda:
+        st.fwd_s, st.bwd_s = clock.totals()
     total_loss = ctx.all_gather_floats([st.loss_sum]).sum().item()
     if math.isfinite(total_loss) and math.isfinite(st.grad_norm):
         optimizer.step()
@@ -87,8 +142,9 @@ def train_step(model, objective: FlowMatching, batches: Iterable[Batch], num_sam
     else:
         st.skipped = True
     scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    _sync(ctx.device)
+    optimizer.zero_grad(set_to_none=graphs is None)
+    # On a GPU the optimizer's kernels are left running: the host goes on to the next step's data meanwhile.
+    # optim_s is then the host's time from the end of the micro-batches to the update being issued.
     st.optim_s = time.perf_counter() - t0
     return st
 
