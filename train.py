@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.buckets import bucket_table
-from data.loader import Loader, open_corpus
+from data.loader import Loader, merge_bad_states, open_corpus
 from models.build import build_parallel_model, model_inputs
 from models.flow_matching import FlowMatching
 from models.lora import has_lora, save_lora
@@ -26,12 +26,14 @@ from models.parallelize import FSDPOptions, checkpoint_policy
 from scheduling.balance import advance, plan_step
 from scheduling.policy import ModelShape, schedule_for
 from scripts.sample import ValidationSampler
-from training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from training.checkpoint import load_checkpoint, save_checkpoint
 from training.config import TrainConfig, load_config
 from training.dist import fsdp_options_from_env, init_distributed, maybe_launch, shutdown
 from training.metrics_log import MetricsLogger
 from training.optim import EMA, build_optimizer
+from training.resume import apply_optim_config, check_config, optim_hyperparameters, resume
 from training.busy import StepProfiler
+from training.cuda_graphs import graph_blockers, graphs_for
 from training.step import autocast_for, collector_every, train_step, validation_loss
 from training.step_metrics import StepMetrics
 
@@ -50,35 +52,45 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick) -> dict:
     torch.manual_seed(cfg.train.seed)
     if ctx.is_main:
         os.makedirs(cfg.run_dir, exist_ok=True)
-        with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
-            f.write(config_yaml)
     ctx.barrier()
 
-    buckets = bucket_table(cfg.data.buckets)
+    buckets = bucket_table(cfg.data.buckets, patch=cfg.model.patch)
+    # the corpus first: what it can check without the model (patterns, index, empty prompt) fails before the build
+    corpus = open_corpus(cfg.data, buckets, cfg.model.in_channels, cfg.model.text_dim, cfg.train.seed,
+                         ctx.is_main, ctx.barrier, pooled_dim=getattr(cfg.model, "pooled_projection_dim", None))
     model = build_parallel_model(cfg.model, ctx.rank, ctx.world_size, ctx.device, FSDPOptions(**fsdp_options_from_env()))
     inputs = functools.partial(model_inputs, cfg.model)
     shape = ModelShape.of(cfg.model, model.num_matmul_params())
     schedule = schedule_for(cfg, {n: b.tokens for n, b in buckets.items()}, shape, ctx.world_size)
-    corpus = open_corpus(cfg.data, buckets, cfg.model.in_channels, cfg.model.text_dim, cfg.train.seed,
-                         ctx.is_main, ctx.barrier, pooled_dim=getattr(cfg.model, "pooled_projection_dim", None))
     batch_sizes = [schedule.batch_sizes[n] for n in corpus.bucket_names]
     policy = checkpoint_policy(cfg.model.checkpointing, schedule.recompute_blocks, cfg.model.keep_attention,
                                len(model.blocks))
-    autocast = autocast_for(ctx.device, cfg.model.precision)
+    graphs = graphs_for(cfg.train.cuda_graphs, ctx.device, ctx.world_size, graph_blockers(cfg.model),
+                        cfg.train.graph_max_tokens)
+    autocast = autocast_for(ctx.device, cfg.model.precision, cache=graphs is None)
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.train.steps)
     ema = EMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
     objective = FlowMatching(cfg.objective)
 
     state = {"step": 0, "epoch": 0, "pos": 0, "samples_seen": 0, "bad_in_a_row": 0, "skipped_steps": 0}
     adapter_only = has_lora(model) and cfg.model.pretrained is not None  # the base is re-read from pretrained
-    ckpt = latest_checkpoint(cfg.run_dir) if cfg.resume == "auto" else cfg.resume
-    if ckpt and not os.path.exists(os.path.join(ckpt, "meta.json")):
-        raise ValueError(f"resume={ckpt} is not a complete checkpoint (a step_N folder holding meta.json); "
-                         f"use resume=auto to take the newest one in run_dir")
-    if ckpt:
-        meta = load_checkpoint(ckpt, model, optimizer, ema, ctx, trainable_only=adapter_only)
+    fresh_hparams = optim_hyperparameters(optimizer)
+
+    def load(path: str) -> dict:
+        check_config(path, cfg, cfg.resume_force, ctx.is_main)
+        meta = load_checkpoint(path, model, optimizer, ema, ctx, trainable_only=adapter_only)
         scheduler.load_state_dict(meta["lr_scheduler"])
+        apply_optim_config(optimizer, scheduler, fresh_hparams)  # this run's lr, betas, ... at the restored step
+        return meta
+
+    ckpt, meta = resume(cfg.resume, cfg.run_dir, ctx, load)
+    if ckpt:
         state.update({k: meta[k] for k in state})
+        bad = meta.get("data", {})  # placeholders were summed over ranks: one rank carries the sum on
+        corpus.restore_bad(bad if ctx.is_main else {"bad": bad.get("bad", [])})
+    if ctx.is_main:  # after resume: a refused resume leaves the run's config as it was
+        with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
+            f.write(config_yaml)
     logger = MetricsLogger(cfg.run_dir, cfg.logging, cfg.name, OmegaConf.to_container(OmegaConf.create(config_yaml)),
                            enabled=ctx.is_main)
     if ctx.is_main:
@@ -96,10 +108,11 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick) -> dict:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _f: stop.update(signal=s))
 
-    def checkpoint():
-        meta = {k: state[k] for k in state} | {"lr_scheduler": scheduler.state_dict()}
+    def checkpoint(diverged: bool = False):
+        bad = merge_bad_states(ctx.gather_objects(corpus.bad_state()))  # every rank's, so a resume knows them all
+        meta = {k: state[k] for k in state} | {"lr_scheduler": scheduler.state_dict(), "data": bad}
         path = save_checkpoint(cfg.run_dir, state["step"], model, optimizer, ema, meta, config_yaml, ctx,
-                               cfg.checkpoint.keep_last, trainable_only=adapter_only)
+                               cfg.checkpoint.keep_last, trainable_only=adapter_only, diverged=diverged)
         if has_lora(model):  # step_N/lora/: what WanPipeline.load_lora_weights reads (every rank gathers)
             save_lora(model, os.path.join(path, "lora"), ctx.is_main)
         return path
@@ -133,7 +146,7 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick) -> dict:
         lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
         with profiler.context(state["step"] + 1):
             st = train_step(model, objective, loader.step(plan), plan.num_samples, ctx, optimizer, scheduler, ema,
-                            cfg.optim.grad_clip, cfg.train.seed, epoch, policy, autocast, inputs)
+                            cfg.optim.grad_clip, cfg.train.seed, epoch, policy, autocast, inputs, graphs)
         step_s = time.perf_counter() - t_step
         state.update(step=state["step"] + 1, epoch=nxt_epoch, pos=nxt_pos,
                      samples_seen=state["samples_seen"] + plan.num_samples)
@@ -145,6 +158,8 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick) -> dict:
              "train/skipped_steps": state["skipped_steps"],
              **metrics.row(state["step"], plan, st, step_s, profiler.finish(state["step"], plan.num_slots))}
         m.update({f"data/skipped_{r}": n for r, n in corpus.skipped.items()})
+        if graphs is not None:
+            m.update({"memory/graph_pool_gib": graphs.pool_bytes / 2**30, "perf/graph_replays": graphs.stats.replays})
         if state["step"] % cfg.train.val_every == 0 or state["step"] == cfg.train.steps:
             m["val/loss"] = validation_loss(model, objective, val_batches, ctx, cfg.train.seed, autocast, inputs)
         if state["step"] % cfg.train.log_every == 0 or "val/loss" in m:
@@ -157,9 +172,11 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick) -> dict:
             bar.set_postfix(loss=f"{m['train/loss']:.4f}", **({"val": f"{m['val/loss']:.4f}"} if "val/loss" in m else {}))
 
         if state["bad_in_a_row"] >= cfg.train.max_bad_steps:
-            checkpoint()
-            raise RuntimeError(f"{state['bad_in_a_row']} steps in a row had a NaN/Inf loss or gradient "
-                               f"(train.max_bad_steps={cfg.train.max_bad_steps}); checkpoint kept, stopping")
+            kept = checkpoint(diverged=True)  # for inspection: never resumed by auto, never evicts a good one
+            raise RuntimeError(
+                f"{state['bad_in_a_row']} steps in a row had a NaN/Inf loss or gradient (train.max_bad_steps="
+                f"{cfg.train.max_bad_steps}); the diverged state is in {kept}. `resume=auto` restarts from the last "
+                f"good checkpoint; add a lower rate to continue past this point, e.g. optim.lr={cfg.optim.lr / 2:g}")
         if ctx.all_reduce_max(float(stop["signal"] is not None)):
             log.warning("signal received: checkpointing at step %d and stopping", state["step"])
             last["checkpoint"] = checkpoint()

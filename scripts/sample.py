@@ -38,7 +38,7 @@ def pick_bucket(cfg, name: Optional[str]):
     """The data.buckets entry clips are generated at: `name`, or the video bucket with the fewest tokens."""
     from data.buckets import bucket_table
 
-    table = bucket_table(cfg.data.buckets)
+    table = bucket_table(cfg.data.buckets, patch=cfg.model.patch)
     if name is not None:
         if name not in table:
             raise ValueError(f"sample.bucket={name!r} is not in data.buckets ({sorted(table)})")
@@ -172,14 +172,11 @@ def load_checkpoint_model(path: str, cfg, ema: bool = False) -> torch.nn.Module:
     A checkpoint that lacks the base weights (adapter-only) takes them from `model.pretrained`. `ema` loads the EMA
     weights (of the trainable parameters) instead of the raw ones.
     """
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
     from models.build import build_model
     from models.lora import apply_finetune
+    from training.checkpoint import read_metadata, safe_load
 
-    stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    stored = set(read_metadata(path).state_dict_metadata)
     has_base = any(k.startswith("model.") and "lora_" not in k for k in stored)  # else adapter-only
     if not has_base and not cfg.model.pretrained:
         raise ValueError(f"{path} holds no base weights and its config names no model.pretrained folder")
@@ -190,9 +187,7 @@ def load_checkpoint_model(path: str, cfg, ema: bool = False) -> torch.nn.Module:
         state["ema"] = {n: torch.empty_like(p) for n, p in params.items() if f"ema.{n}" in stored}
         if not state["ema"]:
             raise ValueError(f"{path} holds no EMA weights (train with optim.ema_decay set)")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP warns that it runs without a process group
-        dcp.load(state, checkpoint_id=path)
+    safe_load(state, path)
     with torch.no_grad():
         for n, t in state.get("ema", {}).items():
             params[n].copy_(t)
@@ -280,7 +275,7 @@ def held_out_prompts(cfg, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     from data.buckets import bucket_table
     from data.loader import Loader, open_corpus
 
-    corpus = open_corpus(cfg.data, bucket_table(cfg.data.buckets), cfg.model.in_channels, cfg.model.text_dim,
+    corpus = open_corpus(cfg.data, bucket_table(cfg.data.buckets, patch=cfg.model.patch), cfg.model.in_channels, cfg.model.text_dim,
                          cfg.train.seed)
     loader = Loader(corpus, cfg.model.text_len, 0.0, cfg.train.seed, 0)
     try:

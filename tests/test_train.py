@@ -98,7 +98,7 @@ def test_sigterm_leaves_a_resumable_checkpoint(tmp_path, cache):
     assert [r["step"] for r in rows[-2:]] == [step + 1, step + 2]
 
 
-def test_nan_losses_skip_the_update_then_stop_the_run(tmp_path, cache, monkeypatch):
+def test_nan_losses_skip_the_update_then_stop_the_run_and_resume_goes_back_to_good(tmp_path, cache, monkeypatch):
     import torch
 
     from models.flow_matching import FlowMatching
@@ -116,15 +116,24 @@ def test_nan_losses_skip_the_update_then_stop_the_run(tmp_path, cache, monkeypat
 
     monkeypatch.setattr(FlowMatching, "per_sample_loss", staticmethod(poisoned))
     run_dir = str(tmp_path / "nan")
-    with pytest.raises(RuntimeError, match="train.max_bad_steps=3"):
-        run_training(tiny_overrides(run_dir, cache, "train.steps=20", "train.max_bad_steps=3", "checkpoint.every=0",
-                                    "train.val_every=1"))
+    common = ("train.steps=20", "train.max_bad_steps=3", "checkpoint.every=2", "checkpoint.keep_last=1",
+              "train.val_every=1")
+    with pytest.raises(RuntimeError, match=r"train.max_bad_steps=3.*diverged_step_5.*resume=auto.*optim.lr="):
+        run_training(tiny_overrides(run_dir, cache, *common))
     rows = {r["step"]: r for r in read_metrics(run_dir)}
     assert max(rows) == 5 and [rows[s]["train/skipped_steps"] for s in range(1, 6)] == [0, 0, 1, 2, 3]
     # steps 3-5 left the weights as step 2 made them
     val = [rows[s]["val/loss"] for s in range(1, 6)]
     assert val[1] == val[2] == val[3] == val[4] != val[0]
-    assert [s for s, _ in list_checkpoints(run_dir)] == [5]  # kept for inspection
+    # the guard's checkpoint is kept for inspection beside the good one, which it did not evict (keep_last=1)
+    assert [s for s, _ in list_checkpoints(run_dir)] == [4]
+    with open(os.path.join(run_dir, "diverged_step_5", "meta.json")) as f:
+        assert json.load(f)["diverged"] is True
+    # resume=auto goes back to the last good checkpoint, here with a lower rate (honoured: it is not a plan change)
+    monkeypatch.setattr(FlowMatching, "per_sample_loss", staticmethod(real))
+    run_training(tiny_overrides(run_dir, cache, *common, "resume=auto", "train.steps=6", "optim.lr=1e-3"))
+    rows = [r for r in read_metrics(run_dir) if r["step"] > 5 or "train/lr" in r][-2:]
+    assert [r["step"] for r in rows] == [5, 6] and rows[-1]["train/lr"] == pytest.approx(1e-3 * 6 / 10)
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path, cache):
@@ -187,3 +196,17 @@ def test_collector_every_pauses_python_gc_between_ticks_and_restores_it():
         assert gc.isenabled()
     with pytest.raises(ValueError, match="train.gc_every"):
         LoopConfig(gc_every=-1)
+
+
+def test_resume_refuses_a_plan_change_unless_forced_and_logs_new_hyperparameters(tmp_path, cache, caplog):
+    run_dir = str(tmp_path / "ovr")
+    run_training(tiny_overrides(run_dir, cache, "train.steps=2", "train.val_every=2"))
+    with pytest.raises(ValueError, match=r"(?s)train.seed: 0 → 1.*resume_force=true"):
+        run_training(tiny_overrides(run_dir, cache, "train.steps=3", "resume=auto", "train.seed=1"))
+    with open(os.path.join(run_dir, "config.yaml")) as f:  # a refused resume leaves the run's config alone
+        assert "seed: 0" in f.read()
+    with caplog.at_level("INFO"):
+        run_training(tiny_overrides(run_dir, cache, "train.steps=3", "resume=auto", "optim.weight_decay=0.5"))
+    assert "optim.weight_decay 0.0 → 0.5" in caplog.text
+    run_training(tiny_overrides(run_dir, cache, "train.steps=4", "resume=auto", "train.seed=1", "resume_force=true"))
+    assert max(r["step"] for r in read_metrics(run_dir)) == 4

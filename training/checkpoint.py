@@ -2,26 +2,191 @@
 
 A checkpoint is written into `run_dir/step_N.tmp/` and renamed to `step_N/` when every rank has finished, so a
 folder named step_N is always complete. It holds the model, optimizer and EMA (DCP shards), the LR schedule and
-loop state with the plan position (epoch, pos) in meta.json, every rank's RNG states, and the resolved config.
+loop state with the plan position (epoch, pos) in meta.json, every rank's RNG states (plain tensors), the resolved
+config, and `manifest.json`: the size and SHA-256 of every other file, written last.
+
+Loading never unpickles code. DCP's `.metadata` is read by an unpickler that admits only DCP's own metadata classes
+(`SAFE_GLOBALS`); the non-tensor values of the state dict (the optimizer's hyper-parameters) and the RNG files are
+read with `torch.load(weights_only=True)`. A crafted checkpoint can therefore fail to load, never run code.
+`verify_checkpoint` checks a folder against its manifest (truncated, missing or damaged files) before anything is
+read; every rank hashes its share of the files and the verdict is agreed.
+
+A checkpoint written because the NaN guard tripped is `diverged_step_N/`: kept for inspection, never counted by
+`keep_last`, never taken by `resume=auto`.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import logging
 import os
+import pickle
 import re
 import shutil
 import warnings
+from typing import Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import default_planner as _default_planner
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from training.dist import DistContext
 
+log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
+DIVERGED_PREFIX = "diverged_"
+MANIFEST = "manifest.json"
+HASH_CHUNK = 8 << 20
 
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that is incomplete, damaged or not ours to load."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading without running code
+# ---------------------------------------------------------------------------------------------------------------
+
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+SAFE_GLOBALS = {
+    (_DCP_MD, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                           "TensorProperties", "_MEM_FORMAT_ENCODING", "MetadataIndex", "StorageMeta")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+     ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata classes and torch dtypes; anything else (os.system, builtins.eval, ...) is refused."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in SAFE_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"DCP metadata names {module}.{name}, which a checkpoint never holds")
+
+
+def read_metadata(path: str):
+    """DCP's `Metadata` of a checkpoint folder, read by the restricted unpickler."""
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        try:
+            return _MetadataUnpickler(f).load()
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(f"{path}/.metadata refused: {e}") from None
+        except (EOFError, ValueError, TypeError, AttributeError, IndexError) as e:
+            raise CheckpointError(f"{path}/.metadata is damaged ({type(e).__name__}: {e})") from None
+
+
+class _SafeReader(dcp.FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        md = read_metadata(str(self.path))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner whose non-tensor values are read with weights_only=True (DCP's own uses False)."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:  # the planner module's own helper, wherever a torch version keeps it
+            _default_planner.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def safe_load(state: dict, path: str) -> None:
+    """dcp.load(state, path) in place, without unpickling anything but tensors, numbers and strings."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that it runs without a process group in one process
+        dcp.load(state, storage_reader=_SafeReader(path), planner=_SafePlanner())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The manifest
+# ---------------------------------------------------------------------------------------------------------------
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _my_share(names: list[str], ctx: DistContext) -> list[str]:
+    return [n for i, n in enumerate(sorted(names)) if i % ctx.world_size == ctx.rank]
+
+
+def write_manifest(path: str, ctx: DistContext) -> None:
+    """Every rank hashes its share of the folder's files; rank 0 writes manifest.json (collective)."""
+    names = sorted(n for n in os.listdir(path) if n != MANIFEST) if ctx.is_main else None
+    names = ctx.broadcast_object(names)
+    mine = {n: {"size": os.path.getsize(os.path.join(path, n)), "sha256": _sha256(os.path.join(path, n))}
+            for n in _my_share(names, ctx)}
+    entries = {}
+    for part in ctx.gather_objects(mine):
+        entries.update(part)
+    if ctx.is_main:
+        with open(os.path.join(path, MANIFEST), "w") as f:
+            json.dump({"files": dict(sorted(entries.items()))}, f, indent=1)
+
+
+def _check_files(path: str, files: dict, names: list[str]) -> Optional[str]:
+    for n in names:
+        if not re.fullmatch(r"[\w.\-]+", n):
+            return f"manifest names {n!r}, which is not a file of this folder"
+        want, p = files[n], os.path.join(path, n)
+        if not os.path.isfile(p):
+            return f"{n} is missing"
+        if os.path.getsize(p) != want.get("size"):
+            return f"{n} has {os.path.getsize(p)} bytes, the manifest says {want.get('size')}"
+        if _sha256(p) != want.get("sha256"):
+            return f"{n} does not match its SHA-256 in the manifest (damaged)"
+    return None
+
+
+def verify_checkpoint(path: str, ctx: DistContext) -> Optional[str]:
+    """None when `path` is a complete checkpoint whose files match their manifest, else what is wrong (the same
+    answer on every rank). A checkpoint written before manifests existed is accepted with a warning."""
+    problem = None
+    if not os.path.exists(os.path.join(path, "meta.json")):
+        problem = "no meta.json (not a complete checkpoint)"
+    elif not os.path.exists(os.path.join(path, MANIFEST)):
+        if ctx.is_main:
+            log.warning("%s has no %s (written by an older version): its files are not verified", path, MANIFEST)
+        for n in (".metadata", "meta.json"):
+            if not os.path.exists(os.path.join(path, n)):
+                problem = f"{n} is missing"
+    else:
+        try:
+            with open(os.path.join(path, MANIFEST)) as f:
+                files = json.load(f)["files"]
+            for n in (".metadata", "meta.json"):
+                if n not in files:
+                    raise KeyError(n)
+            problem = _check_files(path, files, _my_share(list(files), ctx))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            problem = f"{MANIFEST} is damaged ({type(e).__name__}: {e})"
+    flags = ctx.all_gather_floats([float(problem is not None)])[:, 0]
+    if problem is None and flags.max() > 0:
+        problem = f"rank {int(flags.argmax())} found a damaged or missing file (its log names it)"
+    return problem
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Listing, saving, loading
+# ---------------------------------------------------------------------------------------------------------------
 
 def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of the complete regular checkpoints in run_dir, oldest first (diverged ones are not listed)."""
     if not os.path.isdir(run_dir):
         return []
     out = []
@@ -50,55 +215,78 @@ def _trainable_only(model_sd: dict, model) -> dict:
     return {k: v for k, v in model_sd.items() if k in keep}
 
 
+def _live_state(model, optimizer, ema, trainable_only: bool) -> dict:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": _trainable_only(model_sd, model) if trainable_only else model_sd, "optim": optim_sd}
+    if ema is not None:
+        state["ema"] = ema.state_dict()
+    return state
+
+
 def save_checkpoint(run_dir: str, step: int, model, optimizer, ema, meta: dict, config_yaml: str,
-                    ctx: DistContext, keep_last: int, trainable_only: bool = False) -> str:
-    path = os.path.join(run_dir, f"step_{step}")
+                    ctx: DistContext, keep_last: int, trainable_only: bool = False, diverged: bool = False) -> str:
+    """Write step_N/ (or diverged_step_N/) atomically; a regular one then prunes all but the newest keep_last."""
+    path = os.path.join(run_dir, f"{DIVERGED_PREFIX if diverged else ''}step_{step}")
     tmp = path + ".tmp"
     if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     ctx.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": _trainable_only(model_sd, model) if trainable_only else model_sd, "optim": optim_sd}
-    if ema is not None:
-        state["ema"] = ema.state_dict()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns that it runs without a process group in one process
-        dcp.save(state, checkpoint_id=tmp)
+        dcp.save(_live_state(model, optimizer, ema, trainable_only), checkpoint_id=tmp)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{ctx.rank}.pt"))
-    ctx.barrier()
     if ctx.is_main:
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
             f.write(config_yaml)
         with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({"step": step, "world_size": ctx.world_size, **meta}, f, indent=1)
+            json.dump({"step": step, "world_size": ctx.world_size, "diverged": diverged, **meta}, f, indent=1)
+    ctx.barrier()
+    write_manifest(tmp, ctx)
+    if ctx.is_main:
         if os.path.exists(path):
             shutil.rmtree(path)
         os.rename(tmp, path)
-        for _, old in list_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        if not diverged:
+            for _, old in list_checkpoints(run_dir)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
     ctx.barrier()
     return path
 
 
+def read_meta(path: str) -> dict:
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}/meta.json is unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict) or not all(isinstance(meta.get(k), int) for k in ("step", "epoch", "pos")):
+        raise CheckpointError(f"{path}/meta.json lacks the loop state (step, epoch, pos)")
+    return meta
+
+
 def load_checkpoint(path: str, model, optimizer, ema, ctx: DistContext, trainable_only: bool = False) -> dict:
-    """Load into the live objects; returns meta.json. RNG states are restored when the world size is unchanged."""
-    with open(os.path.join(path, "meta.json")) as f:
-        meta = json.load(f)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": _trainable_only(model_sd, model) if trainable_only else model_sd, "optim": optim_sd}
-    if ema is not None:
-        state["ema"] = ema.state_dict()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(state, checkpoint_id=path)
+    """Load into the live objects; returns meta.json. RNG states are restored when the world size is unchanged.
+    Raises CheckpointError for a folder that is damaged or holds anything but data."""
+    meta = read_meta(path)
+    state = _live_state(model, optimizer, ema, trainable_only)
+    try:
+        safe_load(state, path)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:  # DCP raises every rank's read error on all ranks, as one
+        # CheckpointException (a BaseException)
+        raise CheckpointError(f"{path} could not be read ({type(e).__name__}: {str(e)[:500]})") from e
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(strict=not trainable_only))
     if ema is not None:
         ema.load_state_dict(state["ema"])
     rng_path = os.path.join(path, f"rng_rank{ctx.rank}.pt")
     if meta.get("world_size") == ctx.world_size and os.path.exists(rng_path):
-        rng = torch.load(rng_path, weights_only=False)
+        try:
+            rng = torch.load(rng_path, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{rng_path} refused or damaged ({type(e).__name__}: {e})") from None
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])

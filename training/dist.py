@@ -40,6 +40,14 @@ class DistContext:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (picklable; between our own processes only), in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     def all_gather_floats(self, values: list[float]) -> torch.Tensor:
         """(world, len(values)) tensor of every rank's values."""
         t = torch.tensor(values, dtype=torch.float64, device=self.comm_device)

@@ -1,0 +1,159 @@
+"""Resuming a run: which checkpoint, which config values win, and what is refused.
+
+Which checkpoint: `resume=auto` takes the newest regular `step_N/` that passes `verify_checkpoint` and loads;
+a damaged one is skipped with a warning that names what was wrong, and the next older one is tried. Checkpoints
+the NaN guard wrote (`diverged_step_N/`) are never taken by `auto`; name one explicitly to inspect it.
+`resume=PATH` takes that folder or fails with the reason.
+
+Which values win (the checkpoint's `config.yaml` against this run's config):
+- values that change the plan — the corpus and buckets (`data.*` but `data.num_workers` and
+  `data.caption_dropout`), `scheduling.*`, `train.seed` — and values that change what is
+  trained or its shape (`model.*` but the execution knobs in `EXECUTION_KNOBS`, `optim.groups.*.match`) are refused,
+  because the stored plan position and optimizer state mean something else under them; `resume_force=true`
+  takes them anyway, with a warning;
+- every other difference (`optim.lr`, `optim.weight_decay`, `optim.betas`, `optim.eps`, the LR schedule,
+  `optim.grad_clip`, `objective.*`, `train.steps`, `train.micro_batches` — which, like the number of processes,
+  sets how many micro-batches a step takes from the same sample order — logging, checkpointing, ...) is this
+  run's value, with one log line each. The optimizer's hyper-parameters are re-applied after the state is loaded (`apply_optim_config`):
+  the LR follows the schedule from the new base rate at the restored step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Callable, Optional
+
+import yaml
+
+from training.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
+from training.config import load_config
+from training.dist import DistContext
+
+log = logging.getLogger(__name__)
+
+PLAN_PREFIXES = ("data.", "scheduling.", "model.")
+PLAN_KEYS = ("train.seed",)
+ALLOWED_UNDER_PLAN = ("data.num_workers", "data.caption_dropout")
+EXECUTION_KNOBS = ("adaln_backend", "glue_backend", "checkpointing", "offload_checkpoints", "keep_attention",
+                   "compile", "precision")
+
+
+def flatten(d, prefix: str = "") -> dict:
+    """{'a.b.c': leaf} of a nested dict (lists are leaves)."""
+    out = {}
+    for k, v in (d or {}).items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def changes_plan(key: str) -> bool:
+    if key in PLAN_KEYS:
+        return True
+    if key in ALLOWED_UNDER_PLAN or key.startswith(tuple(k + "." for k in ALLOWED_UNDER_PLAN)):
+        return False
+    if key.startswith("model."):
+        return key.split(".")[1] not in EXECUTION_KNOBS
+    if key.startswith("optim.groups"):  # which parameters a group holds shapes the optimizer state; its rates do not
+        return key == "optim.groups" or key.endswith(".match")
+    return key.startswith(PLAN_PREFIXES)
+
+
+def config_changes(saved: dict, now: dict) -> tuple[dict, dict]:
+    """({key: (saved, now)} that change the plan or the trained state, {key: (saved, now)} of the rest), between
+    two plain configs already filled with their defaults (`typed_plain`)."""
+    a, b = flatten(saved), flatten(now)
+    plan, other = {}, {}
+    for key in sorted(set(a) | set(b)):
+        if key in ("name", "run_dir", "resume", "resume_force", "show_buckets") or key.startswith("launch."):
+            continue
+        if a.get(key) != b.get(key):
+            (plan if changes_plan(key) else other)[key] = (a.get(key), b.get(key))
+    return plan, other
+
+
+def typed_plain(raw: dict) -> dict:
+    """A config dict with every default filled in, as this version's dataclasses make it (so a key the checkpoint
+    predates compares equal at its default). A saved config this version cannot read is compared as it is."""
+    try:
+        return dataclasses.asdict(load_config(raw))
+    except (ValueError, TypeError) as e:
+        log.warning("the checkpoint's config.yaml does not load in this version (%s): compared as written", e)
+        return raw
+
+
+def check_config(ckpt: str, now, force: bool, is_main: bool) -> None:
+    """Refuse (or, forced, warn about) plan changes; log every other change. `now` is this run's TrainConfig."""
+    path = os.path.join(ckpt, "config.yaml")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        saved = yaml.safe_load(f) or {}
+    plan, other = config_changes(typed_plain(saved), dataclasses.asdict(now))
+    if plan and not force:
+        lines = "\n".join(f"  {k}: {a!r} → {b!r}" for k, (a, b) in plan.items())
+        raise ValueError(f"resuming {ckpt} with values that change the plan or the trained state:\n{lines}\n"
+                         f"The stored plan position and optimizer state mean something else under them. Resume "
+                         f"without those overrides, start a new run (another name), or set resume_force=true.")
+    if is_main:
+        for k, (a, b) in plan.items():
+            log.warning("resume_force: %s %r → %r (the plan position is reread under the new plan)", k, a, b)
+        for k, (a, b) in other.items():
+            log.info("resume: %s %r → %r (this run's value is used)", k, a, b)
+
+
+def candidates(resume: str, run_dir: str) -> list[str]:
+    """The checkpoints to try, in order: newest first for `auto`, the named one otherwise."""
+    if resume == "auto":
+        return [p for _, p in reversed(list_checkpoints(run_dir))]
+    if not os.path.isdir(resume) or not os.path.exists(os.path.join(resume, "meta.json")):
+        raise ValueError(f"resume={resume} is not a complete checkpoint (a step_N folder holding meta.json); use "
+                         f"resume=auto to take the newest one in run_dir")
+    return [resume]
+
+
+def resume(resume: Optional[str], run_dir: str, ctx: DistContext, load: Callable[[str], dict]) -> tuple[Optional[str], Optional[dict]]:
+    """(path, meta) of the checkpoint loaded by `load(path) -> meta`, or (None, None) when there is none to take.
+
+    With `auto` a checkpoint that fails verification or loading is skipped with a warning; a named one raises."""
+    if not resume:
+        return None, None
+    for path in candidates(resume, run_dir):
+        problem = verify_checkpoint(path, ctx)
+        if problem is None:
+            try:
+                return path, load(path)
+            except CheckpointError as e:
+                problem = str(e)
+        if resume != "auto":
+            raise ValueError(f"resume={path}: {problem}")
+        log.warning("resume=auto: skipping %s: %s; trying the next older checkpoint", path, problem)
+    if resume == "auto" and list_checkpoints(run_dir):
+        raise ValueError(f"resume=auto: no checkpoint in {run_dir} could be loaded (each one's problem is logged "
+                         f"above); move the damaged ones away to start from scratch")
+    return None, None
+
+
+def optim_hyperparameters(optimizer) -> list[dict]:
+    """The per-group values this run's config gives (taken before a checkpoint's state replaces them)."""
+    return [{k: g[k] for k in ("initial_lr", "weight_decay", "betas", "eps", "foreach", "fused") if k in g}
+            for g in optimizer.param_groups]
+
+
+def apply_optim_config(optimizer, scheduler, fresh: list[dict]) -> None:
+    """Put this run's hyper-parameters back over a loaded optimizer state, and the LR the schedule gives at the
+    restored step from the new base rates (the formula the scheduler itself applies each step)."""
+    if len(fresh) != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint's optimizer has {len(optimizer.param_groups)} parameter groups, this "
+                         f"config makes {len(fresh)}: optim.groups or the trainable parameters changed")
+    for i, (g, f) in enumerate(zip(optimizer.param_groups, fresh)):
+        g.update(f)
+        scheduler.base_lrs[i] = f["initial_lr"]
+    lrs = [base * lam(scheduler.last_epoch) for base, lam in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    scheduler._last_lr = lrs
