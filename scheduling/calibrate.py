@@ -32,8 +32,7 @@ from typing import Callable, Mapping, Optional
 
 import numpy as np
 
-from scheduling.cost_model import (B0_MIN_POINTS, CostModel, MemoryModel, best_fit, fit_both, fit_cost_model,
-                                   fit_memory_model)
+from scheduling.cost_model import CostModel, MemoryModel, best_fit, fit_both, fit_memory_model
 
 FORMAT = "adaptiveload-calibration/1"
 HBM_FRACTION = 0.9  # the memory budget when none is given: 90 % of the device's memory
@@ -220,56 +219,28 @@ def _memory_fit(points: list[Point]) -> Optional[MemoryModel]:
     return fit_memory_model([p.B for p in pts], [p.S for p in pts], [p.peak_bytes for p in pts])
 
 
-LAUNCH_BOUND_ERR = 0.25  # a point this much slower than the fit to the points well above it is launch-bound
-
-
-def launch_bound_tokens(points: list[Point]) -> Optional[int]:
-    """The largest B·S of the launch-bound points: each point is held against the quadratic fit to the points with
-    at least twice its B·S (so that a slow neighbour does not bend the reference), and flagged where it took over
-    LAUNCH_BOUND_ERR longer than that fit predicts — the GPU waited on the host. On the H200 (run 1 of
-    results/h200_calibration.md) i480 and v480_17f at B = 1 took 492 and 413 ms where 211 and 300 ms of work were
-    predicted. A point is judged only with B0_MIN_POINTS or more points at twice its B·S, so the cut keeps at least
-    that many. None where nothing is cut. The form with b0 spans MMDiT's joint (S + L)² at a fixed L, so one fit
-    serves both."""
-    pts = sorted((p for p in points if p.feasible and p.ms), key=lambda p: p.B * p.S)
-    bound = None
-    for p in pts:
-        T = p.B * p.S
-        ref = [q for q in pts if q.B * q.S >= 2 * T]
-        if len(ref) < B0_MIN_POINTS:
-            break
-        B, S, t = (np.array([getattr(q, k) for q in ref], dtype=np.float64) for k in ("B", "S", "ms"))
-        if fit_cost_model(B, S, t, form="quadratic").predict(p.B, p.S) * (1 + LAUNCH_BOUND_ERR) < p.ms:
-            bound = T
-    return bound
-
-
 def fit_mode(points: list[Point], scale: float = 1.0, L: Optional[float] = None,
              memory_valid: bool = True, min_tokens: Optional[float] = None, joint: bool = False) -> dict:
     """One checkpointing mode's record: points, both fits (× scale for a k-block scan), memory model, optim ms.
 
-    min_tokens: points with B·S below it are kept in the file but left out of the cost fit — on a GPU a small
-    micro-batch is launch-bound (the GPU waits on Python's kernel launches: the H200 takes ~0.4 s for 30 Wan-1.3B
-    blocks at any B·S under ~10k tokens), a regime no training micro-batch is planned in. "auto": just above the
-    largest launch-bound point (launch_bound_tokens), none where no point is. The file reports the
-    fitted model's error on every timed point as well. joint: the model attends over S + L tokens (MMDiT); the
-    quadratic form then fits in (S + L) with the scan's text length L.
+    Every timed point is fitted: where small micro-batches are launch-bound (eager on a GPU, the GPU waits on the
+    host's launches) the cost model's floor prices them (cost_model.py: t = max(floor, f)). min_tokens: points
+    with B·S below it are kept in the file but left out of the cost fit (by hand only; "auto" is the same as
+    none: the floor finds the launch-bound end). The file reports the fitted model's error on every timed point.
+    joint: the model attends over S + L tokens (MMDiT); the quadratic form then fits in (S + L) with the scan's
+    text length L.
     """
     timed = [p for p in points if p.feasible]
     rec: dict = {"points": [asdict(p) for p in points]}
     if min_tokens == "auto":
-        bound = launch_bound_tokens(timed)
-        min_tokens = None if bound is None else bound + 1
-        rec["fit_min_tokens_why"] = ("auto: no point is launch-bound" if bound is None else
-                                     f"auto: launch-bound up to B·S = {bound} (over {LAUNCH_BOUND_ERR:.0%} slower "
-                                     "than the fit to the points with twice its tokens predicts)")
+        min_tokens = None
     fitted = [p for p in timed if min_tokens is None or p.B * p.S >= min_tokens]
     if len(fitted) < 3:
         raise ValueError(f"only {len(fitted)} points were timed (and fitted): a cost model needs at least 3 "
                          "(raise the point cap, the memory budget, or add buckets)")
     B, S, t = (np.array([getattr(p, k) for p in fitted], dtype=np.float64) for k in ("B", "S", "ms"))
     L_arr = np.full(len(t), float(L)) if joint and L is not None else None
-    fits = fit_both(B, S, t, L=L_arr, joint=L_arr is not None)
+    fits = fit_both(B, S, t, L=L_arr, joint=L_arr is not None, floor=True)
     best = best_fit(fits)  # form="auto"'s choice, without fitting both forms again
     for m in fits.values():
         m.L = L

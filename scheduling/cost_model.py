@@ -12,6 +12,12 @@ Time of forward + backward of a micro-batch of B samples of S tokens (text lengt
            2.5 %. On a scan with fewer lengths the probe is what pins b0 (results/h200_calibration.md, run 1).
            b0 is fitted from B0_MIN_POINTS points on, and only where B varies apart from S (else 0).
     auto       whichever of the two has the lower leave-one-out relative error
+    floor      either form as t = max(floor, f(B, S)): a small micro-batch costs at least the host's time to launch
+               its kernels (eager on a GPU: ~0.45 s for 30 Wan-1.3B blocks whatever its B·S under ~10k tokens,
+               results/h200_calibration.md; a CUDA graph takes that floor away). Fitted like the memory model's: each
+               measured time is tried as the floor, the points at or under it (within FLOOR_TOL_T) are the floor's,
+               f is fitted to the rest, and the floor is kept only where it explains two or more points and halves
+               the error over every point; it is then the geometric mean of its points' times. Every point stays in the fit.
 Every fit minimises relative residuals, Σ((t̂ − t)/t)² (weights 1/t): a 60 ms and a 1 s point count alike.
 The power form is fitted by variable projection: for fixed p the problem is a non-negative LS in (a, b), so p
 is found by a grid and a golden-section search over the projected residual. Plain numpy throughout (the GPU
@@ -74,6 +80,8 @@ class CostModel:
         else:
             t = (q["a"] + q.get("b0", 0.0) * B + q["b1"] * B * S + q["b2"] * B * S * S
                  + q.get("b3", 0.0) * B * S * L)
+        if q.get("floor"):
+            t = np.maximum(q["floor"], t)
         return float(t) if scalar else t
 
     __call__ = predict
@@ -114,6 +122,8 @@ class CostModel:
             s = f"t = {q['a']:.4g}{self._b0()} + {q['b1']:.4g}·B·S + {q['b2']:.4g}·B·S²"
             if "b3" in q:
                 s += f" + {q['b3']:.4g}·B·S·L"
+        if q.get("floor"):
+            s = f"t = max({q['floor']:.4g}, {s[4:]})"
         return f"{s} ms  (rel RMSE {100 * self.rel_rmse:.2f} %, leave-one-out {100 * self.loo_rel_rmse:.2f} %)"
 
 
@@ -203,11 +213,44 @@ def _fit_power(B, S, t) -> dict:
     return {"a": float(c[0]), "b": float(c[1]), "p": float(p)}
 
 
-def _fit(form, B, S, t, L, joint, per_sample=False) -> CostModel:
+FLOOR_TOL_T = 0.05   # a point within 5 % of a candidate floor (or under it) is the floor's
+FLOOR_GAIN_T = 0.5   # a floor is kept only where it halves the error over every point
+FLOOR_MIN_LINE = 4   # points the fit above the floor needs (its own parameters, plus one)
+FLOOR_MIN_POINTS = 2  # points a floor must explain
+
+
+def _fit_plain(form, B, S, t, L, joint, per_sample) -> CostModel:
     params = _fit_power(B, S, t) if form == "power" else _fit_quadratic(B, S, t, L, joint, per_sample)
     model = CostModel(form, params, joint=joint and form == "quadratic")
     model.L = None  # arrays of L are used while fitting; a scalar default is set by the caller
     return model
+
+
+def _rel_rmse(model: CostModel, B, S, t, L) -> float:
+    return float(np.sqrt(np.mean(((_predict_with(model, B, S, L) - t) / t) ** 2)))
+
+
+def _fit(form, B, S, t, L, joint, per_sample=False, floor=False) -> CostModel:
+    """The form fitted to every point; with `floor`, max(floor, form) where a floor halves the error."""
+    best = _fit_plain(form, B, S, t, L, joint, per_sample)
+    if not floor:
+        return best
+    best_err = plain_err = _rel_rmse(best, B, S, t, L)
+    for F in sorted(set(t.tolist())):
+        line = t > F * (1 + FLOOR_TOL_T)
+        if line.sum() < FLOOR_MIN_LINE + per_sample or line.sum() == len(t):
+            continue
+        Ll = None if L is None else L[line]
+        cand = _fit_plain(form, B[line], S[line], t[line], Ll, joint,
+                          per_sample and _full_rank(_quadratic_features(B[line], S[line], Ll, joint, True)[0]))
+        under = ~line | (_predict_with(cand, B, S, L) < F)  # the points the floor explains
+        if under.sum() < FLOOR_MIN_POINTS:  # one slow point is noise, not a floor
+            continue
+        cand.params["floor"] = float(np.exp(np.mean(np.log(t[under]))))
+        err = _rel_rmse(cand, B, S, t, L)
+        if err < best_err and err < plain_err * FLOOR_GAIN_T:
+            best, best_err = cand, err
+    return best
 
 
 def _predict_with(model: CostModel, B, S, L):
@@ -215,11 +258,12 @@ def _predict_with(model: CostModel, B, S, L):
 
 
 def fit_cost_model(B: Sequence[float], S: Sequence[float], t: Sequence[float], form: str = "auto",
-                   L: Optional[Sequence[float]] = None, joint: bool = False) -> CostModel:
+                   L: Optional[Sequence[float]] = None, joint: bool = False, floor: bool = False) -> CostModel:
     """Fit t (ms) ≈ f(B, S[, L]) on relative residuals; form ∈ power | quadratic | auto (lower leave-one-out error).
 
     L: text lengths per point (a cross-attention term b3·B·S·L, or joint attention over S + L when joint=True);
-    the returned model predicts with L = the mean of these unless predict() is given another.
+    the returned model predicts with L = the mean of these unless predict() is given another. floor: allow a
+    launch floor, t = max(floor, f) (module docstring); leave-one-out refits it too.
     """
     if form not in FORMS + ("auto",):
         raise ValueError(f"form must be one of {FORMS + ('auto',)}, got {form!r}")
@@ -240,13 +284,14 @@ def fit_cost_model(B: Sequence[float], S: Sequence[float], t: Sequence[float], f
     for f in forms:
         if len(t) < n_params[f]:
             raise ValueError(f"{len(t)} points cannot fit the {f} form ({n_params[f]} parameters)")
-        model = _fit(f, B, S, t, Lv, joint, per_sample)
+        model = _fit(f, B, S, t, Lv, joint, per_sample, floor)
         rel = (_predict_with(model, B, S, Lv) - t) / t
         model.residuals = [float(r) for r in rel]
         model.rel_rmse = float(np.sqrt(np.mean(rel ** 2)))
         model.max_rel_err = float(np.max(np.abs(rel)))
         model.n_points = len(t)
-        model.loo_rel_rmse = _loo(f, B, S, t, Lv, joint, per_sample) if len(t) > n_params[f] else float("nan")
+        k = n_params[f] + ("floor" in model.params)
+        model.loo_rel_rmse = _loo(f, B, S, t, Lv, joint, per_sample, floor) if len(t) > k else float("nan")
         model.L = None if Lv is None else float(np.mean(Lv))
         fits[f] = model
     return fits[form] if form != "auto" else best_fit(fits)
@@ -258,16 +303,16 @@ def best_fit(fits: dict[str, "CostModel"]) -> "CostModel":
     return min(fits.values(), key=lambda m: m.loo_rel_rmse if math.isfinite(m.loo_rel_rmse) else m.rel_rmse)
 
 
-def fit_both(B, S, t, L=None, joint=False) -> dict[str, CostModel]:
+def fit_both(B, S, t, L=None, joint=False, floor=False) -> dict[str, CostModel]:
     """Both forms, for the calibration file (auto keeps the better one; the other is kept for comparison)."""
-    return {f: fit_cost_model(B, S, t, form=f, L=L, joint=joint) for f in FORMS}
+    return {f: fit_cost_model(B, S, t, form=f, L=L, joint=joint, floor=floor) for f in FORMS}
 
 
-def _loo(form, B, S, t, L, joint, per_sample) -> float:
+def _loo(form, B, S, t, L, joint, per_sample, floor=False) -> float:
     errs = []
     for i in range(len(t)):
         keep = np.arange(len(t)) != i
-        m = _fit(form, B[keep], S[keep], t[keep], None if L is None else L[keep], joint, per_sample)
+        m = _fit(form, B[keep], S[keep], t[keep], None if L is None else L[keep], joint, per_sample, floor)
         pred = _predict_with(m, B[i:i + 1], S[i:i + 1], None if L is None else L[i:i + 1])
         errs.append(float((pred[0] - t[i]) / t[i]))
     return float(np.sqrt(np.mean(np.square(errs))))

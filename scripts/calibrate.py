@@ -9,9 +9,8 @@
 Options (`+calibrate.KEY=VALUE`): max_points (12), blocks (time k of the model's blocks and extrapolate ×
 layers/k; the file says so), warmup (1), repeats (2), top_tokens (largest B·S aimed at; default 2·S_max),
 time_budget_s, buckets (a list of names; default all), out (the file; default scheduling.calibration),
-fit_min_tokens (points with B·S below it stay in the file but out of the cost fit: launch-bound on a GPU; auto,
-the default: above every point that ran over 25 % slower than the fit to the points with twice its tokens
-predicts, scheduling/calibrate.py launch_bound_tokens; null: fit every point),
+fit_min_tokens (points with B·S below it stay in the file but out of the cost fit; default null: every point is
+fitted, the cost model's launch floor pricing the small ones that wait on the host),
 refit (a calibration file: fit its measured points again with fit_min_tokens, no device; writes out or itself),
 probe_cap (true: the last point is the shortest bucket at the memory model's largest B; scheduling/calibrate.py),
 check (a list of bucket:B, e.g. [i480:461,i480:328]: no scan; warmup + repeats steps each, after one step that
@@ -52,7 +51,7 @@ from training.cuda_graphs import graph_blockers, graphs_for  # noqa: E402
 from training.step import autocast_for  # noqa: E402
 
 DEFAULTS = dict(max_points=12, blocks=None, warmup=1, repeats=2, top_tokens=None, time_budget_s=None,
-                buckets=None, out=None, fit_min_tokens="auto", refit=None, probe_cap=True, check=None)
+                buckets=None, out=None, fit_min_tokens=None, refit=None, probe_cap=True, check=None)
 CPU_M_MEM_FACTOR = 8  # CPU: no device memory to bound; m_mem = 8·S_max so every rule has a bound
 
 
@@ -305,7 +304,7 @@ if __name__ == "__main__":
         opts = raw.pop("calibrate", None) or {}
         command = "python " + " ".join(sys.argv[:1] + [a for a in sys.argv[1:] if not a.startswith("hydra")])
         if opts.get("refit"):
-            refit_file(opts["refit"], opts.get("fit_min_tokens", "auto"), command, opts.get("out"))
+            refit_file(opts["refit"], opts.get("fit_min_tokens"), command, opts.get("out"))
             return
         calibrate_config(load_config(raw), opts, command=command)
 

@@ -98,7 +98,7 @@ def main(argv=None) -> None:
         cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.procs}",
                "scripts/calibrate.py", *base, f"scheduling.calibration={cal}",
                f"+calibrate.buckets=[{','.join(buckets)}]", "+calibrate.max_points=12",
-               "+calibrate.time_budget_s=480"] + ([] if args.tiny else ["+calibrate.fit_min_tokens=10000"])
+               "+calibrate.time_budget_s=480"]
         commands["calibrate"] = " ".join(cmd[1:])
         run(cmd, os.path.join(out, "calibrate.log"), 900)
     # 3. the simulator at R = procs on this corpus: best settings into the calibration, predictions per strategy

@@ -29,6 +29,7 @@ class StepStats:
     fwd_s: float = 0.0
     bwd_s: float = 0.0
     optim_s: float = 0.0
+    mb_s: list = field(default_factory=list)   # forward + backward seconds of each micro-batch, in order
     S: list = field(default_factory=list)
     B: list = field(default_factory=list)
     buckets: list = field(default_factory=list)
@@ -59,6 +60,12 @@ class _Clock:
 
     def add(self, start, mid, end) -> None:
         self.marks.append((start, mid, end))
+
+    def each(self) -> list[float]:
+        """Seconds of each micro-batch, forward + backward, in order (after the step's sync on a GPU)."""
+        if not self.cuda:
+            return [end - start for start, _, end in self.marks]
+        return [start.elapsed_time(end) / 1e3 for start, _, end in self.marks]
 
     def totals(self) -> tuple[float, float]:
         if not self.cuda:
@@ -134,6 +141,7 @@ def train_step(model, objective: FlowMatching, batches: Iterable[Batch], num_sam
     st.loss_sum, st.grad_norm = torch.stack([loss_sum.float(), norm.float()]).tolist()  # the step's one host sync
     if clock.cuda:
         st.fwd_s, st.bwd_s = clock.totals()
+    st.mb_s = clock.each()
     total_loss = ctx.all_gather_floats([st.loss_sum]).sum().item()
     if math.isfinite(total_loss) and math.isfinite(st.grad_norm):
         optimizer.step()
