@@ -110,6 +110,59 @@ def test_matches_fp64_reference(kind, D, B, N, x_dtype, half_mod):
     assert rel_err(t_leaf.grad, dt64) < TOL[mod_dtype]
 
 
+def low_variance_x(B, N, D, x_dtype, gen):
+    """Rows whose variance is at or below eps next to ordinary ones, cycling by row: constant (variance 0, at 0.75
+    and −2: exactly representable, so x − μ is exactly 0), variance ≈ 1e-7 and ≈ 1e-9 around 0 (bf16 keeps such
+    small values to 3 digits), and variance ≈ 1. With eps moved outside the square root these rows differ by
+    orders of magnitude (or are inf/nan); with eps = 1e-2, even the variance-1 rows differ by 0.5 %."""
+    rows = [torch.full((D,), 0.75), torch.full((D,), -2.0)]
+    x = torch.empty(B, N, D)
+    for i in range(B * N):
+        kind = i % 5
+        z = torch.randn(D, generator=gen)
+        x.view(-1, D)[i] = rows[kind] if kind < 2 else (3.2e-4, 3.2e-5, 1.0)[kind - 2] * z
+    return x.to(DEV, x_dtype)
+
+
+def check_low_variance(kind, B, N, D, x_dtype, eps, gen):
+    """The launchers and the public op at this eps against fp64: output and the gradients of x, scale and shift,
+    over all rows and over the low-variance rows alone (so ordinary rows cannot hide them)."""
+    x = low_variance_x(B, N, D, x_dtype, gen)
+    table, scale, shift = modulation(kind, B, N, D, torch.float32, gen)
+    dy = torch.randn(B, N, D, generator=gen).to(DEV, x_dtype)
+    x64 = x.detach().double().requires_grad_()
+    t64 = table.detach().double().requires_grad_()
+    s64, h64 = views(kind, t64)
+    s64.retain_grad()
+    h64.retain_grad()
+    y64 = ref64(x64, s64, h64, eps)
+    y64.backward(dy.double())
+    low = torch.arange(B * N, device=DEV).view(B, N) % 5 < 4
+
+    y, mean, rstd = adaln_forward(x, scale, shift, eps)
+    dx, ds, dh = adaln_backward(dy, x, scale, mean, rstd, shift.shape, shift.dtype)
+    assert torch.isfinite(rstd).all()
+    torch.testing.assert_close(rstd.double(), 1 / (x.double().var(-1, unbiased=False) + eps).sqrt(), rtol=1e-4,
+                               atol=0)
+    for got, ref in ((y, y64), (dx, x64.grad)):
+        assert rel_err(got, ref) < TOL[x_dtype]
+        assert rel_err(got[low], ref[low]) < TOL[x_dtype]
+    assert rel_err(ds, s64.grad) < TOL[torch.float32] and rel_err(dh, h64.grad) < TOL[torch.float32]
+
+    x_leaf, t_leaf = x.clone().requires_grad_(), table.clone().requires_grad_()
+    y_op = adaln_modulate(x_leaf, *views(kind, t_leaf), eps=eps, backend="triton")
+    y_op.backward(dy)
+    assert torch.equal(y_op, y) and torch.equal(x_leaf.grad, dx)
+    assert rel_err(t_leaf.grad, t64.grad) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("kind,D,x_dtype,eps", [("sample", 37, torch.float32, 1e-6), ("token", 64, torch.bfloat16, 1e-6),
+                                                ("sample", 64, torch.float32, 1e-2), ("bcast", 37, torch.bfloat16, 1e-2)])
+def test_rows_with_variance_at_or_below_eps(kind, D, x_dtype, eps):
+    """rstd = 1 / sqrt(var + eps): where var ≤ eps the placement of eps decides the output and every gradient."""
+    check_low_variance(kind, 2, 10, D, x_dtype, eps, torch.Generator().manual_seed(D + int(1 / eps)))
+
+
 @pytest.mark.parametrize("kind", ["sample", "bcast", "mixed"])
 def test_dtile_variant_and_spans(kind):
     """The paper's D-tile reduction and other launch shapes (several programs per sample, a persistent span that
@@ -130,7 +183,10 @@ def test_dtile_variant_and_spans(kind):
     fused = adaln_backward(dy, x, scale, mean, rstd, shift.shape, shift.dtype, config=cfg)
     dtile = adaln_backward(dy, x, scale, mean, rstd, shift.shape, shift.dtype, dmod="dtile", config=cfg,
                            dtile_config=KernelConfig(rows=4, num_warps=4, programs_per_sm=6, block_d=64))
-    for got in (fused, dtile):
+    # one row tile per program: each sample's 13 rows split over 7 programs, each of which must stop at its span
+    split = adaln_backward(dy, x, scale, mean, rstd, shift.shape, shift.dtype, dmod="dtile", config=cfg,
+                           dtile_config=KernelConfig(rows=2, num_warps=4, programs_per_sm=0, block_d=64))
+    for got in (fused, dtile, split):
         assert rel_err(got[0], dx64) < TOL[torch.bfloat16]
         assert rel_err(got[1], ds64) < TOL[torch.float32]
         assert rel_err(got[2], dh64) < TOL[torch.float32]
@@ -254,6 +310,16 @@ def test_gpu_model_sizes_deterministic(kind, D):
         assert rel_err(dtile[1], ds64) < TOL[torch.float32] and rel_err(dtile[2], dh64) < TOL[torch.float32]
 
 
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("eps", [1e-6, 1e-2])
+@pytest.mark.parametrize("kind,D", [("sample", 1536), ("token", 1536), ("sample", 5120)])
+def test_gpu_rows_with_variance_at_or_below_eps(kind, D, eps):
+    """The compiled kernels at model widths, tuned launch shapes included, on rows of variance 0, 1e-7, 1e-9, 1."""
+    for x_dtype in (torch.bfloat16, torch.float32):
+        check_low_variance(kind, 2, 250, D, x_dtype, eps, torch.Generator().manual_seed(D))
+
+
 def test_launch_config_from_the_nearest_tuned_width():
     """On CUDA each op starts from its tuned entry at the nearest width (log scale): the entry itself at a tuned
     width, rows scaled by the power-of-two widths elsewhere (a pure function of numbers: runs on the CPU)."""
@@ -269,3 +335,6 @@ def test_launch_config_from_the_nearest_tuned_width():
     assert adaln.default_config("fwd", 1024, cuda).rows == max(1, min(64, fwd.rows * 2048 // 1024))
     for (kind, D), cfg in qk.TUNED.items():
         assert qk.default_config(kind, D, cuda) == cfg
+    for kind in ("fwd", "bwd"):  # an untuned width: the nearest entry, rows scaled by the power-of-two widths
+        near = qk.TUNED[kind, 1536]
+        assert qk.default_config(kind, 768, cuda).rows == max(1, min(64, near.rows * 2048 // 1024)) == 2 * near.rows

@@ -82,6 +82,59 @@ def test_gelu_ffn_matches_fp64_and_the_unfused_kernels_chunked():
             assert rel_err(a, r) < 1e-5, (rows, i)
 
 
+def _low_variance_x(B, N, D, g):
+    """Rows of variance 0, ≈ 1e-7 and ≈ 1, cycling: at eps = 1e-2 the first two are all eps, the third 0.5 % of it."""
+    x = torch.randn(B * N, D, generator=g) * torch.tensor([0.0, 3.2e-4, 1.0]).repeat(B * N)[:B * N, None]
+    x[::3] += 0.75
+    return x.view(B, N, D).to(DEV).requires_grad_()
+
+
+def test_eps_reaches_the_norm_in_forward_and_in_the_recompute():
+    """At eps = 1e-2, on rows whose variance is at or below it, both ops against fp64 at that eps: a norm that used
+    another eps in forward, or remade y with another in backward, moves the output or the weights' gradients."""
+    B, N, D, Fh, eps = 2, 15, 16, 24, 1e-2
+    g = torch.Generator().manual_seed(5)
+    x = _low_variance_x(B, N, D, g)
+    scale, shift = _t(g, B, 1, D, scale=0.3), _t(g, B, 1, D, scale=0.3)
+    w, b = _t(g, Fh, D, scale=D ** -0.5), _t(g, Fh)
+    w1, b1, w2, b2 = _t(g, Fh, D, scale=D ** -0.5), _t(g, Fh), _t(g, D, Fh, scale=Fh ** -0.5), _t(g, D)
+    for op, leaves, ref in (
+            (lambda x, s, h, w, b: adaln_linear(x, s, h, eps, [(w, b)], backend="triton")[0],
+             [x, scale, shift, w, b], lambda x, s, h, w, b: F.linear(adaln_reference(x, s, h, eps), w, b)),
+            (lambda x, s, h, *p: adaln_gelu_ffn(x, s, h, eps, *p, backend="triton"),
+             [x, scale, shift, w1, b1, w2, b2], lambda x, s, h, *p: gelu_ffn_reference(adaln_reference(x, s, h, eps),
+                                                                                      *p))):
+        out = op(*leaves)
+        dout = torch.randn(out.shape, generator=g).to(DEV)
+        gr = grads_of(out, leaves, dout)
+        l64 = fp64_leaves(leaves)
+        out64 = ref(*l64)
+        gr64 = grads_of(out64, l64, dout.double())
+        assert rel_err(out, out64) < 1e-5
+        for i, (a, r) in enumerate(zip(gr, gr64)):
+            assert rel_err(a, r) < 1e-5, i
+
+
+@pytest.mark.parametrize("biases", [(True, False), (False, True)])
+def test_gelu_ffn_with_one_bias(biases):
+    """One of the MLP's two biases absent: each bias's presence reaches backward on its own (the present one gets
+    its gradient, every other gradient against fp64)."""
+    B, N, D, Fh = 2, 9, 16, 24
+    g, x, scale, shift = _inputs(B, N, D, seed=6)
+    w1, w2 = _t(g, Fh, D, scale=D ** -0.5), _t(g, D, Fh, scale=Fh ** -0.5)
+    b1 = _t(g, Fh) if biases[0] else None
+    b2 = _t(g, D) if biases[1] else None
+    leaves = [x, scale, shift, w1, b1, w2, b2]
+    dout = torch.randn(B, N, D, generator=g).to(DEV)
+    gr = grads_of(adaln_gelu_ffn(x, scale, shift, 1e-6, w1, b1, w2, b2, backend="triton"), leaves, dout)
+    l64 = fp64_leaves(leaves)
+    gr64 = grads_of(gelu_ffn_reference(adaln_reference(*l64[:3], 1e-6), *l64[3:]), l64, dout.double())
+    for i, (a, r) in enumerate(zip(gr, gr64)):
+        assert (a is None) == (r is None), i
+        if r is not None:
+            assert rel_err(a, r) < 1e-5, i
+
+
 def test_autocast_gives_fp32_master_grads_no_worse_than_eager():
     B, N, D = 1, 33, 32
     g, x, scale, shift = _inputs(B, N, D, seed=2)

@@ -69,6 +69,16 @@ def test_issue4_h200_points_power_misses_about_15_percent_quadratic_under_1():
     assert np.allclose(res, auto.residuals) and auto.rel_rmse == pytest.approx(np.sqrt(np.mean(res ** 2)))
 
 
+@pytest.mark.parametrize("p", [0.5, 0.52, 2.97])
+def test_power_exponent_at_the_ends_of_its_search_range(p):
+    """The exponent's search: a grid over [0.5, 3] then a golden section between the best grid point's neighbours
+    (clipped to the range) — planted exponents at either end come back."""
+    B, S, _ = grid(5)
+    t = 2.0 + 0.05 * B * S ** p
+    m = fit_cost_model(B, S, t, form="power")
+    assert m.params["p"] == pytest.approx(p, abs=2e-3) and m.rel_rmse < 1e-3
+
+
 def test_auto_keeps_the_power_form_when_the_data_follow_it():
     B, S, _ = grid(4)
     t = 1.0 + 1e-4 * B * S ** 1.6
@@ -133,6 +143,13 @@ def test_memory_model_recovers_a_floor_and_a_per_sample_term():
     assert MemoryModel.from_dict(old).predict(2, 10) == 41.0
 
 
+def test_memory_bounds_at_a_budget_equal_to_the_floor():
+    """A budget equal to the optimizer step's floor still fits it: the bound is the line's, not 0."""
+    mem = MemoryModel(c0=2.0, c1=1.0, floor=10.0)
+    assert mem.m_mem(10.0) == 8 and mem.max_batch(4, 10.0) == 2
+    assert mem.m_mem(9.999) == 0 and mem.max_batch(4, 9.999) == 0
+
+
 def test_memory_model_takes_no_floor_from_noise():
     floors = 0
     for seed in range(40):  # 1 % noise on a plain line: a floor that merely fits the noise better is not kept
@@ -183,3 +200,60 @@ def test_memory_model_on_the_h200_scan():
     assert np.max(np.abs(mem.predict(B, S) - y) / y) < 3e-3
     small = (B == 1) & (S <= 46800)
     assert mem.floor > 0 and small.sum() >= 3 and np.all(mem.predict(B[small], S[small]) == mem.floor)
+
+
+# five points of one B: the power form's exponent leans on whichever long point is there, the quadratic's does not
+LOO_S = np.array([1024, 8192, 16384, 32768, 65536])
+LOO_T = np.array([12.9, 93.1, 223.2, 565.8, 1500.1])
+
+
+def hand_loo(form, B, S, t):
+    """Leave-one-out by hand: refit on the other points, relative error at the one left out, RMS over points."""
+    errs = []
+    for i in range(len(t)):
+        keep = np.arange(len(t)) != i
+        m = fit_cost_model(B[keep], S[keep], t[keep], form=form)
+        errs.append((m.predict(B[i], S[i]) - t[i]) / t[i])
+    return float(np.sqrt(np.mean(np.square(errs))))
+
+
+@pytest.mark.parametrize("form", ["power", "quadratic"])
+def test_leave_one_out_error_refits_without_the_point(form):
+    B = np.ones_like(LOO_S)
+    m = fit_cost_model(B, LOO_S, LOO_T, form=form)
+    assert m.loo_rel_rmse == pytest.approx(hand_loo(form, B, LOO_S, LOO_T), rel=1e-6)
+    assert m.loo_rel_rmse > 3 * m.rel_rmse  # out of sample is far worse here: a fit that kept the point would not be
+
+
+def test_auto_picks_the_form_by_leave_one_out_not_in_sample_error():
+    """Power fits these points better in sample (1.2 % against 2.7 %) but predicts a point it has not seen far worse
+    (26 % against 11 %): auto keeps the quadratic."""
+    B = np.ones_like(LOO_S)
+    fits = fit_both(B, LOO_S, LOO_T)
+    assert fits["power"].rel_rmse < 0.5 * fits["quadratic"].rel_rmse
+    assert fits["quadratic"].loo_rel_rmse < 0.5 * fits["power"].loo_rel_rmse
+    assert fit_cost_model(B, LOO_S, LOO_T).form == "quadratic"
+    # with too few points to leave one out, the in-sample error decides
+    three = fit_both(B[2:], LOO_S[2:], LOO_T[2:])
+    assert all(np.isnan(m.loo_rel_rmse) for m in three.values())
+    best = min(three.values(), key=lambda m: m.rel_rmse).form
+    assert fit_cost_model(B[2:], LOO_S[2:], LOO_T[2:]).form == best
+
+
+@pytest.mark.parametrize("form, params", [("power", {"a": 3.0, "b": 2e-4, "p": 1.4}),
+                                          ("quadratic", {"a": 3.0, "b0": 1.5, "b1": 2e-3, "b2": 4e-7, "b3": 1e-6})])
+def test_scaled_multiplies_every_term_but_the_exponent(form, params):
+    """k timed blocks → the full depth: every coefficient × factor, the power form's exponent p unchanged."""
+    m = CostModel(form, dict(params), rel_rmse=0.01, loo_rel_rmse=0.02, n_points=9, L=300.0, residuals=[0.1, -0.1])
+    s = m.scaled(7.5)
+    B, S, L = np.array([1, 4, 16]), np.array([1560, 7800, 32760]), 300.0
+    if form == "power":
+        want = 7.5 * (3.0 + 2e-4 * B * S ** 1.4)
+        assert s.params["p"] == 1.4
+    else:
+        want = 7.5 * (3.0 + 1.5 * B + 2e-3 * B * S + 4e-7 * B * S * S + 1e-6 * B * S * L)
+    assert np.allclose(s.predict(B, S), want, rtol=1e-12)
+    assert s.predict(4, 7800) == pytest.approx(7.5 * m.predict(4, 7800), rel=1e-12)
+    # the rest is carried over; the original is left alone
+    assert (s.form, s.rel_rmse, s.loo_rel_rmse, s.n_points, s.L, s.residuals) == (form, 0.01, 0.02, 9, 300.0, [0.1, -0.1])
+    assert m.params == params

@@ -76,6 +76,27 @@ def test_matches_fp64_and_the_composition_it_replaces(biases, B):
             assert rel_err(a, r) < 1e-5, (rows, i)
 
 
+def test_eps_reaches_the_norm_in_forward_and_in_the_recompute():
+    """eps = 1e-2 on rows of variance 0, ≈ 1e-7 and ≈ 1 (cycling): the output and every gradient against fp64 at that
+    eps, so the norm's eps counts both in the forward and where backward remakes y."""
+    B, N, D, Fh, eps = 2, 15, 16, 24, 1e-2
+    g, leaves = _leaves(B, N, D, Fh, seed=7)
+    with torch.no_grad():
+        x = torch.randn(B * N, D, generator=g) * torch.tensor([0.0, 3.2e-4, 1.0]).repeat(B * N)[:B * N, None]
+        x[::3] += 0.75
+        leaves[0].copy_(x.view(B, N, D))
+    dout = torch.randn(B, N, D, generator=g).to(DEV)
+    out = adaln_gelu_ffn_gated(*leaves[:3], eps, *leaves[4:], leaves[3], backend="triton")
+    gr = grads_of(out, leaves, dout)
+    l64 = fp64_leaves(leaves)
+    x64, s64, h64, gate64, w1, b1, w2, b2 = l64
+    out64 = x64 + gate64 * gelu_ffn_reference(adaln_reference(x64, s64, h64, eps), w1, b1, w2, b2)
+    gr64 = grads_of(out64, l64, dout.double())
+    assert rel_err(out, out64) < 1e-5
+    for i, (a, r) in enumerate(zip(gr, gr64)):
+        assert rel_err(a, r) < 1e-5, i
+
+
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_gate_w2_one_pass(accumulate):
     """ops.gated_ffn.gate_w2_ over rows and features that fill no tile: dW2 = G ⊙ gate (bf16, the same bits as eager's

@@ -191,6 +191,27 @@ def test_second_backward_is_refused():
         out.backward()
 
 
+@pytest.mark.parametrize("trainable", ["x", "w1", "b1", "w2"])
+def test_second_backward_is_refused_whenever_the_first_made_dh(trainable):
+    """Whichever one input needs a gradient through h (x, w1 or b1), backward overwrites h and a second one raises;
+    with only w2 trainable no dh is made, h stays, and a second backward gives the first one's gradient again."""
+    ps = list(params(8, 16, torch.float32))
+    x = torch.randn(1, 5, 8).to(DEV)
+    leaves = dict(zip(["w1", "b1", "w2", "b2"], ps), x=x)
+    for name, t in leaves.items():
+        t.requires_grad_(name == trainable)
+    out = gelu_ffn(x, *ps, backend="triton").square().sum()
+    out.backward(retain_graph=True)
+    first = leaves[trainable].grad.clone()
+    if trainable == "w2":
+        leaves["w2"].grad = None
+        out.backward()
+        assert torch.equal(leaves["w2"].grad, first)
+    else:
+        with pytest.raises(RuntimeError, match="second backward"):
+            out.backward()
+
+
 @pytest.mark.parametrize("rows", [None, 16])
 def test_no_rows_give_zero_gradients(rows):
     """An empty batch (N = 0): no chunk runs; the weights get zero gradients, as the reference gives them."""

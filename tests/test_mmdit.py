@@ -441,3 +441,45 @@ def test_lora_targets_that_match_nothing_are_reported(caplog):
     with caplog.at_level(logging.WARNING, logger="models.lora"):
         model = apply_lora(MMDiT(**TINY), LoRAConfig(rank=2, targets=["to_q", "ff.net.0.proj"]))
     assert not caplog.records and any(n.endswith("ff.net.0.proj") for n in lora_modules(model))
+
+
+def test_model_inputs_pool_the_valid_text_tokens_and_embed_the_guidance():
+    """models.build.model_inputs for a corpus without pooled text: the mean of each sample's valid text tokens
+    (a sample with none pools to zeros, not NaN); the embedded guidance is 1000·guidance_scale for every sample;
+    a stored pooled embedding is passed through, and Wan takes no extra inputs."""
+    from data.batch import Batch
+    from models.build import model_inputs
+    from models.config import MMDiTConfig, ModelConfig
+
+    cfg = MMDiTConfig(**{**TINY, "pooled_projection_dim": 16}, guidance_scale=3.5)
+    g = torch.Generator().manual_seed(0)
+    text = torch.randn(3, 5, 16, generator=g)
+    mask = torch.tensor([[True, True, True, False, False], [True] * 5, [False] * 5])
+    batch = Batch(torch.zeros(3, 4, 1, 2, 2), text, ["a", "b", "c"], "img", 1, torch.ones(3), text_mask=mask)
+    got = model_inputs(cfg, batch)
+    torch.testing.assert_close(got["pooled_projections"],
+                               torch.stack([text[0, :3].mean(0), text[1].mean(0), torch.zeros(16)]))
+    assert got["guidance"].tolist() == [3500.0] * 3 and got["encoder_attention_mask"] is mask
+    pooled = torch.randn(3, 16, generator=g)
+    assert model_inputs(cfg, Batch(**{**batch.__dict__, "pooled": pooled}))["pooled_projections"] is pooled
+    no_guidance = MMDiTConfig(**{**TINY, "guidance_embeds": False, "pooled_projection_dim": 16})
+    assert model_inputs(no_guidance, batch)["guidance"] is None
+    with pytest.raises(ValueError, match="pooled_projection_dim"):
+        model_inputs(MMDiTConfig(**TINY), batch)  # 8 ≠ 16 and nothing stored to pool from
+    assert model_inputs(ModelConfig(), batch) == {}
+
+
+def test_config_defaults_are_diffusers_and_run_knobs_are_checked():
+    """MMDiTConfig's architecture defaults are diffusers' HunyuanVideoTransformer3DModel's (HunyuanVideo 13B), field
+    by field; its run knobs go through the same checks as Wan's; attention_layers counts both kinds of block."""
+    import inspect
+
+    from models.config import MMDiTConfig
+
+    theirs = inspect.signature(HunyuanVideoTransformer3DModel.__init__).parameters
+    ours = MMDiTConfig().diffusers_kwargs()
+    assert ours == {k: theirs[k].default for k in ours}
+    for bad in ({"adaln_backend": "cuda"}, {"checkpointing": "some"}, {"precision": "fp8"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            MMDiTConfig(**TINY, **bad)
+    assert MMDiTConfig(**TINY_B).attention_layers == 4 and MMDiTConfig(**TINY).attention_layers == 2

@@ -63,6 +63,9 @@ def test_padding_slots_have_zero_weight_and_the_cheapest_bucket():
     plans = epoch_plans(samples, 8, 4, [15, 10, 5, 2])
     pads = [mb for p in plans for r in p.ranks for mb in r if mb.num_real == 0]
     assert pads and all(mb.weights == (0.0,) and mb.S == 16 for mb in pads)
+    for plan in plans:  # real(): the (rank, slot) holds real samples; padding is idle work
+        assert plan.real().tolist() == [[mb.weights != (0.0,) for mb in r] for r in plan.ranks]
+    assert sum((~p.real()).sum() for p in plans) == len(pads)
 
 
 def test_bad_arguments_are_refused():

@@ -115,6 +115,44 @@ def test_matches_fp64_reference(heads, head_dim, grid, B, x_dtype, w_dtype):
     assert torch.equal(x_leaf.grad, dx) and torch.equal(w_leaf.grad, dw)
 
 
+def low_rms_x(B, N, D, x_dtype, gen):
+    """Rows whose mean square is at or below eps next to ordinary ones, cycling by row: zero (mean square 0),
+    ≈ 1e-7 and ≈ 1e-9, and ≈ 1. With eps moved outside the square root these rows differ by orders of magnitude
+    (or are inf/nan); with eps = 1e-2 the ordinary rows differ by 0.5 %."""
+    x = torch.randn(B * N, D, generator=gen) * torch.tensor([0.0, 3.2e-4, 3.2e-5, 1.0]).repeat(B * N)[:B * N, None]
+    return x.view(B, N, D).to(DEV, x_dtype)
+
+
+def check_low_rms(heads, head_dim, grid, B, x_dtype, eps, gen):
+    """Launchers and public op at this eps against fp64: rstd, output, dx over all rows and the low rows alone, dw."""
+    cos, sin = wan_rope(head_dim, grid)
+    N, D = cos.shape[0], heads * head_dim
+    x = low_rms_x(B, N, D, x_dtype, gen)
+    w = (1 + 0.3 * torch.randn(D, generator=gen)).to(DEV)
+    dy = torch.randn(B, N, D, generator=gen).to(DEV, x_dtype)
+    y64, rstd64, dx64, dw64 = reference_grads(x, w, cos, sin, dy, eps)
+    y, rstd = qk_norm_rope_forward(x, w, cos, sin, eps)
+    dx, dw = qk_norm_rope_backward(dy, x, w, cos, sin, rstd)
+    assert rel_err(rstd, rstd64) < 1e-6
+    kind = torch.arange(B * N, device=DEV).view(B, N) % 4
+    low = kind < 3
+    assert (y[kind == 0] == 0).all()  # a zero row stays zero
+    for got, ref in ((y, y64), (dx, dx64)):
+        assert rel_err(got, ref) < TOL[x_dtype]
+        assert rel_err(got[low], ref[low]) < TOL[x_dtype]
+    assert rel_err(dw, dw64) < TOL[torch.float32]
+    x_leaf, w_leaf = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y_op = qk_norm_rope(x_leaf, w_leaf, cos, sin, eps=eps, backend="triton")
+    y_op.backward(dy)
+    assert torch.equal(y_op, y) and torch.equal(x_leaf.grad, dx) and torch.equal(w_leaf.grad, dw)
+
+
+@pytest.mark.parametrize("x_dtype,eps", [(torch.float32, 1e-6), (torch.bfloat16, 1e-6), (torch.float32, 1e-2)])
+def test_rows_with_mean_square_at_or_below_eps(x_dtype, eps):
+    """rstd = 1 / sqrt(mean(x²) + eps): where mean(x²) ≤ eps the placement of eps decides the output and dx."""
+    check_low_rms(2, 12, (1, 3, 5), 2, x_dtype, eps, torch.Generator().manual_seed(int(1 / eps) + x_dtype.itemsize))
+
+
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_equals_model_path(x_dtype):
     """The op is the function WanAttention computes today: to rounding against RMSNorm + apply_rope (bit-for-bit for
@@ -151,8 +189,13 @@ def test_strided_x_and_launch_shapes():
     assert_equal_to_rounding(y, ref, min_exact=0.99)
     assert_equal_to_rounding(y2, ref, min_exact=0.99)
     assert torch.allclose(rstd, rstd2, rtol=1e-6)
+    # two power-of-two segments a row (24 pairs = 16 + 8), as the tuned GPU shapes at D = 1536 and 5120 run
+    split = KernelConfig(rows=2, num_warps=4, programs_per_sm=2, split=True)
+    y3, rstd3 = qk_norm_rope_forward(x, w, cos, sin, config=split)
+    assert_equal_to_rounding(y3, ref, min_exact=0.99)
     for got in (qk_norm_rope_backward(dy, x, w, cos, sin, rstd, config=cfg),
-                qk_norm_rope_backward(dy, x, w, cos, sin, rstd2)):
+                qk_norm_rope_backward(dy, x, w, cos, sin, rstd2),
+                qk_norm_rope_backward(dy, x, w, cos, sin, rstd3, config=split)):
         assert rel_err(got[0], dx64) < TOL[torch.bfloat16]
         assert rel_err(got[1], dw64) < TOL[torch.float32]
 
@@ -161,6 +204,20 @@ def test_strided_x_and_launch_shapes():
     for xs in (xt, x_odd):
         assert_equal_to_rounding(qk_norm_rope(xs, w, cos, sin, backend="triton"),
                                  model_path(xs, w, cos, sin, heads), min_exact=0.99)
+
+
+def test_no_rows_give_an_empty_output_and_zero_dw():
+    """N = 0 (nothing to launch): empty y and dx, and dw exactly zero, not whatever memory held."""
+    cos, sin = wan_rope(16, (3, 5, 1))
+    w = (1 + 0.3 * torch.randn(48, generator=torch.Generator().manual_seed(2))).to(DEV)
+    for _ in range(2):  # the second time on reused memory
+        garbage = torch.full((4096,), float("nan"), device=DEV)
+        del garbage
+        x = torch.randn(2, 0, 48, device=DEV)
+        y, rstd = qk_norm_rope_forward(x, w, cos[:0], sin[:0])
+        dx, dw = qk_norm_rope_backward(torch.randn(2, 0, 48, device=DEV), x, w, cos[:0], sin[:0], rstd)
+        assert y.shape == dx.shape == (2, 0, 48) and dw.shape == (48,)
+        assert torch.equal(dw, torch.zeros_like(dw))
 
 
 def test_checkpointing_and_opcheck():
@@ -239,6 +296,30 @@ def test_backends_and_errors(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------------- GPU only
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("eps", [1e-6, 1e-2])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_rows_with_mean_square_at_or_below_eps(x_dtype, eps):
+    """The compiled kernels at Wan's width (12 heads × 128) and tuned launch shapes."""
+    check_low_rms(12, 128, (1, 30, 52), 2, x_dtype, eps, torch.Generator().manual_seed(3))
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_auto_takes_triton_only_where_the_angles_fit():
+    """backend="auto" picks the kernel for CUDA tensors whose cos/sin have one row per token and D/2 angles per head
+    pair; otherwise the reference (which then refuses the mismatch itself)."""
+    cos, sin = wan_rope(128, (1, 3, 52))
+    N = cos.shape[0]
+    x = torch.randn(1, N, 12 * 128, device=DEV, dtype=torch.bfloat16)
+    w = torch.ones(12 * 128, device=DEV)
+    assert op.triton_supported(x, w, cos, sin)
+    assert not op.triton_supported(x, w, cos[:-1], sin[:-1])  # one token short
+    assert not op.triton_supported(x[..., :100], w[:100], cos, sin)  # D not a whole number of heads
+    assert not op.triton_supported(x.float().cpu(), w.cpu(), cos.cpu(), sin.cpu())  # not on CUDA
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("B", [1, 2])

@@ -86,6 +86,42 @@ def test_matches_fp64_and_the_unfused_composition(cross):
         assert rel_err(a, u) < 1e-5, name
 
 
+def test_q_and_k_norms_use_their_own_eps_in_forward_and_recompute():
+    """eps_q ≠ eps_k, both large against the rows' mean squares (q ≈ 4, k ≈ 1): each reaches its own norm, in the
+    forward and in the backward's recompute of q' and k' (every gradient against fp64 at the same two eps)."""
+    leaves, rq, rk, dout = _case(seed=5)
+    eps_q, eps_k = 0.5, 2.0
+    fused = lambda q, k, v, wq, wk: rope_attention(q, k, v, HEADS, wq, wk, rq, rk, eps_q, eps_k,  # noqa: E731
+                                                   backend="triton")
+    assert type(fused(*leaves).grad_fn).__name__ == "_RoPEAttentionBackward"
+    out, gr = _run(fused, leaves, dout)
+
+    def ref(q, k, v, wq, wk):
+        return _sdpa(qk_norm_rope_reference(q, wq, *[t.double() for t in rq], eps_q),
+                     qk_norm_rope_reference(k, wk, *[t.double() for t in rk], eps_k), v, HEADS)
+
+    l64 = [t.detach().double().requires_grad_() for t in leaves]
+    out64, gr64 = _run(ref, l64, dout.double())
+    assert rel_err(out, out64) < 1e-5
+    for name, a, r in zip("q k v wq wk".split(), gr, gr64):
+        assert rel_err(a, r) < 1e-5, name
+    torch_out, _ = _run(lambda *a: rope_attention(*a[:3], HEADS, *a[3:], rq, rk, eps_q, eps_k, backend="torch"),
+                        leaves, dout)
+    assert rel_err(torch_out, out64) < 1e-5  # the reference backend takes them too
+
+
+def test_compiled_graph_takes_the_composition():
+    """Inside torch.compile (fullgraph: nothing may break the graph) rope_attention is the composition of the norm's
+    custom op and SDPA, which Inductor plans itself: the same output and gradients as eager."""
+    leaves, rq, rk, dout = _case(seed=9)
+    fn = lambda q, k, v, wq, wk: rope_attention(q, k, v, HEADS, wq, wk, rq, rk, backend="triton")  # noqa: E731
+    out, gr = _run(fn, leaves, dout)
+    out_c, gr_c = _run(torch.compile(fn, fullgraph=True, backend="aot_eager"), leaves, dout)
+    assert rel_err(out_c, out) < 1e-6
+    for name, a, b in zip("q k v wq wk".split(), gr_c, gr):
+        assert rel_err(a, b) < 1e-5, name
+
+
 def test_saves_the_projections_not_the_rotated_q_and_k():
     leaves, rq, rk, _ = _case(seed=3)
     q, k, v, wq, wk = leaves

@@ -5,13 +5,13 @@ import math
 import numpy as np
 import pytest
 
-from scheduling.balance import advance, deal_balanced, plan_step
+from scheduling.balance import SampleTable, advance, deal_balanced, plan_step
 from scheduling.batching import (batch_sizes, cost_batch_size, dual_constraint_batch_size,
                                  equal_token_batch_size)
 from scheduling.calibrate import Calibration
 from scheduling.config import SchedulingConfig
 from scheduling.cost_model import CostModel, MemoryModel
-from scheduling.metrics import compute_cv, idle_fraction
+from scheduling.metrics import compute_cv, cv, idle_fraction, model_flops, step_time
 from scheduling.policy import ModelShape, resolve_schedule
 from scheduling.simulate import DEFAULT_MIX, Mix, issue4_h200_calibration
 
@@ -51,9 +51,36 @@ def test_impossible_settings_are_refused_naming_the_field(call, field):
         call()
 
 
+@pytest.mark.parametrize("kw, field", [({"m_tokens": 0}, "m_tokens"), ({"m_mem": 0.0}, "m_mem"),
+                                       ({"target_microbatch_ms": 0}, "target_microbatch_ms"), ({"window": 0}, "window")])
+def test_scheduling_config_refuses_zero(kw, field):
+    """Every knob must be > 0 (window ≥ 1): zero is refused, naming the field."""
+    with pytest.raises(ValueError, match=rf"scheduling\.{field}"):
+        SchedulingConfig("balanced", **kw)
+    SchedulingConfig("balanced", **{k: 1 for k in kw})  # the smallest allowed value passes
+
+
+def test_metrics_on_hand_cases():
+    """scheduling/metrics.py on R = 2 ranks × M = 3 slots (R ≠ M, so rows and columns cannot be confused), with
+    degenerate inputs giving 0 rather than NaN, and the FLOP formula of CONTRACTS §9 with every term distinct."""
+    t = np.array([[4.0, 1.0, 3.0], [2.0, 1.0, 1.0]])
+    # idle = 1 − Σ t / (R · Σ_k max_r t_rk) = 1 − 12 / (2 · 8)
+    assert idle_fraction(t) == pytest.approx(1 - 12 / 16)
+    assert idle_fraction(t, np.array([[True, True, True], [True, False, True]])) == pytest.approx(1 - 11 / 16)
+    assert compute_cv(t) == pytest.approx(np.std([8.0, 4.0]) / 6.0)
+    assert step_time(t) == 8.0
+    assert compute_cv(np.zeros((2, 3))) == 0.0 and idle_fraction(np.zeros((2, 3))) == 0.0
+    assert cv([3.0, 5.0]) == pytest.approx(0.25) and cv([0.0, 0.0]) == 0.0 and cv([7.0]) == 0.0
+    B, S, L, P, layers, D = 3, 100, 7, 1000, 5, 8
+    assert model_flops(B, S, L, P, layers, D) == B * (6 * P * S + 12 * layers * D * S * S + 12 * layers * D * S * L)
+    assert model_flops(1, 10, 0, 0, 2, 1) == 12 * 2 * 100  # attention alone: 12·layers·D·S²
+
+
 def test_cost_rule_edges():
     assert cost_batch_size(75600, QUAD, 1.0, 1e6) == 1          # even B=1 is over the target: one sample
     assert cost_batch_size(1560, QUAD, 1e9, 10 * 1560) == 10    # the memory bound caps B
+    # predicted exactly at the target is within it ("≤ target_ms"): B = 5 at 10 ms a sample, not 4
+    assert [cost_batch_size(1000, lambda B, S: 10.0 * B, t, 1e9) for t in (49.9, 50.0, 50.1)] == [4, 5, 5]
     t = QUAD.predict(1, 75600)
     assert batch_sizes("cost", [1560, 75600], m_mem=4e5, cost_model=QUAD, target_ms=t)[1] == 1
 
@@ -132,6 +159,52 @@ def test_balanced_compute_cv_pred_within_2_percent_on_a_mix():
     eq = batch_sizes("equal_token", Mix.of(DEFAULT_MIX).S, m_tokens=75600)
     eq_plans, _ = run_epoch(samples, 8, 4, eq, strategy="equal_token", stop_after=60)
     assert np.mean([compute_cv(p.pred_ms()) for p in eq_plans]) > 0.15  # the metric can fail
+
+
+@pytest.mark.parametrize("R, M, window, want", [
+    (2, 2, 2, [[9.0, 9.0], [9.0, 9.0]]),   # groups (8,7) (6,5) (4,3) (2,1) → steps {(8,7),(2,1)}, {(6,5),(4,3)}
+    (1, 2, 3, [[7.0], [7.0], [7.0]]),      # 6 5 4 3 2 1 → steps {6,1}, {5,2}, {4,3}
+])
+def test_window_deals_its_groups_to_steps_in_snake_order(R, M, window, want):
+    """A window's micro-batches, sorted and cut into groups of R, go to its steps in snake order (0 1 … n−1 n−1 … 0),
+    so every step gets a cross-section of costs; dealt round-robin (0 1 0 1 …) the first step would get the
+    costliest of every round: (8,7)+(4,3) against (6,5)+(2,1), 11 ms a rank against 7. One sample per micro-batch,
+    its cost its bucket's number + 1 ms."""
+    n = R * M * window
+    samples = SampleTable(np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int32),
+                          np.arange(1, n + 1, dtype=np.int64) * 100)
+    pos, totals, slots = 0, [], []
+    for _ in range(window):
+        plan, pos = plan_step(samples, 0, 0, pos, R, "balanced", M, [1] * n, lambda B, S: S / 100, window=window)
+        totals.append(plan.pred_ms().sum(axis=1).tolist())
+        slots.append([sorted(mb.pred_ms for mb in slot) for slot in zip(*plan.ranks)])
+    assert pos == n and totals == want
+    if R == 2:
+        assert slots == [[[7.0, 8.0], [1.0, 2.0]], [[5.0, 6.0], [3.0, 4.0]]]  # each slot's pair costs alike
+
+
+@pytest.mark.parametrize("strategy", ["equal_token", "cost"])
+def test_window_is_ignored_by_the_stream_order_strategies(strategy):
+    """scheduling.window plans steps together for balanced only: the other strategies' plans with window = 3 are
+    their plans with window = 1 (stream order), and the policy says so in its notes."""
+    samples = mix_table(600)
+    for_w = lambda w: run_epoch(samples, 4, 2, SIZES, strategy=strategy, window=w, stop_after=6)[0]  # noqa: E731
+    assert for_w(3) == for_w(1)
+    tokens = {n: S for n, S, _ in DEFAULT_MIX}
+    sched = resolve_schedule(SchedulingConfig("equal_token", m_tokens=75600, window=3), tokens, WAN13)
+    assert any("window=3" in n for n in sched.notes)
+    assert not any("window" in n for n in resolve_schedule(SchedulingConfig("equal_token", m_tokens=75600),
+                                                           tokens, WAN13).notes)
+
+
+def test_flops_proxy_prices_a_micro_batch_at_100_tflops():
+    """Without a calibration the cost model is the FLOP count at 100 TFLOP/s: ms = FLOPs / 1e11."""
+    from scheduling.policy import flops_cost_fn
+
+    cost = flops_cost_fn(WAN13)
+    flops = model_flops(2, 1560, 512, WAN13.p_matmul, 30, 1536)
+    assert cost(2, 1560) == pytest.approx(flops / 1e11, rel=1e-12) and 200 < cost(2, 1560) < 400
+    assert flops_cost_fn(WAN13, proxy_tflops=400.0)(2, 1560) == pytest.approx(flops / 4e11, rel=1e-12)
 
 
 def test_deal_balanced_is_sorted_groups_then_lpt():

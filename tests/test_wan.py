@@ -272,6 +272,54 @@ def test_num_matmul_params_and_config_errors():
         model(x[..., :5], t, ctx)
 
 
+def test_lora_with_per_module_ranks_round_trips_and_a_foreign_key_is_refused(tmp_path):
+    """An adapter whose modules have different ranks (peft's rank_pattern) keeps them through save_lora's metadata
+    and load_lora, weights included; a file holding a key the adapter it describes has no place for is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from models.config import LoRAConfig
+    from models.lora import LORA_WEIGHT_NAME, apply_lora, load_lora, lora_metadata, lora_state_dict, save_lora
+
+    torch.manual_seed(0)
+    model = WanTransformer(**TINY)
+    apply_lora(model, LoRAConfig(rank=4, targets=["to_q", "to_k"]), rank_pattern={"^blocks.0.attn1.to_q$": 2})
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_" in n:
+                p.add_(torch.randn_like(p))
+    meta = lora_metadata(model)
+    assert meta["transformer.rank_pattern"] == {"^blocks.0.attn1.to_q$": 2} and meta["transformer.r"] == 4
+    path = save_lora(model, str(tmp_path / "a"))
+    back = load_lora(WanTransformer(**TINY), path)
+    sd, sd_back = lora_state_dict(model), lora_state_dict(back)
+    assert sd.keys() == sd_back.keys() and all(torch.equal(sd[k], sd_back[k]) for k in sd)
+    assert sd["transformer.blocks.0.attn1.to_q.lora_A.weight"].shape[0] == 2
+    assert sd["transformer.blocks.1.attn1.to_q.lora_A.weight"].shape[0] == 4
+
+    state = load_file(path)
+    state["transformer.blocks.1.ffn.net.2.lora_A.weight"] = torch.zeros(4, 32)  # no lora_B: nowhere to load it
+    os.makedirs(tmp_path / "b")
+    save_file(state, str(tmp_path / "b" / LORA_WEIGHT_NAME))
+    with pytest.raises(ValueError, match="does not fit"):
+        load_lora(WanTransformer(**TINY), str(tmp_path / "b"))
+
+
+def test_rope_refuses_odd_bands_and_grids_past_its_table():
+    """RoPE3D's bands must be positive and even (pairs rotate together), and every grid axis within rope_max_seq_len
+    — whichever axis it is: one long axis is enough to run past the table."""
+    from models.layers import RoPE3D
+
+    for bands in ((2, 3, 4), (0, 4, 4), (4, 4, -2)):
+        with pytest.raises(ValueError, match="positive and even"):
+            RoPE3D(bands)
+    rope = RoPE3D((4, 4, 4), max_seq_len=16)
+    cos, sin = rope(16, 2, 3, torch.device("cpu"))
+    assert cos.shape == sin.shape == (16 * 2 * 3, 6)
+    for grid in ((17, 2, 3), (2, 17, 3), (1, 1, 17)):
+        with pytest.raises(ValueError, match="rope_max_seq_len"):
+            rope(*grid, torch.device("cpu"))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_autocast_bf16_checkpointing_and_block_compile():
     cfg = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=32, in_channels=16, out_channels=16,
