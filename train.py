@@ -14,6 +14,7 @@ import signal
 import time
 
 import hydra
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -61,13 +62,17 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick) -> dict:
     model = build_parallel_model(cfg.model, ctx.rank, ctx.world_size, ctx.device, FSDPOptions(**fsdp_options_from_env()))
     inputs = functools.partial(model_inputs, cfg.model)
     shape = ModelShape.of(cfg.model, model.num_matmul_params())
-    schedule = schedule_for(cfg, {n: b.tokens for n, b in buckets.items()}, shape, ctx.world_size)
+    shares = dict(zip(corpus.bucket_names, np.bincount(corpus.table.bucket, minlength=len(corpus.bucket_names))))
+    schedule = schedule_for(cfg, {n: b.tokens for n, b in buckets.items()}, shape, ctx.world_size, shares)
+    micro_batches = schedule.micro_batches or cfg.train.micro_batches  # scheduling.tokens_per_step sets M
     batch_sizes = [schedule.batch_sizes[n] for n in corpus.bucket_names]
     policy = checkpoint_policy(cfg.model.checkpointing, schedule.recompute_blocks, cfg.model.keep_attention,
                                len(model.blocks))
     graphs = graphs_for(cfg.train.cuda_graphs, ctx.device, ctx.world_size, graph_blockers(cfg.model),
                         cfg.train.graph_max_tokens)
-    autocast = autocast_for(ctx.device, cfg.model.precision, cache=graphs is None)
+    # no weight-cast cache under CUDA graphs (captures forbid it) nor FSDP (it would hold a bf16 copy of every
+    # gathered weight until the forward ends); the numbers are the same either way
+    autocast = autocast_for(ctx.device, cfg.model.precision, cache=graphs is None and ctx.world_size == 1)
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.train.steps)
     ema = EMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
     objective = FlowMatching(cfg.objective)
@@ -119,7 +124,7 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick) -> dict:
 
     def plan_at(epoch: int, pos: int):
         return plan_step(corpus.table, cfg.train.seed, epoch, pos, ctx.world_size, schedule.strategy,
-                         cfg.train.micro_batches, batch_sizes, schedule.cost_fn, window=schedule.window)
+                         micro_batches, batch_sizes, schedule.cost_fn, window=schedule.window)
 
     own_count = getattr(model, "train_flops", None)  # the MMDiT counts its joint attention itself
     metrics = StepMetrics(ctx, shape, cfg.metrics.peak_tflops, WARMUP_STEPS,

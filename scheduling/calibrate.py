@@ -19,7 +19,10 @@ rank enters a step the others skip.
 The calibration file (JSON) holds, per checkpointing mode, the points, both cost fits with their errors, the
 chosen (auto) cost model, the memory model and the optimizer ms; plus what was measured where and how, a k-block
 extrapolation when the scan timed k of the model's blocks (cost × layers/k: per-block cost is identical), and —
-written later by scripts/simulate_cluster.py — the settings the simulator chose ("chosen").
+written later by scripts/simulate_cluster.py — the settings the simulator chose ("chosen"). A slice calibrated for
+FSDP over R ranks (scripts/calibrate.py calibrate.fsdp_ranks) holds an FSDPMemoryModel (scheduling/fsdp_memory.py)
+as its memory model, with the slice's measurements beside it ("slice_memory"); memory_model(mode, world_size) gives
+it for the run's number of ranks.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from typing import Callable, Mapping, Optional
 import numpy as np
 
 from scheduling.cost_model import CostModel, MemoryModel, best_fit, fit_both, fit_memory_model
+from scheduling.fsdp_memory import FSDPMemoryModel, memory_model_from_dict
 
 FORMAT = "adaptiveload-calibration/1"
 HBM_FRACTION = 0.9  # the memory budget when none is given: 90 % of the device's memory
@@ -136,24 +140,13 @@ def scan(step_fn: Callable[[str, int], StepResult], tokens: Mapping[str, int], *
             points.append(Point(name, S, B, False, why=why or "another rank predicts it infeasible"))
             log(f"skip {name} S={S} B={B}: {points[-1].why}")
             return None
-        try:
-            for _ in range(warmup):
-                step_fn(name, B)
-            runs = [step_fn(name, B) for _ in range(repeats)]
-            ok, err = True, ""
-        except Infeasible as e:
-            ok, runs, err = False, [], str(e)
-        if not agree(ok):
-            points.append(Point(name, S, B, False, why=f"out of memory{'' if ok else ': ' + err[:200]}"))
+        runs, err = run_point(step_fn, name, B, warmup, repeats)
+        if not agree(not err):
+            points.append(Point(name, S, B, False, why=f"out of memory{': ' + err[:200] if err else ''}"))
             log(f"infeasible {name} S={S} B={B}")
             return points[-1]
-        peaks = [r.peak_bytes for r in runs if r.peak_bytes is not None]
-        p = Point(name, S, B, True, float(np.median([r.ms for r in runs])), [float(r.ms) for r in runs],
-                  float(np.median([r.optim_ms for r in runs])), float(max(peaks)) if peaks else None)
-        points.append(p)
-        log(f"{name:<14} S={S:>6} B={B:>4}  {p.ms:9.2f} ms  optim {p.optim_ms:7.2f} ms"
-            + (f"  peak {p.peak_bytes / 2**30:6.2f} GiB" if p.peak_bytes else ""))
-        return p
+        points.append(timed_point(name, S, B, runs, log))
+        return points[-1]
 
     for name in quotas:
         S = int(tokens[name])
@@ -181,6 +174,28 @@ def scan(step_fn: Callable[[str, int], StepResult], tokens: Mapping[str, int], *
         _probe_cap(points, tokens, mem_budget_bytes, max_points, infeasible_tokens, over_budget, attempt, agree_min,
                    log)
     return points
+
+
+def run_point(step_fn: Callable[[str, int], StepResult], name: str, B: int, warmup: int,
+              repeats: int) -> tuple[list[StepResult], str]:
+    """warmup + repeats steps of (name, B): (the timed repeats, ""), or ([], why) where one ran out of memory."""
+    try:
+        for _ in range(warmup):
+            step_fn(name, B)
+        return [step_fn(name, B) for _ in range(repeats)], ""
+    except Infeasible as e:
+        return [], str(e) or "out of memory"
+
+
+def timed_point(name: str, S: int, B: int, runs: list[StepResult], log: Callable[[str], None] = lambda s: None
+                ) -> Point:
+    """The Point of a feasible (name, B) from its timed repeats: median ms and optim_ms, the largest peak."""
+    peaks = [r.peak_bytes for r in runs if r.peak_bytes is not None]
+    p = Point(name, S, B, True, float(np.median([r.ms for r in runs])), [float(r.ms) for r in runs],
+              float(np.median([r.optim_ms for r in runs])), float(max(peaks)) if peaks else None)
+    log(f"{name:<14} S={S:>6} B={B:>4}  {p.ms:9.2f} ms  optim {p.optim_ms:7.2f} ms"
+        + (f"  peak {p.peak_bytes / 2**30:6.2f} GiB" if p.peak_bytes else ""))
+    return p
 
 
 PROBE_SHRINK = 0.85  # the cap probe's next B after an out-of-memory
@@ -269,7 +284,8 @@ class Calibration:
     @classmethod
     def load(cls, path: str) -> "Calibration":
         if not os.path.exists(path):
-            raise ValueError(f"scheduling.calibration={path}: no such file (scripts/calibrate.py writes one)")
+            raise ValueError(f"scheduling.calibration={path}: no such file (scripts/calibrate.py writes one; or set "
+                             "scheduling.calibration=null)")
         with open(path) as f:
             data = json.load(f)
         if data.get("format") != FORMAT:
@@ -306,9 +322,15 @@ class Calibration:
         rec = self.data["modes"][mode]
         return CostModel.from_dict(rec["fits"][form] if form else rec["cost_model"])
 
-    def memory_model(self, mode: str) -> Optional[MemoryModel]:
+    def memory_model(self, mode: str, world_size: Optional[int] = None
+                     ) -> Optional[MemoryModel | FSDPMemoryModel]:
+        """The record's MemoryModel, or its FSDPMemoryModel — over world_size ranks when given (the states rescale
+        as 1/R; the file's own R otherwise); None where the file has none."""
         d = self.data["modes"][mode].get("memory_model")
-        return MemoryModel.from_dict(d) if d else None
+        mem = memory_model_from_dict(d) if d else None
+        if isinstance(mem, FSDPMemoryModel) and world_size:
+            mem = mem.for_ranks(world_size)
+        return mem
 
     def optim_ms(self, mode: str) -> float:
         return float(self.data["modes"][mode].get("optim_ms") or 0.0)
@@ -317,13 +339,24 @@ class Calibration:
     def hbm_bytes(self) -> Optional[float]:
         return self.data.get("hbm_bytes")
 
-    def default_m_mem(self, mode: str, S_min: float) -> Optional[int]:
+    def default_m_mem(self, mode: str, S_min: float, world_size: Optional[int] = None) -> Optional[int]:
         """m_mem from the memory model at 90 % of the device's memory, when both are known (S_min: the shortest
-        bucket's S, where the model's per-sample term weighs most)."""
-        mem = self.memory_model(mode)
+        bucket's S, where the model's per-sample term weighs most; world_size: an FSDP model's ranks)."""
+        mem = self.memory_model(mode, world_size)
         if mem is None or not self.hbm_bytes:
             return None
         return mem.m_mem(HBM_FRACTION * self.hbm_bytes, S_min)
+
+    def chosen_at_tokens(self, strategy: str, world_size: Optional[int], tokens_per_step: float) -> dict:
+        """The fixed-batch protocol's best setting for `strategy` (knob, micro_batches, window, tokens_per_step) at
+        the nearest simulated world size and the nearest simulated g ({} if none)."""
+        by_r = (self.data.get("chosen") or {}).get("by_tokens_per_step") or {}
+        if not by_r:
+            return {}
+        ref = world_size or 8
+        R = min(by_r, key=lambda r: (abs(math.log(int(r) / ref)), int(r)))
+        g = min(by_r[R], key=lambda v: (abs(math.log(float(v) / tokens_per_step)), float(v)))
+        return dict(by_r[R][g].get(strategy, {}), simulated_world_size=int(R), simulated_g=float(g))
 
     def chosen(self, strategy: str, world_size: Optional[int] = None) -> dict:
         """The simulator's best settings for `strategy` at the nearest simulated world size ({} if none)."""
@@ -340,6 +373,9 @@ class Calibration:
         return out
 
 
+SLICE_KEYS = ("slice_memory", "depth_check")  # an FSDP slice's measurements beyond its points, kept on refit
+
+
 def refit(cal: Calibration, min_tokens: Optional[float]) -> Calibration:
     """The same measured points fitted again (e.g. with another min_tokens, or a newer form of the cost or memory
     model); no device needed. The simulator's "chosen" settings are dropped: they were chosen on the old fits."""
@@ -348,13 +384,15 @@ def refit(cal: Calibration, min_tokens: Optional[float]) -> Calibration:
     for mode, rec in list(cal.data["modes"].items()):
         points = [Point(**p) for p in rec["points"]]
         cost = rec.get("cost_model") or {}  # an MMDiT scan fitted joint attention over S + L: so does the refit
-        new = fit_mode(points, scale=scale, L=cost.get("L"), joint=bool(cost.get("joint")),
-                       memory_valid=rec.get("memory_model") is not None, min_tokens=min_tokens)
         old_mem = rec.get("memory_model")
-        if old_mem is not None and (new.get("memory_model") is None or not old_mem.get("measured", True)):
-            new["memory_model"] = old_mem  # an estimate (no peaks among the points) stays as it was written
-        if rec.get("optim_ms") is None:
-            new["optim_ms"] = None
+        sliced = "slice_memory" in rec  # an FSDP slice: its memory model and optim_ms come from beyond the points
+        new = fit_mode(points, scale=scale, L=cost.get("L"), joint=bool(cost.get("joint")),
+                       memory_valid=old_mem is not None and not sliced, min_tokens=min_tokens)
+        if old_mem is not None and (sliced or new.get("memory_model") is None or not old_mem.get("measured", True)):
+            new["memory_model"] = old_mem  # an estimate (no peaks among the points) or a slice's FSDP model stays
+        if rec.get("optim_ms") is None or sliced:
+            new["optim_ms"] = rec.get("optim_ms")
+        new.update({k: rec[k] for k in SLICE_KEYS if k in rec})
         cal.data["modes"][mode] = new
     if "by_world_size" in (cal.data.get("chosen") or {}):  # the simulator chose them on the old fits, m_mem too
         del cal.data["chosen"]

@@ -18,11 +18,13 @@ class SchedulingConfig:
     target_microbatch_ms: Optional[float] = None  # cost / balanced: predicted fwd+bwd ms per micro-batch
     window: int = 1                             # steps planned together (balanced)
     calibration: Optional[str] = None           # JSON written by scripts/calibrate.py
+    tokens_per_step: Optional[float] = None     # a fixed global batch: expected real tokens per GPU per optimizer
+                                                # step; the strategy's knob and train.micro_batches are chosen for it
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise ValueError(f"scheduling.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        for name in ("m_tokens", "m_mem", "mem_budget_gib", "m_comp", "p", "target_microbatch_ms"):
+        for name in ("m_tokens", "m_mem", "mem_budget_gib", "m_comp", "p", "target_microbatch_ms", "tokens_per_step"):
             v = getattr(self, name)
             if v is not None and not v > 0:  # NaN fails here too; training/config.py refuses ±Inf first
                 raise ValueError(f"scheduling.{name} must be > 0 (or null), got {v}")

@@ -230,8 +230,9 @@ def _rel_rmse(model: CostModel, B, S, t, L) -> float:
     return float(np.sqrt(np.mean(((_predict_with(model, B, S, L) - t) / t) ** 2)))
 
 
-def _fit(form, B, S, t, L, joint, per_sample=False, floor=False) -> CostModel:
-    """The form fitted to every point; with `floor`, max(floor, form) where a floor halves the error."""
+def _fit(form, B, S, t, L, joint, per_sample=False, floor=False, floor_points=FLOOR_MIN_POINTS) -> CostModel:
+    """The form fitted to every point; with `floor`, max(floor, form) where a floor explaining `floor_points` or
+    more points halves the error."""
     best = _fit_plain(form, B, S, t, L, joint, per_sample)
     if not floor:
         return best
@@ -244,7 +245,7 @@ def _fit(form, B, S, t, L, joint, per_sample=False, floor=False) -> CostModel:
         cand = _fit_plain(form, B[line], S[line], t[line], Ll, joint,
                           per_sample and _full_rank(_quadratic_features(B[line], S[line], Ll, joint, True)[0]))
         under = ~line | (_predict_with(cand, B, S, L) < F)  # the points the floor explains
-        if under.sum() < FLOOR_MIN_POINTS:  # one slow point is noise, not a floor
+        if under.sum() < floor_points:  # one slow point is noise, not a floor
             continue
         cand.params["floor"] = float(np.exp(np.mean(np.log(t[under]))))
         err = _rel_rmse(cand, B, S, t, L)
@@ -291,7 +292,8 @@ def fit_cost_model(B: Sequence[float], S: Sequence[float], t: Sequence[float], f
         model.max_rel_err = float(np.max(np.abs(rel)))
         model.n_points = len(t)
         k = n_params[f] + ("floor" in model.params)
-        model.loo_rel_rmse = _loo(f, B, S, t, Lv, joint, per_sample, floor) if len(t) > k else float("nan")
+        model.loo_rel_rmse = (_loo(f, B, S, t, Lv, joint, per_sample, "floor" in model.params) if len(t) > k
+                              else float("nan"))
         model.L = None if Lv is None else float(np.mean(Lv))
         fits[f] = model
     return fits[form] if form != "auto" else best_fit(fits)
@@ -309,10 +311,13 @@ def fit_both(B, S, t, L=None, joint=False, floor=False) -> dict[str, CostModel]:
 
 
 def _loo(form, B, S, t, L, joint, per_sample, floor=False) -> float:
+    """Leave-one-out relative RMS error. The refits keep the full fit's terms: a floor the full fit found is
+    refitted from the points left (one is enough: the full fit already showed there is a floor)."""
     errs = []
     for i in range(len(t)):
         keep = np.arange(len(t)) != i
-        m = _fit(form, B[keep], S[keep], t[keep], None if L is None else L[keep], joint, per_sample, floor)
+        m = _fit(form, B[keep], S[keep], t[keep], None if L is None else L[keep], joint, per_sample, floor,
+                 floor_points=1)
         pred = _predict_with(m, B[i:i + 1], S[i:i + 1], None if L is None else L[i:i + 1])
         errs.append(float((pred[0] - t[i]) / t[i]))
     return float(np.sqrt(np.mean(np.square(errs))))

@@ -2,7 +2,8 @@
 
 Every knob is resolved in this order, and `Schedule.sources` records which source won it (the run logs it):
     1. the config (an explicit value: command line, preset or group file)
-    2. the calibration file (scheduling.calibration): its memory model at scheduling.mem_budget_gib gives m_mem;
+    2. the calibration file (scheduling.calibration): its memory model at scheduling.mem_budget_gib gives m_mem
+       (an FSDP memory model over the run's world size: scheduling/fsdp_memory.py, its states rescaled as 1/R);
        the settings the cluster simulator chose ("chosen", at the nearest simulated world size); the power fit's p
     3. a default that always works: m_mem from the memory model at 90 % of the device's memory; m_tokens = the
        longest bucket's S, m_comp = S_max^p, target_microbatch_ms = the predicted ms of the longest bucket at B = 1
@@ -11,18 +12,25 @@ The cost function is the calibration's cost model for model.checkpointing (for `
 measured: each micro-batch recomputes the fewest blocks that fit the budget, and its cost lies between the two
 modes' in proportion: PartialRecompute). Without a calibration it is
 the model's FLOPs (scheduling/metrics.py) at `proxy_tflops`: enough for relative balance metrics, not for absolute
-times. Settings that cannot work are refused with a ValueError naming the field.
+times. Settings that cannot work are refused with a ValueError naming the field. A calibration file that does not
+exist is refused too, unless the strategy's knobs are all set in the config (equal_token's m_tokens; dual_constraint's
+m_mem, m_comp and p): the run then goes on without it and says so in its notes.
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
 from scheduling.batching import _check_fits, batch_sizes
 from scheduling.calibrate import HBM_FRACTION, Calibration
 from scheduling.config import SchedulingConfig
+from scheduling.fsdp_memory import FSDPMemoryModel
 from scheduling.metrics import model_flops
+
+# the knobs that, all set in the config, let a strategy run without its calibration file
+SELF_SUFFICIENT = {"equal_token": ("m_tokens",), "dual_constraint": ("m_mem", "m_comp", "p")}
 
 
 @dataclass
@@ -47,6 +55,7 @@ class Schedule:
     sources: dict = field(default_factory=dict)  # knob → where its value came from
     values: dict = field(default_factory=dict)   # knob → the value used (m_mem, m_tokens, m_comp, p, target ms)
     window: int = 1
+    micro_batches: Optional[int] = None  # M chosen for scheduling.tokens_per_step (None: train.micro_batches)
     # model.checkpointing=auto: (B, S) → blocks to recompute, or (blocks, of them keeping attention) with
     # model.keep_attention
     recompute_blocks: Optional[Callable[[int, int], object]] = None
@@ -115,13 +124,15 @@ class PartialRecompute:
         return float((1 - f) * self.none_cost.predict(B, S) + f * self.full_cost.predict(B, S))
 
 
-def schedule_for(cfg, tokens: Mapping[str, int], shape: ModelShape, world_size: int) -> Schedule:
+def schedule_for(cfg, tokens: Mapping[str, int], shape: ModelShape, world_size: int,
+                 shares: Optional[Mapping[str, float]] = None) -> Schedule:
     """The run's schedule from a training config, as train.py and scripts/show_buckets.py both need it: tokens
-    (bucket → S), the model's shape and checkpointing knobs, the scheduling group."""
+    (bucket → S), the model's shape and checkpointing knobs, the scheduling group; shares (bucket → share of the
+    corpus' samples) for scheduling.tokens_per_step."""
     m = cfg.model
     return resolve_schedule(cfg.scheduling, tokens, shape,
                             proxy_tflops=cfg.metrics.peak_tflops or 100.0, checkpointing=m.checkpointing,
-                            world_size=world_size, keep_attention=m.keep_attention)
+                            world_size=world_size, keep_attention=m.keep_attention, shares=shares)
 
 
 def kept_bytes_per_token(dim: int) -> float:
@@ -146,18 +157,41 @@ def _check_model(cal: Calibration, shape: ModelShape) -> None:
                          + "): run scripts/calibrate.py with this model's config")
 
 
+def _load_calibration(cfg: SchedulingConfig, notes: list) -> Optional[Calibration]:
+    """scheduling.calibration, loaded; None when unset, or when the file does not exist and the strategy's knobs
+    are all set in the config (SELF_SUFFICIENT). Otherwise a missing file is refused (Calibration.load)."""
+    if not cfg.calibration:
+        return None
+    knobs = SELF_SUFFICIENT.get(cfg.strategy)
+    if not os.path.exists(cfg.calibration) and knobs and all(getattr(cfg, k) is not None for k in knobs):
+        notes.append(f"scheduling.calibration={cfg.calibration} does not exist yet: {cfg.strategy} runs on the "
+                     f"configured {', '.join(knobs)} alone, without the calibration's memory bound")
+        return None
+    return Calibration.load(cfg.calibration)
+
+
+def _fsdp_source(memory, cal: Calibration, mode: str) -> str:
+    """For the run's log: an FSDP memory model's ranks, and the file's where they differ ("" for another model)."""
+    if not isinstance(memory, FSDPMemoryModel):
+        return ""
+    R0 = cal.memory_model(mode).ranks
+    return f" (FSDP over {memory.ranks} ranks" + (f", rescaled from {R0})" if memory.ranks != R0 else ")")
+
+
 def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: ModelShape,
                      proxy_tflops: float = 100.0, checkpointing: Optional[str] = None,
-                     world_size: Optional[int] = None, keep_attention: bool = False) -> Schedule:
+                     world_size: Optional[int] = None, keep_attention: bool = False,
+                     shares: Optional[Mapping[str, float]] = None) -> Schedule:
     """tokens: bucket name → S, in bucket order; checkpointing: model.checkpointing (picks the calibration's
     record); world_size: picks the simulator's choice made for the nearest cluster size; keep_attention: the
-    model's knob of that name (checkpointing=auto then spends memory on kept self-attention outputs first)."""
+    model's knob of that name (checkpointing=auto then spends memory on kept self-attention outputs first);
+    shares: bucket → share of the corpus' samples (scheduling.tokens_per_step needs them: fixed_batch)."""
     S_max, S_min = max(tokens.values()), min(tokens.values())
     src: dict = {}
     val: dict = {}
     notes: list = []
     recompute = None
-    cal = Calibration.load(cfg.calibration) if cfg.calibration else None
+    cal = _load_calibration(cfg, notes)
     chosen: dict = {}
     if cal is None:
         cost_fn = flops_cost_fn(shape, proxy_tflops)
@@ -166,16 +200,17 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
     else:
         _check_model(cal, shape)
         mode = cal.mode_name(checkpointing)
-        cost_model, memory = cal.cost_model(mode), cal.memory_model(mode)
+        cost_model, memory = cal.cost_model(mode), cal.memory_model(mode, world_size)
         power = cal.cost_model(mode, "power")
         cost_fn = cost_model.predict
         src["cost"] = f"calibration:{mode}:{cost_model.form}"
         chosen = cal.chosen(cfg.strategy, world_size)
         if checkpointing == "auto" and {"none", "full"} <= set(cal.modes) and cal.memory_model("none") and memory:
+            none_mem = cal.memory_model("none", world_size)
             budget = (cfg.mem_budget_gib * 2**30 if cfg.mem_budget_gib
                       else HBM_FRACTION * cal.hbm_bytes if cal.hbm_bytes else None)
             if budget is not None:
-                partial = PartialRecompute(shape.layers, budget, cal.memory_model("none"), memory,
+                partial = PartialRecompute(shape.layers, budget, none_mem, memory,
                                            cal.cost_model("none"), cost_model, S_min=S_min,
                                            attention_bytes=kept_bytes_per_token(shape.dim)
                                            if keep_attention else 0.0)
@@ -191,7 +226,8 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
             raise ValueError("scheduling.mem_budget_gib needs a measured memory model: set scheduling.calibration "
                              "to a file with one (scripts/calibrate.py on the GPU) or set scheduling.m_mem")
         val["m_mem"] = memory.m_mem(cfg.mem_budget_gib * 2**30, S_min)
-        src["m_mem"] = f"mem_budget_gib={cfg.mem_budget_gib:g}(config) × memory model(calibration)"
+        src["m_mem"] = (f"mem_budget_gib={cfg.mem_budget_gib:g}(config) × memory model(calibration)"
+                        + _fsdp_source(memory, cal, mode))
         if val["m_mem"] < S_max:
             raise ValueError(f"scheduling.mem_budget_gib={cfg.mem_budget_gib:g} leaves room for "
                              f"{val['m_mem']} tokens (the memory model: {memory.describe()}), below the "
@@ -199,14 +235,17 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
                              "raise the budget, turn on model.checkpointing, or drop the bucket")
     elif chosen.get("m_mem") is not None and S_min >= chosen.get("m_mem_S_min", 0):
         val["m_mem"], src["m_mem"] = chosen["m_mem"], "calibration:chosen"
-    elif cal is not None and (default := cal.default_m_mem(mode, S_min)) is not None:
-        val["m_mem"], src["m_mem"] = default, f"calibration:memory model at {HBM_FRACTION:.0%} of HBM"
+    elif cal is not None and (default := cal.default_m_mem(mode, S_min, world_size)) is not None:
+        val["m_mem"] = default
+        src["m_mem"] = f"calibration:memory model at {HBM_FRACTION:.0%} of HBM" + _fsdp_source(memory, cal, mode)
     m_mem = val.get("m_mem")
 
     def pick(name: str, default, default_why: str):
         v = getattr(cfg, name)
         if v is not None:
             val[name], src[name] = v, "config"
+        elif name in held:
+            val[name], src[name] = held[name]
         elif chosen.get(name) is not None:
             val[name], src[name] = chosen[name], "calibration:chosen"
         elif default is not None:
@@ -214,6 +253,16 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
         return val.get(name)
 
     s = cfg.strategy
+    micro_batches, window = None, cfg.window
+    held: dict = {}  # the knob scheduling.tokens_per_step chose: {name: (value, source)}
+    if cfg.tokens_per_step is not None:
+        if not shares:
+            raise ValueError("scheduling.tokens_per_step needs the corpus' bucket shares (the trainer passes them)")
+        p_fit = cfg.p or (power.params["p"] if power is not None else None)
+        fixed = fixed_batch(cfg, tokens, shares, cost_fn if cal is not None else None, m_mem, p_fit, world_size or 1,
+                            cal, src, val, notes)
+        micro_batches, window = fixed["micro_batches"], fixed.get("window", cfg.window)
+        held.update({k: (v, src[k]) for k, v in fixed.items() if k in ("m_tokens", "m_comp", "target_microbatch_ms")})
     if s == "equal_token":
         m_tokens = pick("m_tokens", S_max if cal is not None else None, "default: longest bucket's S")
         if m_mem is not None and m_tokens is not None and m_tokens > m_mem:
@@ -237,8 +286,76 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
         if over:
             notes.append(f"scheduling.target_microbatch_ms={target:g}: buckets {over} exceed it at B=1 and run "
                          "one sample per micro-batch")
-    if cfg.window > 1:
-        src["window"] = "config"
+    if window > 1:
+        src.setdefault("window", "config")
         if s != "balanced":
-            notes.append(f"scheduling.window={cfg.window} only affects the balanced strategy")
-    return Schedule(s, dict(zip(tokens, sizes)), cost_fn, src, val, cfg.window, recompute, notes)
+            notes.append(f"scheduling.window={window} only affects the balanced strategy")
+    return Schedule(s, dict(zip(tokens, sizes)), cost_fn, src, val, window, micro_batches, recompute, notes)
+
+
+def fixed_batch(cfg: SchedulingConfig, tokens: Mapping[str, int], shares: Mapping[str, float], cost_fn,
+                m_mem: Optional[float], p: Optional[float], world_size: int, cal: Optional[Calibration], src: dict,
+                val: dict, notes: list) -> dict:
+    """The knob, M (and window) that hold scheduling.tokens_per_step = g: the simulator's choice for the nearest
+    world size and g where the calibration holds one whose expected tokens here are within ±10 % of g; else,
+    among every setting that holds g (scheduling.simulate.settings_at_tokens), the one with the most predicted
+    tokens/s in stream order (analytic_idle: a lower bound for balanced). A knob set in the config is kept, and M
+    chosen for it. Fills val/src with tokens_per_step, micro_batches and the knob."""
+    from scheduling.simulate import TOKENS_TOL, Mix, analytic_idle, settings_at_tokens, sizes_for, tokens_per_step
+
+    g, s = float(cfg.tokens_per_step), cfg.strategy
+    mix = Mix.of([(n, S, float(shares.get(n, 0.0))) for n, S in tokens.items()])
+    knob = {"equal_token": "m_tokens", "dual_constraint": "m_comp"}.get(s, "target_microbatch_ms")
+    if s != "equal_token" and (cost_fn is None or m_mem is None):
+        raise ValueError(f"scheduling.tokens_per_step with {s} needs scheduling.calibration (its cost and memory "
+                         "models)")
+    fixed_knob = getattr(cfg, knob)
+    base = {"m_mem": m_mem, "p": p}
+
+    def expected(setting: dict, M: int) -> float:
+        sizes = sizes_for(s, mix, {**base, **setting}, cost_fn)
+        return tokens_per_step(mix, sizes, M)
+
+    out = None
+    chosen = cal.chosen_at_tokens(s, world_size, g) if cal is not None and fixed_knob is None else {}
+    if chosen.get(knob) is not None and chosen.get("micro_batches"):
+        got = expected({knob: chosen[knob]}, int(chosen["micro_batches"]))
+        if abs(got - g) <= TOKENS_TOL * g:
+            out = {knob: chosen[knob], "micro_batches": int(chosen["micro_batches"]),
+                   "window": int(chosen.get("window") or cfg.window)}
+            why = (f"calibration:chosen (simulated at R={chosen['simulated_world_size']}, "
+                   f"g={chosen['simulated_g']:,.0f})")
+        else:
+            notes.append(f"the calibration's choice for g={chosen['simulated_g']:,.0f} gives {got:,.0f} tokens a step "
+                         f"with this corpus' mix: chosen again here")
+    if out is None:
+        if fixed_knob is not None:
+            M = max(1, round(g / expected({knob: fixed_knob}, 1)))
+            out, why = {knob: fixed_knob, "micro_batches": M}, f"M for the configured {knob}"
+        else:
+            cands = settings_at_tokens(s, mix, cost_fn or (lambda B, S: float(B * S)), p, m_mem or math.inf, g)
+            if not cands:
+                raise ValueError(f"no {s} setting holds scheduling.tokens_per_step={g:,.0f} (±10 %) with up to 16 "
+                                 "micro-batches: raise or lower it")
+            predict = cost_fn or (lambda B, S: float(B * S))
+
+            def rate(c) -> float:  # predicted tokens/s: a slot lasts E[cost] / (1 − idle) in stream order
+                setting, sizes, M = c
+                q = [sh / B for sh, B in zip(mix.share, sizes)]
+                e_cost = sum(qi * predict(B, S) for qi, B, S in zip(q, sizes, mix.S)) / sum(q)
+                return tokens_per_step(mix, sizes, 1) * (1 - analytic_idle(predict, mix, sizes, world_size)) / e_cost
+
+            setting, sizes, M = max(cands, key=rate)
+            out, why = {knob: setting[knob], "micro_batches": M}, "chosen for tokens_per_step (predicted tokens/s)"
+    if s == "dual_constraint" and p is not None:
+        out["p"] = p
+    M = out["micro_batches"]
+    val["tokens_per_step"], src["tokens_per_step"] = round(expected({knob: out[knob]}, M), 1), f"expected for g={g:g}"
+    val["micro_batches"], src["micro_batches"] = M, why
+    src[knob] = why if fixed_knob is None else "config"
+    if out.get("window", cfg.window) != cfg.window:
+        src["window"] = why
+    if abs(val["tokens_per_step"] - g) > TOKENS_TOL * g:
+        notes.append(f"scheduling.tokens_per_step={g:g}: the configured {knob} holds {val['tokens_per_step']:,.0f} "
+                     f"tokens a step with M={M}, outside ±10 %")
+    return out

@@ -27,7 +27,8 @@ import numpy as np
 
 from scheduling.balance import SampleTable, plan_step
 from scheduling.batching import batch_sizes as rule_batch_sizes
-from scheduling.metrics import compute_cv, step_time
+from scheduling.replay import RunSummary, StepTimes, summarize
+from scheduling.truth import Cluster, ModelTruth
 
 # Issue 4's default mix: (name, S for Wan's VAE and 1×2×2 patches, share of samples)
 DEFAULT_MIX = (("i480", 1560, 0.25), ("i720", 3600, 0.10), ("v480_17f", 7800, 0.15), ("v480_33f", 14040, 0.15),
@@ -73,26 +74,13 @@ class Mix:
 
 
 @dataclass
-class SimResult:
-    strategy: str
-    setting: dict
-    R: int
-    M: int
-    window: int
-    steps: int
-    samples: int
-    tokens: int
-    time_s: float
-    tokens_per_s: float
-    samples_per_s: float
-    compute_cv: float
-    idle_fraction: float
-    compute_cv_pred: float
-    step_time_cv: float
+class SimResult(RunSummary):
+    """A simulated run (scheduling/replay.py's numbers) with what produced it."""
+    strategy: str = ""
+    setting: dict = field(default_factory=dict)
+    window: int = 1
     batch_sizes: list = field(default_factory=list)
-
-    def row(self) -> dict:
-        return asdict(self)
+    tokens_step_cv: float = 0.0  # CV over steps of the real tokens a step trains on (the global batch's spread)
 
 
 def analytic_idle(cost_fn: Callable[[int, int], float], mix: Mix, sizes: Sequence[int],
@@ -123,37 +111,33 @@ def samples_per_step(mix: Mix, sizes: Sequence[int], R: int, M: int) -> float:
     return R * M / mbs_per_sample
 
 
+def tokens_per_step(mix: Mix, sizes: Sequence[int], M: int) -> float:
+    """Expected real latent tokens a rank trains on per optimizer step: M micro-batches, a bucket's share of
+    micro-batches ∝ share / B, so M · (mean tokens a sample) / (micro-batches a sample)."""
+    return M * mix.mean_tokens / float(sum(s / B for s, B in zip(mix.share, sizes)))
+
+
 def simulate(cost_fn: Callable[[int, int], float], mix: Mix, strategy: str, sizes: Sequence[int], R: int,
              M: int = 4, steps: int = 50, seed: int = 0, residuals: Optional[Sequence[float]] = None,
-             optim_ms: float = 0.0, window: int = 1, setting: Optional[dict] = None) -> SimResult:
-    """K = `steps` steps of the planner on the mix; per-micro-batch noise bootstrapped from `residuals`."""
+             optim_ms: float = 0.0, window: int = 1, setting: Optional[dict] = None,
+             cluster: Optional[Cluster] = None) -> SimResult:
+    """K = `steps` steps of the planner (which predicts with cost_fn) on the mix. Each micro-batch takes what
+    `cluster` says (scheduling/truth.py: measured times, FSDP's collectives, slow ranks); without one, the old
+    mode: cost_fn's prediction × (1 + ε), ε bootstrapped from `residuals`."""
+    cluster = cluster or Cluster(ModelTruth(cost_fn, residuals))
     n = int(math.ceil(samples_per_step(mix, sizes, R, M) * steps * 1.1)) + R * M * max(sizes)
     table = mix.table(n, seed)
     rng = np.random.default_rng([seed, 17])
-    res = np.asarray(residuals if residuals is not None and len(residuals) else [0.0], dtype=np.float64)
-    res = res - res.mean()  # model error, not bias: the fit's mean residual is not a slowdown
-    pos, total_t, busy, sync, tokens, samples, cvs, cvs_pred, step_ts = 0, 0.0, 0.0, 0.0, 0, 0, [], [], []
+    plans, pos = [], 0
     for _ in range(steps):
         plan, pos = plan_step(table, seed, 0, pos, R, strategy, M, sizes, cost_fn, window=window)
-        pred = plan.pred_ms()
-        t = pred * (1.0 + rng.choice(res, size=pred.shape))
-        slot_max = step_time(t)
-        step_t = slot_max + optim_ms / R
-        total_t += step_t
-        busy += t[plan.real()].sum()
-        sync += R * slot_max
-        tokens += plan.tokens
-        samples += plan.num_samples
-        cvs.append(compute_cv(t))
-        cvs_pred.append(compute_cv(pred))
-        step_ts.append(step_t)
+        plans.append(plan)
         if pos >= len(table):
             raise AssertionError("the simulated epoch ran out: samples_per_step underestimates")
-    secs = total_t / 1e3
-    step_ts = np.asarray(step_ts)
-    return SimResult(strategy, dict(setting or {}), R, M, window, steps, samples, tokens, secs, tokens / secs,
-                     samples / secs, float(np.mean(cvs)), float(1 - busy / sync), float(np.mean(cvs_pred)),
-                     float(step_ts.std() / step_ts.mean()), [int(b) for b in sizes])
+    run = summarize([StepTimes.of(plan, cluster.times(plan, rng), optim_ms) for plan in plans])
+    tokens = np.array([plan.tokens for plan in plans], dtype=np.float64)
+    return SimResult(**{**asdict(run), "M": M}, strategy=strategy, setting=dict(setting or {}), window=window,
+                     batch_sizes=[int(b) for b in sizes], tokens_step_cv=float(tokens.std() / tokens.mean()))
 
 
 def _knob_base(strategy: str, mix: Mix, cost_fn, p: Optional[float]) -> float:
@@ -252,6 +236,64 @@ def sweep(cost_fn, mix: Mix, strategy: str, R: int, *, p: Optional[float], m_mem
             setting = mid
     return simulate(cost_fn, mix, strategy, best.batch_sizes, R, M, steps, seed + 1, residuals, optim_ms, window,
                     setting), runs
+
+
+# ------------------------------------------------------------------------------------ a fixed global batch
+G_FACTORS = (1.0, 2.0, 3.66, 8.0)  # g ÷ S_max: 3.66 is what equal_token runs at m_tokens = S_max with M = 4
+TOKENS_TOL = 0.10                  # a setting holds g when its expected tokens per step are within ±10 %
+TOKENS_CV = 0.10                   # ... and the tokens of its steps vary by at most this CV (a batch, not a mean)
+GRID_RATIO = 1.02                  # the knob's grid: geometric, 2 % apart, before de-duplicating batch tables
+GRID_SPAN = (0.02, 50.0)           # ... from 1/50 to 50 × the knob's S_max value (_knob_base)
+
+
+def settings_at_tokens(strategy: str, mix: Mix, cost_fn, p: Optional[float], m_mem: float, g: float,
+                       M_max: int = 16, per_M: int = 6, tol: float = TOKENS_TOL) -> list[tuple[dict, list, int]]:
+    """(setting, batch sizes, M) of the strategy whose expected tokens per rank per step lie within ±tol of g: the
+    knob on a fine geometric grid, each distinct batch table with every M ≤ M_max that holds g; per M at most
+    `per_M` tables, spread evenly over the admissible ones (sorted by tokens a micro-batch)."""
+    base = _knob_base(strategy, mix, cost_fn, p)
+    n = int(math.log(GRID_SPAN[1] / GRID_SPAN[0]) / math.log(GRID_RATIO)) + 1
+    seen, tables = set(), []
+    for f in GRID_SPAN[0] * GRID_RATIO ** np.arange(n):
+        if strategy == "equal_token" and f * base > m_mem:
+            break
+        setting = _setting(strategy, f * base, base, p, m_mem)
+        sizes = tuple(sizes_for(strategy, mix, setting, cost_fn))
+        if sizes not in seen:
+            seen.add(sizes)
+            tables.append((setting, list(sizes), tokens_per_step(mix, sizes, 1)))
+    out = []
+    for M in range(1, M_max + 1):
+        ok = sorted((t for t in tables if abs(M * t[2] - g) <= tol * g), key=lambda t: t[2])
+        if len(ok) > per_M:
+            ok = [ok[round(i * (len(ok) - 1) / (per_M - 1))] for i in range(per_M)]
+        out += [(dict(setting, M=M, tokens_per_step=round(M * tok, 1)), sizes, M) for setting, sizes, tok in ok]
+    return out
+
+
+def sweep_at_tokens(cost_fn, mix: Mix, strategy: str, R: int, g: float, *, p: Optional[float], m_mem: float,
+                    cluster: Optional[Cluster] = None, optim_ms: float = 0.0, seed: int = 0, mbs: int = 4096,
+                    mbs_final: int = 16384, M_max: int = 16, per_M: int = 6, residuals=None,
+                    window: int = 1, tokens_cv: Optional[float] = TOKENS_CV) -> tuple[SimResult, list[SimResult]]:
+    """The strategy best-tuned, over its knob and M, inside a fixed global batch: g tokens per rank per step (±10 %
+    expected, and a CV of the steps' tokens within tokens_cv: each step a batch of about g, not only on average;
+    None: the expectation alone).
+
+    Every candidate of settings_at_tokens is simulated on one draw (`mbs` micro-batches, seed) under `cluster`;
+    the best by tokens/s among those whose steps' tokens vary within tokens_cv (where none do, the steadiest) is
+    simulated again on a fresh draw (seed + 1, mbs_final micro-batches): that is the row to compare. Returns
+    (best, every candidate's run)."""
+    cands = settings_at_tokens(strategy, mix, cost_fn, p, m_mem, g, M_max, per_M)
+    if not cands:
+        raise ValueError(f"no {strategy} setting holds {g:,.0f} tokens per rank per step within ±10 % (M ≤ {M_max})")
+    kw = dict(residuals=residuals, optim_ms=optim_ms, window=window, cluster=cluster)
+    runs = [simulate(cost_fn, mix, strategy, sizes, R, M, max(8, math.ceil(mbs / (R * M))), seed, setting=st, **kw)
+            for st, sizes, M in cands]
+    steady = [r for r in runs if tokens_cv is None or r.tokens_step_cv <= tokens_cv]
+    best = max(steady, key=lambda r: r.tokens_per_s) if steady else min(runs, key=lambda r: r.tokens_step_cv)
+    final = simulate(cost_fn, mix, strategy, best.batch_sizes, R, best.M, max(8, math.ceil(mbs_final / (R * best.M))),
+                     seed + 1, setting=best.setting, **kw)
+    return final, runs
 
 
 # ------------------------------------------------------------------------------ the default input, until measured

@@ -3,6 +3,9 @@
     python scripts/calibrate.py conf=wan21_1p3b                      writes scheduling.calibration (or
                                                                      results/calibration_<name>.json)
     python scripts/calibrate.py conf=wan21_1p3b +calibrate.blocks=4 +calibrate.max_points=12 +calibrate.time_budget_s=420
+    python scripts/calibrate.py conf=wan21_8gpu launch.num_processes=1 +calibrate.blocks=18 +calibrate.fsdp_ranks=8
+                                                                     a one-GPU slice of the 14B for FSDP over 8 ranks
+                                                                     (scripts/h200_14b.sh)
     torchrun --nproc_per_node 8 scripts/calibrate.py conf=wan21_8gpu  the live FSDP set-up; feasibility agreed by
                                                                      all-reduce, rank 0 writes the file
 
@@ -15,7 +18,18 @@ refit (a calibration file: fit its measured points again with fit_min_tokens, no
 probe_cap (true: the last point is the shortest bucket at the memory model's largest B; scheduling/calibrate.py),
 check (a list of bucket:B, e.g. [i480:461,i480:328]: no scan; warmup + repeats steps each, after one step that
 creates the optimizer's state; peak and ms against scheduling.calibration's memory and cost models — does this
-micro-batch fit, and how long does it take? — written to out as JSON if given).
+micro-batch fit, and how long does it take? — written to out as JSON if given),
+fsdp_ranks (R: the file's memory model is FSDP over R ranks, scheduling/fsdp_memory.py, from a slice of k = blocks
+blocks measured on one process at two depths; micro-batches run eager, as FSDP runs them), memory_blocks (the second
+depth; default k/2, or 2 for k = 1), memory_time_budget_s (the second depth's time budget).
+
+A slice for FSDP (fsdp_ranks): at each depth, two plain steps at the shortest bucket, B = 1 (the first creates
+AdamW's state; the second's peak is the optimizer step's, its optim_ms the update's), then steps with each gradient
+dropped as it is accumulated (as FSDP's reduce-scatter frees a block's), whose peaks at the forward's end and in the
+backward and autocast's cast cache are recorded apart. The main depth runs the scan, memory probe included: with k
+the most blocks that fit, the slice's own bound lies where the R-rank run's micro-batches do (the file's notes give
+both); the second depth runs the scan's timed points again, the cheapest first, within its time budget. The file is
+written after the main depth and again with the FSDP model.
 
 The step: the config's model (models.build.build_model), precision (autocast), checkpointing mode (model.checkpointing;
 `auto` scans both `none` and `full`), compile and FSDP; flow matching on synthetic inputs of each bucket's latent
@@ -32,6 +46,7 @@ import os
 import platform
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,15 +58,17 @@ from data.buckets import bucket_table  # noqa: E402
 from models.build import build_model, model_inputs  # noqa: E402
 from models.flow_matching import FlowMatching  # noqa: E402
 from models.parallelize import parallelize  # noqa: E402
-from scheduling.calibrate import (HBM_FRACTION, Calibration, Infeasible, StepResult, fit_mode,  # noqa: E402
-                                  new_calibration, refit, scan)
+from scheduling.calibrate import (HBM_FRACTION, Calibration, Infeasible, Point, StepResult,  # noqa: E402
+                                  fit_mode, new_calibration, refit, run_point, scan, timed_point)
+from scheduling.fsdp_memory import slice_record  # noqa: E402
 from training.dist import init_distributed  # noqa: E402
 from training.optim import build_optimizer  # noqa: E402
 from training.cuda_graphs import graph_blockers, graphs_for  # noqa: E402
 from training.step import autocast_for  # noqa: E402
 
 DEFAULTS = dict(max_points=12, blocks=None, warmup=1, repeats=2, top_tokens=None, time_budget_s=None,
-                buckets=None, out=None, fit_min_tokens=None, refit=None, probe_cap=True, check=None)
+                buckets=None, out=None, fit_min_tokens=None, refit=None, probe_cap=True, check=None,
+                fsdp_ranks=None, memory_blocks=None, memory_time_budget_s=None)
 CPU_M_MEM_FACTOR = 8  # CPU: no device memory to bound; m_mem = 8·S_max so every rule has a bound
 
 
@@ -61,19 +78,27 @@ def _sync(device):
 
 
 def make_step_fn(model, objective, optimizer, buckets, model_cfg, device, autocast, checkpointing: bool,
-                 graphs=None):
+                 graphs=None, peaks: dict | None = None):
     """step_fn(bucket, B) → StepResult: one real training step on synthetic inputs (CONTRACTS §6). With `graphs`
     (training/cuda_graphs.py, as the trainer runs) each (bucket, B) is captured before it is timed: the capture
-    and its eager warm-up run untimed, and the peak is the capture's (a replay allocates nothing)."""
+    and its eager warm-up run untimed, and the peak is the capture's (a replay allocates nothing). With `peaks` (a
+    dict), each eager step on a CUDA device appends to peaks[(bucket, B)] its peak up to the forward's end, its peak
+    from there on (the backward, the optimizer step) and the bytes autocast's weight-cast cache freed on exit."""
     cuda = device.type == "cuda"
     loss_sum = torch.zeros((), device=device)
     capture_peak: dict = {}  # key → the peak while it was captured (a replay allocates nothing of its own)
+    track = peaks is not None and cuda and graphs is None
 
-    def micro_batch(x: dict) -> None:
+    def micro_batch(x: dict, record: dict | None = None) -> None:
         cond = model_inputs(model_cfg, SimpleNamespace(latents=x["x0"], text=x["text"], text_mask=x["mask"],
                                                        pooled=None, B=x["x0"].shape[0]))
         with autocast():
             loss = objective.per_sample_loss(model, x["x0"], x["text"], x["t"], x["noise"], **cond).mean()
+            held = torch.cuda.memory_allocated(device) if record is not None else 0
+        if record is not None:  # host-side allocator counters: no sync
+            record["forward"] = float(torch.cuda.max_memory_allocated(device))
+            record["cache"] = float(held - torch.cuda.memory_allocated(device))
+            torch.cuda.reset_peak_memory_stats(device)
         loss.backward()
         loss_sum.add_(loss.detach())
 
@@ -103,15 +128,19 @@ def make_step_fn(model, objective, optimizer, buckets, model_cfg, device, autoca
                 t0 = time.perf_counter()
                 graphs.run(key, tokens, micro_batch, x)
             else:
+                record = {} if track else None
                 _sync(device)
                 t0 = time.perf_counter()
-                micro_batch(x)
+                micro_batch(x, record)
             _sync(device)
             t1 = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad(set_to_none=graphs is None)
             _sync(device)
             t2 = time.perf_counter()
+            if track:
+                record["backward"] = float(torch.cuda.max_memory_allocated(device))
+                peaks.setdefault((name, B), []).append(record)
         except torch.OutOfMemoryError as e:
             oom = str(e).splitlines()[0]
         if oom is not None:  # outside the except block, so the traceback no longer pins the step's tensors
@@ -124,9 +153,18 @@ def make_step_fn(model, objective, optimizer, buckets, model_cfg, device, autoca
         peak = float(torch.cuda.max_memory_allocated(device)) if cuda else None
         if peak is not None and capture_peak.get(key) is not None:
             peak = max(peak, capture_peak[key])
+        if track:
+            peak = max(peak, peaks[(name, B)][-1]["forward"])
         return StepResult((t1 - t0) * 1e3, (t2 - t1) * 1e3, peak)
 
     return step_fn
+
+
+def full_depth_params(model_cfg) -> int:
+    """Parameters of the whole model (all its blocks, whatever a k-block scan built), counted on the meta device:
+    what FSDP gathers and reduces, for the simulator's communication model."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(dataclasses.replace(model_cfg, pretrained=None), "meta").parameters())
 
 
 def _agree(ctx):
@@ -145,7 +183,8 @@ def _agree(ctx):
 
 def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print):
     """Scan, fit and write the calibration of `cfg` (a TrainConfig); returns it (rank 0 writes the file). With
-    calibrate.check: runs the given micro-batches instead and returns their rows (check_points)."""
+    calibrate.check: runs the given micro-batches instead and returns their rows (check_points). With
+    calibrate.fsdp_ranks: a slice for FSDP over that many ranks (module docstring)."""
     opts = {**DEFAULTS, **(opts or {})}
     unknown = set(opts) - set(DEFAULTS)
     if unknown:
@@ -164,11 +203,10 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
         raise ValueError("calibrate.blocks (timing k blocks) is only for Wan's uniform blocks; leave it null")
     if not 1 <= k <= layers:
         raise ValueError(f"calibrate.blocks must lie in [1, model.num_layers={layers}], got {k}")
-    model = build_model(dataclasses.replace(cfg.model, num_layers=k), ctx.device)
-    parallelize(model, compile=cfg.model.compile, world_size=ctx.world_size)
-    optimizer, _ = build_optimizer(model, cfg.optim, 1000)
-    graphs = graphs_for(cfg.train.cuda_graphs, ctx.device, ctx.world_size, graph_blockers(cfg.model),
-                        cfg.train.graph_max_tokens)  # as the trainer runs each micro-batch
+    R, k2 = _fsdp_options(cfg, opts, ctx, k, layers)
+    model, optimizer = _build(cfg, k, ctx)
+    graphs = None if R else graphs_for(cfg.train.cuda_graphs, ctx.device, ctx.world_size, graph_blockers(cfg.model),
+                                       cfg.train.graph_max_tokens)  # as the trainer runs each micro-batch
     autocast = autocast_for(ctx.device, cfg.model.precision, cache=graphs is None)
     objective = FlowMatching(cfg.objective)
     cuda = ctx.device.type == "cuda"
@@ -177,25 +215,33 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
               else HBM_FRACTION * hbm if hbm else None)
     modes = ["none", "full"] if cfg.model.checkpointing == "auto" else [cfg.model.checkpointing]
     if opts["check"]:
-        if k != layers or ctx.world_size > 1:
-            raise ValueError("calibrate.check runs the whole model (leave calibrate.blocks unset) on one process")
+        if k != layers or ctx.world_size > 1 or R:
+            raise ValueError("calibrate.check runs the whole model (leave calibrate.blocks and calibrate.fsdp_ranks "
+                             "unset) on one process")
         return check_points(cfg, opts, table, modes, model, objective, optimizer, ctx, autocast, budget, log)
+    say = log if ctx.is_main else (lambda s: None)
     t_start = time.perf_counter()
-    records = {}
+    records, sliced = {}, {}  # sliced: mode → the slice's measurements at each depth
     for mode in modes:
-        step_fn = make_step_fn(model, objective, optimizer, table, cfg.model, ctx.device, autocast, mode == "full",
-                               graphs)
-        say = log if ctx.is_main else (lambda s: None)
+        step, plain, peaks = _step_fns(model, objective, optimizer, table, cfg.model, ctx.device, autocast, mode,
+                                       graphs, sliced=R is not None)
+        shortest = min(tokens, key=lambda n: (tokens[n], n))
+        first = _plain_step(plain, shortest, table, "calibrate.blocks", k) if R else None
         say(f"checkpointing={mode}: scanning {len(tokens)} buckets, at most {opts['max_points']} timed points")
         agree, agree_min = _agree(ctx)
-        points = scan(step_fn, tokens, max_points=int(opts["max_points"]), top_tokens=opts["top_tokens"],
-                      mem_budget_bytes=budget, warmup=int(opts["warmup"]), repeats=int(opts["repeats"]),
-                      agree=agree, agree_min=agree_min, time_budget_s=opts["time_budget_s"],
-                      probe_cap=bool(opts["probe_cap"]) and k == layers,  # a k-block model's bound is not the model's
-                      log=say)
-        records[mode] = fit_mode(points, scale=layers / k, memory_valid=(k == layers),
+        with _dropping_grads(model) if R else nullcontext():
+            points = scan(step, tokens, max_points=int(opts["max_points"]), top_tokens=opts["top_tokens"],
+                          mem_budget_bytes=budget, warmup=int(opts["warmup"]), repeats=int(opts["repeats"]),
+                          agree=agree, agree_min=agree_min, time_budget_s=opts["time_budget_s"],
+                          # a k-block model's bound is not the model's, unless it is an FSDP slice's (docstring)
+                          probe_cap=bool(opts["probe_cap"]) and (k == layers or R is not None), log=say)
+        records[mode] = fit_mode(points, scale=layers / k, memory_valid=(k == layers and not R),
                                  min_tokens=opts["fit_min_tokens"], L=cfg.model.text_len,
                                  joint=cfg.model.name == "mmdit")  # MMDiT's joint attention: (S + L)²
+        if R:
+            records[mode]["optim_ms"] = first["optim_ms"] * layers / k
+            sliced[mode] = {"points": {k: [dataclasses.asdict(p) for p in points]},
+                            "peaks": {k: _peak_rows(points, peaks, int(opts["repeats"]))}, "plain": {k: first}}
     elapsed = time.perf_counter() - t_start
     device = (torch.cuda.get_device_name(ctx.device) if cuda
               else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)")
@@ -204,15 +250,20 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
     if k < layers:
         notes.append(f"timed {k} of {layers} blocks; cost models and optim_ms extrapolated ×{layers / k:g} "
                      "(per-block cost is identical; the non-block part is over-counted by the same factor); "
-                     "memory model of the k-block model only (memory_model_k_blocks), not used")
+                     + (f"memory model: FSDP over {R} ranks from depths {k} and {k2} (the notes below; none where "
+                        "the second depth did not finish)" if R else
+                        "memory model of the k-block model only (memory_model_k_blocks), not used"))
+    ext = {"blocks_timed": k, "num_layers": layers, "scale": layers / k} if k < layers else None
+    if R:
+        ext = {**(ext or {}), "fsdp_ranks": R, "memory_blocks": [k, k2]}
     cal = new_calibration(
         records, model={"name": m.name, "dim": m.dim, "num_layers": m.attention_layers,
                         "num_attention_heads": m.num_attention_heads, "ffn_dim": getattr(m, "ffn_dim", None),
                         "text_len": m.text_len, "precision": m.precision,
-                        "compile": m.compile, "adaln_backend": m.adaln_backend},
+                        "compile": m.compile, "adaln_backend": m.adaln_backend,
+                        "params": full_depth_params(cfg.model)},
         source="measured", device=device, date=datetime.date.today().isoformat(), command=command,
-        hbm_bytes=hbm, extrapolation={"blocks_timed": k, "num_layers": layers, "scale": layers / k} if k < layers else None,
-        notes=notes, world_size=ctx.world_size)
+        hbm_bytes=hbm, extrapolation=ext, notes=notes, world_size=ctx.world_size)
     if not cuda:
         cal.data["chosen"] = {"m_mem": CPU_M_MEM_FACTOR * max(tokens.values()),
                               "why": f"CPU: no device memory to bound; m_mem = {CPU_M_MEM_FACTOR}·S_max"}
@@ -224,8 +275,138 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
                              for f, e in rec["fit_errors"].items())
             log(f"{mode}: relative RMS error {errs}; chosen {rec['cost_model']['form']}")
         log(f"wrote {out} ({elapsed:.0f} s)")
+    if R:
+        del model, optimizer, step, plain
+        _second_depth(cfg, opts, ctx, cal, sliced, tokens, table, k, k2, R, autocast, objective, budget, say)
+        if ctx.is_main:
+            cal.save(out)
+            log(f"wrote {out} with the FSDP memory model ({time.perf_counter() - t_start:.0f} s)")
     ctx.barrier()
     return cal
+
+
+def _fsdp_options(cfg, opts, ctx, k: int, layers: int) -> tuple[int | None, int | None]:
+    """(R, the second depth) of calibrate.fsdp_ranks / memory_blocks, checked; (None, None) without fsdp_ranks."""
+    R = opts["fsdp_ranks"]
+    if R is None:
+        return None, None
+    if isinstance(R, bool) or not isinstance(R, int) or R < 1:
+        raise ValueError(f"calibrate.fsdp_ranks must be an integer ≥ 1 (the run's number of ranks), got {R!r}")
+    if cfg.model.name != "wan":
+        raise ValueError("calibrate.fsdp_ranks measures a slice of Wan's uniform blocks; model.name must be wan")
+    if ctx.world_size > 1:
+        raise ValueError("calibrate.fsdp_ranks measures a one-device slice for R ranks: run it in one process "
+                         "(launch.num_processes=1, no torchrun)")
+    if cfg.train.cuda_graphs == "on":
+        raise ValueError("calibrate.fsdp_ranks times eager micro-batches, as FSDP runs them: set "
+                         "train.cuda_graphs=off (or auto)")
+    k2 = opts["memory_blocks"]
+    k2 = (k // 2 if k >= 2 else 2) if k2 is None else k2
+    if isinstance(k2, bool) or not isinstance(k2, int) or not 1 <= k2 <= layers or k2 == k:
+        raise ValueError(f"calibrate.memory_blocks (the slice's second depth) must be an integer in [1, "
+                         f"model.num_layers={layers}] other than calibrate.blocks={k}, got {k2!r}")
+    return R, k2
+
+
+def _build(cfg, k: int, ctx):
+    model = build_model(dataclasses.replace(cfg.model, num_layers=k), ctx.device)
+    parallelize(model, compile=cfg.model.compile, world_size=ctx.world_size)
+    optimizer, _ = build_optimizer(model, cfg.optim, 1000)
+    return model, optimizer
+
+
+def _step_fns(model, objective, optimizer, table, model_cfg, device, autocast, mode, graphs, sliced: bool):
+    """(the scan's step_fn, a plain one, the peaks dict the first records into): for a slice the scan's step
+    records its peaks; without one, all three are the plain step_fn and None."""
+    full = mode == "full"
+    plain = make_step_fn(model, objective, optimizer, table, model_cfg, device, autocast, full, graphs)
+    if not sliced:
+        return plain, plain, None
+    peaks: dict = {}
+    return make_step_fn(model, objective, optimizer, table, model_cfg, device, autocast, full, graphs,
+                        peaks=peaks), plain, peaks
+
+
+def _plain_step(plain, name: str, table, field: str, blocks: int) -> dict:
+    """Two plain steps at (name, B = 1), gradients kept: the first creates AdamW's state (which the steps that drop
+    their gradients then hold); the second's peak is the optimizer step's and its optim_ms the update's."""
+    runs, err = run_point(plain, name, 1, 1, 1)
+    if err:
+        raise ValueError(f"{field}={blocks}: a plain training step of {blocks} blocks (fp32 weights, gradients, "
+                         f"AdamW state) runs out of memory at {name}, B = 1: lower {field}")
+    r = runs[0]
+    return {"bucket": name, "S": table[name].tokens, "B": 1, "ms": r.ms, "optim_ms": r.optim_ms,
+            "peak_bytes": r.peak_bytes}
+
+
+@contextmanager
+def _dropping_grads(model):
+    """Each parameter's gradient dropped as soon as it is accumulated — as FSDP's reduce-scatter frees a block's
+    unsharded gradients — so that no peak holds the gradients of blocks already done."""
+    def drop(p):
+        p.grad = None
+
+    hooks = [p.register_post_accumulate_grad_hook(drop) for p in model.parameters() if p.requires_grad]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _peak_rows(points, peaks: dict | None, repeats: int) -> list[dict]:
+    """One row per timed point of the peaks its timed repeats recorded (the warm-up's left out: it may autotune)."""
+    rows = []
+    for p in points:
+        recs = (peaks or {}).get((p.bucket, p.B), [])[-repeats:]
+        if p.feasible and recs:
+            rows.append({"bucket": p.bucket, "S": p.S, "B": p.B, **{k: max(r[k] for r in recs)
+                                                                     for k in ("forward", "backward", "cache")}})
+    return rows
+
+
+def _second_depth(cfg, opts, ctx, cal, sliced, tokens, table, k, k2, R, autocast, objective, budget, say) -> None:
+    """The slice at k2 blocks: the plain steps, then the main scan's timed points again; then each mode's FSDP
+    memory model, its measurements and notes into `cal`."""
+    gc.collect()
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+    model, optimizer = _build(cfg, k2, ctx)
+    budget_s, warmup, repeats = opts["memory_time_budget_s"], int(opts["warmup"]), int(opts["repeats"])
+    t0 = time.perf_counter()
+    for mode, sl in sliced.items():
+        step, plain, peaks = _step_fns(model, objective, optimizer, table, cfg.model, ctx.device, autocast, mode,
+                                       None, sliced=True)
+        shortest = min(tokens, key=lambda n: (tokens[n], n))
+        sl["plain"][k2] = _plain_step(plain, shortest, table, "calibrate.memory_blocks", k2)
+        say(f"checkpointing={mode}: the scan's points again at {k2} blocks")
+        points = []
+        with _dropping_grads(model):
+            # cheapest first: as many points as the time budget allows (each adds to the fits)
+            for p in sorted((Point(**d) for d in sl["points"][k] if d["feasible"]), key=lambda p: p.ms):
+                if budget_s is not None and time.perf_counter() - t0 > budget_s:
+                    points.append(Point(p.bucket, p.S, p.B, False, why=f"time budget of {budget_s:g} s spent"))
+                    continue
+                runs, err = run_point(step, p.bucket, p.B, warmup, repeats)
+                points.append(timed_point(p.bucket, p.S, p.B, runs, say) if not err else
+                              Point(p.bucket, p.S, p.B, False, why=f"out of memory: {err[:200]}"))
+        sl["points"][k2] = [dataclasses.asdict(p) for p in points]
+        sl["peaks"][k2] = _peak_rows(points, peaks, repeats)
+        m = cfg.model
+        largest = max(((d["B"], d["S"]) for d in sl["points"][k] if d["feasible"] and d["B"] * d["S"]
+                       <= (opts["top_tokens"] or 2 * max(tokens.values()))), key=lambda bs: bs[0] * bs[1],
+                      default=None)  # the ladder's largest micro-batch (the memory probe lies beyond the ladder)
+        blocks = model.blocks
+        params_block = float(sum(p.numel() for p in blocks[0].parameters()))
+        params_fixed = float(sum(p.numel() for p in model.parameters())) - k2 * params_block
+        rec = slice_record(main=k, second=k2, points=sl["points"], peaks=sl["peaks"], plain=sl["plain"],
+                           layers=m.num_layers, params_block=params_block, params_fixed=params_fixed, ranks=R,
+                           ema=cfg.optim.ema_decay is not None, budget=budget, largest=largest)
+        mrec = cal.data["modes"][mode]
+        mrec["memory_model"] = rec["memory_model"]
+        mrec["slice_memory"], mrec["depth_check"] = rec["slice_memory"], rec["depth_check"]
+        cal.data["notes"] += [f"{mode}: {n}" if len(sliced) > 1 else n for n in rec["notes"]]
+    cal.data["notes"].append(f"second depth ({k2} blocks) took {time.perf_counter() - t0:.0f} s")
 
 
 def _parse_checks(items, table) -> list[tuple[str, int]]:

@@ -103,12 +103,12 @@ def main(argv=None) -> None:
         run(cmd, os.path.join(out, "calibrate.log"), 900)
     # 3. the simulator at R = procs on this corpus: best settings into the calibration, predictions per strategy
     sim_out = os.path.join(out, "simulation")
-    cmd = [py, "scripts/simulate_cluster.py", f"calibration={cal}", f"corpus={corpus}", f"ranks={args.procs}",
-           f"sweep_ranks={args.procs}", "M=4", f"out={sim_out}", "write_chosen=true"]
+    cmd = [py, "scripts/simulate_cluster.py", f"--calibration={cal}", f"--corpus={corpus}", f"--ranks={args.procs}",
+           "--g=2", "--unconstrained", "--M=4", f"--out={sim_out}", "--write-chosen", "--no-model-truth"]
     commands["simulate"] = " ".join(cmd[1:])
     run(cmd, os.path.join(out, "simulate.log"), 900)
     predicted = {}  # (strategy, "best") → the sweep's best; ("equal_token", "at_m_tokens") → at the arms' m_tokens
-    with open(sim_out + ".csv") as f:
+    with open(os.path.join(sim_out, "simulation_unconstrained.csv")) as f:
         for r in csv.DictReader(f):
             if int(r["R"]) != args.procs:
                 continue

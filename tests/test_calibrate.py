@@ -306,19 +306,34 @@ def test_launch_bound_points_stay_in_the_file_but_out_of_the_fit(tmp_path):
 
 
 def test_the_committed_h200_calibration(monkeypatch):
+    """The eager H200 scan prices every point, B = 1 included, within 5 % (3 % left out); a run holding a fixed
+    global batch takes the simulator's choice from it, inside the memory budget."""
     from tests.helpers import ROOT
 
     monkeypatch.chdir(ROOT)
     cal = Calibration.load("results/calibration_h200.json")
     rec = cal.data["modes"]["full"]
     assert cal.data["source"] == "measured" and cal.data["device"] == "NVIDIA H200"
-    assert rec["cost_model"]["form"] == "quadratic" and rec["fit_errors"]["quadratic"]["rel_rmse"] < 0.01
+    cost = rec["cost_model"]
+    assert cost["form"] == "quadratic" and cost["params"]["floor"] > 400 and rec["fit_points"] == 12
+    assert max(abs(e) for e in rec["rel_err_every_point"]["quadratic"]) < 0.05 and cost["loo_rel_rmse"] < 0.03
     assert rec["fit_errors"]["power"]["rel_rmse"] > 0.10 and sum(p["feasible"] for p in rec["points"]) <= 12
-    wan = {"i480": 1560, "v480_33f": 14040, "v720_81f": 75600}
-    s = resolve_schedule(SchedulingConfig("balanced", calibration="results/calibration_h200.json"), wan,
-                         ModelShape(1, 30, 1536, 512), checkpointing="full", world_size=8)
-    assert s.sources["target_microbatch_ms"] == "calibration:chosen" and s.batch_sizes["v720_81f"] >= 1
+    from scheduling.simulate import DEFAULT_MIX
+
+    wan = {n: S for n, S, _ in DEFAULT_MIX}  # the mix the simulator chose for
+    shares = {n: share for n, _, share in DEFAULT_MIX}
+    s = resolve_schedule(SchedulingConfig("balanced", calibration="results/calibration_h200.json",
+                                          tokens_per_step=2 * 75600), wan, ModelShape(1, 30, 1536, 512),
+                         checkpointing="full", world_size=8, shares=shares)
+    assert s.sources["target_microbatch_ms"].startswith("calibration:chosen") and s.micro_batches >= 1
+    assert abs(s.values["tokens_per_step"] - 2 * 75600) <= 0.1 * 2 * 75600
+    other = resolve_schedule(SchedulingConfig("balanced", calibration="results/calibration_h200.json",
+                                              tokens_per_step=2 * 75600), wan, ModelShape(1, 30, 1536, 512),
+                             checkpointing="full", world_size=8, shares={**shares, "i480": 5.0})
+    assert abs(other.values["tokens_per_step"] - 2 * 75600) <= 0.1 * 2 * 75600  # another mix: chosen again
     mem = cal.memory_model("full")
     assert s.values["m_mem"] == mem.m_mem(0.9 * cal.hbm_bytes, S_min=1560)
     for name, S in wan.items():  # every planned micro-batch within the memory budget, per the measured model
         assert mem.predict(s.batch_sizes[name], S) <= 0.9 * cal.hbm_bytes
+
+

@@ -5,7 +5,6 @@ The per-step losses after every resume are bit-identical to the same run left al
 as it is there, and no step is lost. The faults are injected from outside (a wrapper that patches the trainer in its
 own process), the way a crash would come, not through any switch in the library.
 """
-import json
 import os
 import subprocess
 import sys

@@ -1,6 +1,5 @@
 """Micro-batch graphs: the bookkeeping (static buffers, warm-up, keys, fallback) on the CPU through FakeGraphs, whose
 replay calls the function again on the static buffers; replays of real CUDA graphs against eager on a GPU."""
-import copy
 
 import pytest
 import torch

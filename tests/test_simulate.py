@@ -1,6 +1,5 @@
 """scheduling/simulate.py + scripts/simulate_cluster.py: exact numbers on a hand case, equal-token's imbalance on a
 quadratic cost, the protocol writes its table and the chosen settings that training then reads."""
-import os
 
 import numpy as np
 import pytest
@@ -48,18 +47,14 @@ def test_equal_token_is_badly_imbalanced_on_a_quadratic_cost_and_balanced_is_not
     assert bal.tokens_per_s > 1.5 * eq.tokens_per_s
 
 
-def test_protocol_writes_table_plots_and_the_chosen_settings_training_reads(tmp_path):
-    from scripts.simulate_cluster import record_chosen, run_protocol, write_outputs
+def test_unconstrained_protocol_records_the_chosen_settings_training_reads(tmp_path):
+    """The earlier protocol (M = 4, no batch bound): R = 16 reuses R = 8's sweep, balanced is no worse than cost,
+    and what record_chosen writes is what a run without tokens_per_step reads."""
+    from scheduling.protocol import record_chosen, run_unconstrained
 
     cal = issue4_h200_calibration()
     path = cal.save(str(tmp_path / "cal.json"))
-    res = run_protocol(cal, "full", MIX, ranks=[8, 16], sweep_ranks=[8], mbs=256, log=lambda s: None)
-    files = write_outputs(res, cal, path, str(tmp_path / "sim"))
-    assert all(os.path.getsize(f) > 0 for f in files) and sum(f.endswith(".png") for f in files) == 4
-    md = open(str(tmp_path / "sim.md")).read()
-    for R in (8, 16):
-        for s in ("equal_token@S_max", "equal_token", "dual_constraint", "cost", "balanced"):
-            assert f"| {R} | {s} |" in md
+    res = run_unconstrained(cal, "full", MIX, ranks=[8, 16], sweep_ranks=[8], mbs=256, log=lambda s: None)
     best = res["best"]
     assert best[(16, "balanced")].setting == best[(8, "balanced")].setting  # R=16 reuses R=8's sweep
     assert best[(8, "balanced")].tokens_per_s >= best[(8, "cost")].tokens_per_s * 0.99
@@ -69,6 +64,28 @@ def test_protocol_writes_table_plots_and_the_chosen_settings_training_reads(tmp_
                              ModelShape(1, 30, 1536, 512), world_size=8)
     assert sched.values["target_microbatch_ms"] == best[(8, "balanced")].setting["target_microbatch_ms"]
     assert sched.sources["target_microbatch_ms"] == "calibration:chosen" and sched.values["m_mem"] == res["m_mem"]
+
+
+@pytest.mark.slow
+def test_simulate_cluster_writes_its_report_into_the_folder_it_is_given(tmp_path):
+    """The script, as a user runs it: a report, CSV and plot in --out, the calibration file untouched."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    cal = issue4_h200_calibration()
+    path = cal.save(str(tmp_path / "cal.json"))
+    before = open(path).read()
+    out = tmp_path / "sim"
+    subprocess.run([sys.executable, "scripts/simulate_cluster.py", f"--calibration={path}", f"--out={out}",
+                    "--ranks=8", "--g=2", "--mbs=256", "--no-model-truth"], cwd=ROOT, check=True,
+                   capture_output=True, timeout=600)
+    md = (out / "simulation.md").read_text()
+    for s in ("equal_token", "dual_constraint", "cost", "balanced"):
+        assert f"| 2·S_max | {s} |" in md
+    assert (out / "simulation.csv").stat().st_size > 0 and (out / "simulation_ratio.png").stat().st_size > 0
+    assert open(path).read() == before  # nothing written into the calibration unless --write-chosen
 
 
 @pytest.mark.parametrize("strategy", ["equal_token", "dual_constraint", "cost"])
@@ -137,3 +154,39 @@ def test_analytic_idle_against_enumeration_and_the_simulator():
     for R in (8, 64):
         sim = simulate(QUAD.predict, MIX, "equal_token", eq_sizes, R, steps=max(16, 4096 // (4 * R)))
         assert sim.idle_fraction == pytest.approx(analytic_idle(QUAD.predict, MIX, eq_sizes, R), abs=0.01)
+
+
+def test_residual_noise_is_centred_model_error_not_a_slowdown():
+    """ε is bootstrapped from the calibration's residuals minus their mean: the fit's mean residual is not a
+    slowdown of every micro-batch. One rank, one slot, a 50 ms micro-batch: residuals all at +40 % add nothing;
+    0.3 and 0.5 (mean 0.4) make each step 45 or 55 ms, never 65 or 75."""
+    one = Mix.of([("only", 1000, 1.0)])
+    run = lambda res, steps: simulate(lambda B, S: 50.0, one, "equal_token", [4], R=1, M=1, steps=steps,  # noqa
+                                      residuals=res)
+    assert run([0.4, 0.4, 0.4], 40).time_s == pytest.approx(40 * 50 / 1e3, rel=1e-12)
+    assert run(None, 40).time_s == pytest.approx(40 * 50 / 1e3, rel=1e-12)
+    noisy = run([0.3, 0.5], 400)
+    n_slow = (noisy.time_s * 1e3 - 400 * 45.0) / 10.0  # steps that drew +0.1: every step is 45 or 55 ms
+    assert n_slow == pytest.approx(round(n_slow), abs=1e-6) and 140 < n_slow < 260  # p = 1/2 draws, 400 of them
+    p = n_slow / 400
+    assert noisy.step_time_cv == pytest.approx(10 * np.sqrt(p * (1 - p)) / (45 + 10 * p), rel=1e-9)
+
+
+def test_equal_token_sweep_keeps_a_setting_exactly_at_the_memory_bound():
+    """settings_for drops equal_token settings over m_mem; one exactly at it fits (B·S ≤ m_mem)."""
+    from scheduling.simulate import settings_for
+
+    m_mem = 2.0 * MIX.S_max
+    factors = [s["factor"] for s in settings_for("equal_token", MIX, QUAD.predict, None, m_mem)]
+    assert 2.0 in factors and 2.5 not in factors and max(factors) == 2.0
+
+
+def test_default_calibration_memory_estimate():
+    """The estimated memory model of issue4_h200_calibration(): c0 = 16 bytes a parameter (fp32 weights, gradients, two
+    AdamW moments) + 2 GiB, c1 = layers·D·4 + (14·D + 3·ffn)·2 bytes a token, as its docstring and notes state."""
+    from scheduling.cost_model import MemoryModel
+
+    cal = issue4_h200_calibration()
+    mem = MemoryModel.from_dict(cal.data["modes"]["full"]["memory_model"])
+    assert mem.c0 == 16.0 * 1_418_996_800 + 2 * 2**30 and mem.c1 == 30 * 1536 * 4 + (14 * 1536 + 3 * 8960) * 2
+    assert not mem.measured and 23 < mem.c0 / 2**30 < 24

@@ -210,3 +210,14 @@ def test_resume_refuses_a_plan_change_unless_forced_and_logs_new_hyperparameters
     assert "optim.weight_decay 0.0 → 0.5" in caplog.text
     run_training(tiny_overrides(run_dir, cache, "train.steps=4", "resume=auto", "train.seed=1", "resume_force=true"))
     assert max(r["step"] for r in read_metrics(run_dir)) == 4
+
+
+def test_tokens_per_step_holds_the_global_batch(tmp_path, cache):
+    """scheduling.tokens_per_step picks M for the configured m_tokens: the tokens a step trains on average g."""
+    run_dir = str(tmp_path / "g")
+    cfg, _ = run_training(tiny_overrides(run_dir, cache, "train.steps=24", "train.val_every=24",
+                                         "scheduling.tokens_per_step=960"))
+    rows = [r for r in read_metrics(run_dir) if r["step"] > 0]
+    per_step = [sum(B * S for B, S in zip(r["batch/B"], r["batch/S"])) for r in rows]
+    assert len(rows) == 24 and len(rows[0]["batch/S"]) == 4  # M = 960 / 240
+    assert abs(sum(per_step) / len(per_step) - 960) <= 0.15 * 960

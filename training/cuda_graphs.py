@@ -145,7 +145,7 @@ class MicroBatchGraphs:
             self.stats.failed += 1
             log.warning("CUDA graph capture failed for %s (%s: %s); it runs eagerly from now on", key,
                         type(err).__name__, str(err).splitlines()[0][:200] if str(err) else "")
-            del graph
+            graph = None  # the failed capture is dropped
             self.stats.eager += 1
             fn(statics)
             return False

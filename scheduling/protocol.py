@@ -1,0 +1,202 @@
+"""The strategy comparisons scripts/simulate_cluster.py runs, and the settings they record for training.
+
+Fixed global batch (the protocol practitioners run): the optimizer's settings are tuned for a global batch, so
+every strategy is held to the same real tokens per rank per optimizer step, g = G_FACTORS · S_max, and
+best-tuned inside it over its knob and M (balanced also over scheduling.window). Two readings of "held":
+    steady     every step a batch of about g: expected tokens within ±10 % and their CV over steps ≤ 10 %
+    expected   the expectation alone (±10 %), balanced without a window (a window deals sorted groups to steps:
+               with few slots a step it trades the batch's steadiness for balance, which this reading cannot see) The planner
+predicts with the calibration's cost model; each micro-batch takes what the cluster's truth says
+(scheduling/truth.py: measured times, FSDP's collectives, optionally a slow rank). Reported: tokens/s, idle, CV,
+and balanced ÷ dual_constraint (the paper), ÷ cost (the same batch table without sorting: what sorting gains),
+÷ equal_token — beside the same selection under the old model truth, for comparison.
+
+Unconstrained (the earlier protocol, kept for comparison): M = 4 and each knob swept without a batch constraint
+(`run_unconstrained`); every cost-aware strategy then grows its micro-batches to the memory bound and they
+equalise (results/simulation_notes.md).
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from scheduling.calibrate import HBM_FRACTION, Calibration
+from scheduling.simulate import (G_FACTORS, KNOB, TOKENS_CV, Mix, SimResult, simulate, sizes_for, sweep,
+                                 sweep_at_tokens)
+from scheduling.truth import Cluster, CommModel, MeasuredTruth, ModelTruth
+
+STRATEGIES = ("equal_token", "dual_constraint", "cost", "balanced")
+WINDOWS = (1, 2, 4, 8)  # balanced's scheduling.window, tuned with its knob and M
+
+
+@dataclass
+class Inputs:
+    """What a comparison stands on: the planner's cost model, the memory bound, the power fit's p, the optimizer's
+    ms, and the truth a simulated micro-batch takes."""
+    cost: object
+    m_mem: float
+    p: float
+    optim_ms: float
+    truth: object
+    comm: Optional[CommModel] = None
+    notes: list = field(default_factory=list)
+
+
+def inputs_from(cal: Calibration, mode: str, mix: Mix, comm_bandwidth: Optional[float] = None,
+                inter_node_bandwidth: float = 50.0, measured_extra: Optional[dict] = None) -> Inputs:
+    """The calibration's cost model (the planner's), m_mem from its memory model at 90 % of HBM (or its chosen
+    m_mem on a CPU calibration), and the measured truth of its points (plus a replay's micro-batches)."""
+    cost = cal.cost_model(mode)
+    memory = cal.memory_model(mode)
+    notes = []
+    if memory is not None and cal.hbm_bytes:
+        m_mem = memory.m_mem(HBM_FRACTION * cal.hbm_bytes, min(mix.S))
+    elif (cal.data.get("chosen") or {}).get("m_mem"):
+        m_mem = cal.data["chosen"]["m_mem"]
+        notes.append(f"no memory model: m_mem={m_mem} from the calibration's chosen settings")
+    else:
+        raise ValueError(f"{cal.path}: the protocol needs a memory model and the device memory (m_mem at "
+                         f"{HBM_FRACTION:.0%} of HBM), or a chosen m_mem")
+    if m_mem < mix.S_max:
+        raise ValueError(f"m_mem={m_mem} at {HBM_FRACTION:.0%} of HBM is below the longest bucket's S={mix.S_max}")
+    truth = MeasuredTruth.from_points(cal.data["modes"][mode]["points"], measured_extra)
+    comm = None
+    if comm_bandwidth:
+        params = (cal.data.get("model") or {}).get("params")
+        layers = (cal.data.get("model") or {}).get("num_layers") or 1
+        if not params:
+            raise ValueError(f"{cal.path}: the FSDP model needs the parameter count (model.params in the file)")
+        comm = CommModel(param_bytes=4.0 * params, grad_bytes=4.0 * params, blocks=int(layers),
+                         bandwidth=comm_bandwidth, inter_node_bandwidth=inter_node_bandwidth)
+    return Inputs(cost, m_mem, cal.cost_model(mode, "power").params["p"], cal.optim_ms(mode), truth, comm, notes)
+
+
+READINGS = {"steady": (TOKENS_CV, WINDOWS), "expected": (None, (1,))}  # tokens CV cap, balanced's windows
+
+
+def best_at_g(inp: Inputs, mix: Mix, strategy: str, R: int, g: float, truth=None, seed: int = 0,
+              mbs: int = 4096, mbs_final: int = 16384, per_M: int = 6, slow_ranks: Optional[dict] = None,
+              reading: str = "steady") -> SimResult:
+    """The strategy best-tuned inside g tokens per rank per step, under one reading of the batch (READINGS)."""
+    cluster = Cluster(truth or inp.truth, inp.comm, dict(slow_ranks or {}))
+    tokens_cv, windows = READINGS[reading]
+    runs = [sweep_at_tokens(inp.cost.predict, mix, strategy, R, g, p=inp.p, m_mem=inp.m_mem, cluster=cluster,
+                            optim_ms=inp.optim_ms, seed=seed, mbs=mbs, mbs_final=mbs_final, per_M=per_M, window=w,
+                            tokens_cv=tokens_cv)[0] for w in (windows if strategy == "balanced" else (1,))]
+    steady = [r for r in runs if tokens_cv is None or r.tokens_step_cv <= tokens_cv]
+    return max(steady, key=lambda r: r.tokens_per_s) if steady else min(runs, key=lambda r: r.tokens_step_cv)
+
+
+def run_fixed_batch(inp: Inputs, mix: Mix, ranks: Sequence[int] = (8, 64), g_factors: Sequence[float] = G_FACTORS,
+                    seed: int = 0, mbs: int = 4096, mbs_final: int = 16384, per_M: int = 6,
+                    model_truth: bool = True, slow_ranks: Optional[dict] = None,
+                    readings: Sequence[str] = ("steady", "expected"), log=print) -> dict:
+    """{reading: {(R, g_factor, strategy): SimResult}} under the measured truth; "model": the steady reading under
+    the old model truth."""
+    out: dict = {r: {} for r in readings}
+    out["model"] = {}
+    old = ModelTruth(inp.cost.predict, inp.cost.residuals)
+    kw = dict(seed=seed, mbs=mbs, mbs_final=mbs_final, per_M=per_M, slow_ranks=slow_ranks)
+    for R in ranks:
+        for gf in g_factors:
+            g = gf * mix.S_max
+            for s in STRATEGIES:
+                t0 = time.perf_counter()
+                for reading in readings:
+                    out[reading][(R, gf, s)] = b = best_at_g(inp, mix, s, R, g, reading=reading, **kw)
+                    log(f"{reading:<8} R={R:<4} g={gf:g}·S_max {s:<16} {b.tokens_per_s:>12,.0f} tok/s  idle "
+                        f"{100 * b.idle_fraction:5.1f} %  tokens CV {100 * b.tokens_step_cv:4.1f} %  M={b.M} "
+                        f"W={b.window}  ({time.perf_counter() - t0:.1f} s)")
+                if model_truth:
+                    out["model"][(R, gf, s)] = best_at_g(inp, mix, s, R, g, truth=old, reading=readings[0], **kw)
+    return out
+
+
+def record_chosen_at_g(cal: Calibration, res: dict, mix: Mix, mode: str, m_mem: float) -> None:
+    """The fixed-batch protocol's best settings (the steady reading) into the calibration's "chosen"
+    by_tokens_per_step[R][g]: what training reads for scheduling.tokens_per_step (nearest g and world size)."""
+    by = {}
+    for (R, gf, s), r in res["steady"].items():
+        g = round(gf * mix.S_max)
+        keep = {"equal_token": ("m_tokens",), "dual_constraint": ("m_comp", "p"),
+                "cost": ("target_microbatch_ms",), "balanced": ("target_microbatch_ms",)}[s]
+        by.setdefault(str(R), {}).setdefault(str(g), {})[s] = (
+            {k: r.setting[k] for k in keep} | {"micro_batches": r.M, "window": r.window,
+                                               "tokens_per_step": r.setting.get("tokens_per_step")})
+    chosen = cal.data.setdefault("chosen", {})
+    chosen.update({"by": "scripts/simulate_cluster.py", "date": datetime.date.today().isoformat(), "mode": mode,
+                   "m_mem": int(m_mem), "m_mem_why": f"memory model at {HBM_FRACTION:.0%} of HBM",
+                   "m_mem_S_min": int(min(mix.S)), "by_tokens_per_step": by,
+                   "mix": [{"bucket": n, "S": S, "share": sh} for n, S, sh in zip(mix.names, mix.S, mix.share)]})
+
+
+# ---------------------------------------------------------------------------------- the unconstrained protocol
+def steps_for(R: int, M: int, mbs: int) -> int:
+    return max(16, math.ceil(mbs / (R * M)))
+
+
+def run_unconstrained(cal: Calibration, mode: str, mix: Mix, ranks, sweep_ranks, M: int = 4, mbs: int = 8192,
+                      seed: int = 0, log=print) -> dict:
+    """M fixed, each knob swept without a batch constraint, under the model truth (the earlier protocol)."""
+    inp = inputs_from(cal, mode, mix)
+    cost, p, m_mem, optim_ms = inp.cost, inp.p, inp.m_mem, inp.optim_ms
+    kw = dict(residuals=cost.residuals, optim_ms=optim_ms, seed=seed)  # the sweeps choose on this draw
+    ev = dict(kw, seed=seed + 1)  # every reported row on this one, as sweep() re-draws its best
+    best: dict = {}
+    rows: list[SimResult] = []
+    sweeps: list[tuple[str, SimResult]] = []
+    for R in ranks:
+        K = steps_for(R, M, mbs)
+        src = R if R in sweep_ranks else max(r for r in sweep_ranks if r <= R) if any(r <= R for r in sweep_ranks) \
+            else min(sweep_ranks)
+        for s in STRATEGIES:
+            t0 = time.perf_counter()
+            if R in sweep_ranks:
+                b, runs = sweep(cost.predict, mix, s, R, p=p, m_mem=m_mem, M=M, steps=K, **kw)
+                sweeps += [("sweep", r) for r in runs]
+            else:
+                st = best[(src, s)].setting
+                b = simulate(cost.predict, mix, s, sizes_for(s, mix, st, cost.predict), R, M, K, setting=st, **ev)
+            best[(R, s)] = b
+            rows.append(b)
+            log(f"R={R:<5} {s:<16} {b.tokens_per_s:>12.0f} tok/s  CV {100 * b.compute_cv:5.2f} %  "
+                f"idle {100 * b.idle_fraction:5.2f} %  ({time.perf_counter() - t0:.1f} s)")
+        st = {"m_tokens": mix.S_max, "factor": 1.0}
+        base = simulate(cost.predict, mix, "equal_token", sizes_for("equal_token", mix, st, cost.predict), R, M, K,
+                        setting=st, **ev)
+        best[(R, "equal_token@S_max")] = base
+        rows.append(base)
+    return dict(best=best, rows=rows, sweeps=sweeps, m_mem=m_mem, p=p, optim_ms=optim_ms, ranks=list(ranks),
+                sweep_ranks=list(sweep_ranks), M=M, mbs=mbs, mix=mix, cost=cost, memory=cal.memory_model(mode))
+
+
+def record_chosen(cal: Calibration, res: dict, mode: str) -> None:
+    """The unconstrained protocol's best settings per world size into the calibration's "chosen" by_world_size
+    (training reads them when no tokens_per_step is set; config beats them)."""
+    by_r = {}
+    for R in res["ranks"]:
+        by_r[str(R)] = {}
+        for s in STRATEGIES:
+            st = res["best"][(R, s)].setting
+            keep = {"equal_token": ("m_tokens",), "dual_constraint": ("m_comp", "p"),
+                    "cost": ("target_microbatch_ms",), "balanced": ("target_microbatch_ms",)}[s]
+            by_r[str(R)][s] = {k: st[k] for k in keep}
+    mix = res["mix"]
+    chosen = cal.data.setdefault("chosen", {})
+    chosen.update({
+        "by": "scripts/simulate_cluster.py", "date": datetime.date.today().isoformat(), "mode": mode,
+        "m_mem": int(res["m_mem"]), "m_mem_why": f"memory model at {HBM_FRACTION:.0%} of HBM",
+        "m_mem_S_min": int(min(res["mix"].S)),  # safe for buckets from this S up (training checks it)
+        "micro_batches": res["M"], "reference_world_size": 8,
+        "mix": [{"bucket": n, "S": S, "share": s} for n, S, s in zip(mix.names, mix.S, mix.share)],
+        "criterion": "highest simulated tokens/s (≡ samples/s: the mix is fixed)", "by_world_size": by_r})
+
+
+def describe_setting(r: SimResult) -> str:
+    knob = KNOB[r.strategy]
+    v = r.setting[knob]
+    extra = f", M={r.M}" + (f", W={r.window}" if r.window > 1 else "")
+    return f"{knob}={v:.4g}{extra}"

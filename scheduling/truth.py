@@ -1,0 +1,165 @@
+"""What a simulated micro-batch really takes: the simulator's truth, apart from the cost model the planner uses.
+
+A planner predicts each micro-batch with a cost model fitted to a calibration scan; a simulator that also times
+micro-batches with that model (× its own residuals) can only confirm the planner. The truths here come from
+measurement instead:
+
+    MeasuredTruth   the measured repeats of each (S, B) the scan timed, drawn at random; any other (S, B) from
+                    those measurements by local interpolation — per measured S a line in B through its points
+                    (t = α_S + β_S·B), between measured S log-linear in log S at the same B (the nearest two,
+                    extrapolated outside), never the planner's global fit — times a relative noise drawn from the
+                    repeats' spread. A replay's measured micro-batches (scripts/replay_plans.py) add to the table.
+    ModelTruth      the old mode, for comparison: the planner's prediction × (1 + ε), ε from the fit's residuals.
+
+and what an FSDP step adds on every rank:
+
+    CommModel       per micro-batch FSDP2 all-gathers the parameters in forward and again in backward (reshard
+                    after forward) and reduce-scatters the gradients: bytes = 2·param_bytes + grad_bytes, each rank
+                    moving (R − 1)/R of them at `bandwidth` GB/s (bus bandwidth within a node of `ranks_per_node`,
+                    `inter_node_bandwidth` beyond). Prefetch hides the gathers behind compute, so a micro-batch takes
+                    max(compute, comm) + comm / blocks (the first block's gather is not hidden).
+    slow ranks      {rank: factor}: a rank that is persistently slower (a throttled GPU, a busy host).
+    slow buckets    {S: factor}: a length that runs slower than measured (a planted fault for tests).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Sequence
+
+import numpy as np
+
+
+class MeasuredTruth:
+    """Micro-batch times from measurement: {(S, B): [ms of each repeat]} (see the module docstring)."""
+
+    def __init__(self, measured: Mapping[tuple[int, int], Sequence[float]], name: str = "measured"):
+        self.runs = {(int(S), int(B)): [float(t) for t in ts] for (S, B), ts in measured.items() if len(ts)}
+        if not self.runs:
+            raise ValueError("a measured truth needs at least one measured (S, B)")
+        self.median = {k: float(np.median(v)) for k, v in self.runs.items()}
+        by_S: dict[int, list[tuple[int, float]]] = {}
+        for (S, B), t in sorted(self.median.items()):
+            by_S.setdefault(S, []).append((B, t))
+        self.by_S = by_S
+        self.S_list = sorted(by_S)
+        dev = [t / self.median[k] - 1.0 for k, ts in self.runs.items() if len(ts) > 1 for t in ts]
+        self.noise = np.asarray(dev if dev else [0.0], dtype=np.float64)
+        self.name = name
+
+    @classmethod
+    def from_points(cls, points: Sequence[Mapping], extra: Optional[Mapping] = None) -> "MeasuredTruth":
+        """From a calibration's points (dicts with S, B, ms_runs or ms, feasible) and optional extra measurements
+        {(S, B): [ms, ...]} (a replay's)."""
+        table: dict[tuple[int, int], list[float]] = {}
+        for p in points:
+            if p.get("feasible", True) and (p.get("ms_runs") or p.get("ms")):
+                table.setdefault((int(p["S"]), int(p["B"])), []).extend(p.get("ms_runs") or [p["ms"]])
+        for k, ts in (extra or {}).items():
+            table.setdefault((int(k[0]), int(k[1])), []).extend(ts)
+        return cls(table)
+
+    def _at_S(self, S: int, B: float) -> float:
+        """ms at a measured S: the line through its two nearest B (one point: ∝ B through it)."""
+        pts = self.by_S[S]
+        if len(pts) == 1:
+            B0, t0 = pts[0]
+            return t0 * B / B0
+        two = sorted(pts, key=lambda bt: (abs(bt[0] - B), bt[0]))[:2]
+        (B1, t1), (B2, t2) = sorted(two)
+        if B2 == B1:
+            return t1
+        beta = (t2 - t1) / (B2 - B1)
+        return max(t1 + beta * (B - B1), 1e-3)
+
+    def mean(self, B: int, S: int) -> float:
+        """The measured (median) ms of (S, B), or its interpolation from the measurements."""
+        if (S, B) in self.median:
+            return self.median[(S, B)]
+        if S in self.by_S:
+            return self._at_S(S, B)
+        Ss = self.S_list
+        if len(Ss) == 1:
+            return self._at_S(Ss[0], B) * S / Ss[0]
+        i = int(np.searchsorted(Ss, S))
+        lo, hi = (Ss[0], Ss[1]) if i == 0 else (Ss[-2], Ss[-1]) if i >= len(Ss) else (Ss[i - 1], Ss[i])
+        t_lo, t_hi = self._at_S(lo, B), self._at_S(hi, B)
+        w = (math.log(S) - math.log(lo)) / (math.log(hi) - math.log(lo))
+        return math.exp((1 - w) * math.log(t_lo) + w * math.log(t_hi))
+
+    def draw(self, B: int, S: int, rng: np.random.Generator) -> float:
+        if (S, B) in self.runs:  # a measured micro-batch: one of its own repeats
+            return float(rng.choice(self.runs[(S, B)]))
+        return self.mean(B, S) * (1.0 + float(rng.choice(self.noise)))
+
+
+class ModelTruth:
+    """The old mode: the planner's own prediction × (1 + ε), ε bootstrapped from the (centred) fit residuals."""
+
+    def __init__(self, cost_fn: Callable[[int, int], float], residuals: Optional[Sequence[float]] = None):
+        self.cost_fn = cost_fn
+        res = np.asarray(residuals if residuals is not None and len(residuals) else [0.0], dtype=np.float64)
+        self.noise = res - res.mean()  # model error, not bias: the fit's mean residual is not a slowdown
+        self.name = "model"
+
+    def mean(self, B: int, S: int) -> float:
+        return float(self.cost_fn(B, S))
+
+    def draw(self, B: int, S: int, rng: np.random.Generator) -> float:
+        return self.mean(B, S) * (1.0 + float(rng.choice(self.noise)))
+
+
+@dataclass
+class CommModel:
+    """FSDP2's collectives per micro-batch on each rank (module docstring); None bandwidth: no communication."""
+    param_bytes: float                 # one full copy of the parameters as FSDP gathers them (fp32: 4·P)
+    grad_bytes: float                  # what each micro-batch reduce-scatters (fp32 gradients: 4·P)
+    blocks: int                        # FSDP units: the first one's gather is not hidden
+    bandwidth: float = 350.0           # GB/s per rank within a node (NVLink, NCCL bus bandwidth)
+    inter_node_bandwidth: float = 50.0  # GB/s per rank across nodes (one 400 Gb/s NIC a GPU)
+    ranks_per_node: int = 8
+
+    def ms(self, R: int) -> float:
+        if R <= 1:
+            return 0.0
+        bw = self.bandwidth if R <= self.ranks_per_node else self.inter_node_bandwidth
+        return (2 * self.param_bytes + self.grad_bytes) * (R - 1) / R / (bw * 1e9) * 1e3
+
+    def apply(self, t_RM: np.ndarray, R: int) -> np.ndarray:
+        c = self.ms(R)
+        return np.maximum(t_RM, c) + c / max(1, self.blocks) if c > 0 else t_RM
+
+    def describe(self, R: int) -> str:
+        bw = self.bandwidth if R <= self.ranks_per_node else self.inter_node_bandwidth
+        return (f"FSDP: 2 × {self.param_bytes / 1e9:.1f} GB gathered + {self.grad_bytes / 1e9:.1f} GB reduced per "
+                f"micro-batch at {bw:g} GB/s → {self.ms(R):.0f} ms at R = {R}, hidden behind compute but the first "
+                f"of {self.blocks} units")
+
+
+@dataclass
+class Cluster:
+    """The truth of a simulated cluster: per-micro-batch times, FSDP's collectives, persistently slow ranks and
+    planted slow lengths."""
+    truth: object                                   # MeasuredTruth | ModelTruth: .draw(B, S, rng), .mean(B, S)
+    comm: Optional[CommModel] = None
+    slow_ranks: dict = field(default_factory=dict)  # rank → factor
+    slow_S: dict = field(default_factory=dict)      # S → factor
+
+    def times(self, plan, rng: np.random.Generator) -> np.ndarray:
+        """(R, M) ms of every (rank, slot) of a StepPlan."""
+        t = np.array([[self.truth.draw(mb.B, mb.S, rng) * self.slow_S.get(mb.S, 1.0) for mb in rank]
+                      for rank in plan.ranks], dtype=np.float64)
+        for r, f in self.slow_ranks.items():
+            if r < t.shape[0]:
+                t[r] *= f
+        return self.comm.apply(t, t.shape[0]) if self.comm is not None else t
+
+    def describe(self, R: int) -> str:
+        parts = [f"truth: {self.truth.name}"]
+        if self.comm is not None:
+            parts.append(self.comm.describe(R))
+        if self.slow_ranks:
+            parts.append(f"slow ranks {self.slow_ranks}")
+        if self.slow_S:
+            parts.append(f"slow lengths {self.slow_S}")
+        return "; ".join(parts)

@@ -1,0 +1,168 @@
+"""scheduling/replay.py and scripts/replay_plans.py: the run's numbers from per-(rank, slot) times by hand, the
+planner's own prediction evaluated by replay equal to the simulator's, and a tiny replay on the CPU whose rows are
+exactly the plans' micro-batches, each timed once."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from scheduling.balance import MicroBatch, StepPlan
+from scheduling.batching import batch_sizes
+from scheduling.calibrate import Calibration
+from scheduling.cost_model import CostModel
+from scheduling.replay import (StepTimes, evaluate, execution_order, plan_steps, step_times, summarize,
+                               to_grid)
+from scheduling.simulate import DEFAULT_MIX, Mix, samples_per_step, simulate
+
+QUAD = CostModel("quadratic", {"a": 15.7, "b1": 0.0238, "b2": 1.44e-6})
+
+
+def test_one_step_by_hand():
+    # rank 0 runs 10 then 30 ms, rank 1 20 then 10: slots wait 20 and 30 ms
+    s = summarize([StepTimes(np.array([[10.0, 30.0], [20.0, 10.0]]), np.ones((2, 2), bool), tokens=1000,
+                             samples=4, optim_ms=8.0)])
+    assert s.time_s == pytest.approx((20 + 30 + 8 / 2) / 1e3)  # the optimizer sharded over R = 2
+    assert s.tokens_per_s == pytest.approx(1000 / 0.054)
+    assert s.samples_per_s == pytest.approx(4 / 0.054)
+    assert s.idle_fraction == pytest.approx(1 - 70 / (2 * 50))  # 0.3
+    assert s.compute_cv == pytest.approx(5 / 35)  # rank totals 40 and 30
+    assert s.step_time_cv == 0 and s.compute_cv_pred is None
+    assert (s.steps, s.R, s.M, s.optim_ms, s.step_ms) == (1, 2, 2, 8.0, [pytest.approx(54.0)])
+
+
+def test_padding_slots_are_idle_but_take_their_time():
+    t = np.array([[10.0, 30.0], [20.0, 10.0]])
+    real = np.array([[True, True], [True, False]])  # rank 1's slot 1 is a padding micro-batch
+    s = summarize([StepTimes(t, real, tokens=1000, samples=3)])
+    assert s.idle_fraction == pytest.approx(1 - 60 / (2 * 50))  # 0.4: its 10 ms are idle
+    assert s.compute_cv == pytest.approx(5 / 35)  # its time still counts as the rank's
+    assert s.time_s == pytest.approx(0.050)
+
+
+def test_several_steps_pool_time_and_idle_and_spread_step_times():
+    a = StepTimes(np.array([[10.0, 30.0], [20.0, 10.0]]), np.ones((2, 2), bool), 1000, 4, optim_ms=8.0,
+                  pred_ms=np.array([[10.0, 10.0], [10.0, 10.0]]))
+    b = StepTimes(np.array([[40.0], [40.0]]), np.ones((2, 1), bool), 600, 2, optim_ms=12.0,
+                  pred_ms=np.array([[30.0], [10.0]]))
+    s = summarize([a, b])
+    steps = np.array([54.0, 46.0])  # 20 + 30 + 4 and 40 + 6
+    assert s.time_s == pytest.approx(0.100) and s.tokens_per_s == pytest.approx(16_000)
+    assert s.idle_fraction == pytest.approx(1 - (70 + 80) / (2 * 50 + 2 * 40))
+    assert s.compute_cv == pytest.approx((5 / 35 + 0) / 2)
+    assert s.compute_cv_pred == pytest.approx((0 + 0.5) / 2)  # 30 against 10: CV 0.5
+    assert s.step_time_cv == pytest.approx(steps.std() / steps.mean())  # 4 / 50
+    assert s.M == 2 and s.optim_ms == pytest.approx(10.0)
+
+
+def test_bad_inputs_are_refused():
+    with pytest.raises(ValueError, match="at least one step"):
+        summarize([])
+    with pytest.raises(ValueError, match="one shape"):
+        StepTimes(np.zeros((2, 2)), np.ones((2, 3), bool), 1, 1)
+    with pytest.raises(ValueError, match="no time"):
+        summarize([StepTimes(np.zeros((2, 2)), np.ones((2, 2), bool), 1, 1)])
+
+
+def _plan(grid_ms, real):
+    mk = lambda ms, w: MicroBatch(0, (0,), (1.0 if w else 0.0,), 10, float(ms))  # noqa: E731
+    return StepPlan(0, 0, 1, tuple(tuple(mk(ms, w) for ms, w in zip(row, rr)) for row, rr in zip(grid_ms, real)))
+
+
+def test_execution_order_is_slot_major_and_to_grid_inverts_it():
+    plan = _plan([[1, 2, 3], [4, 5, 6]], [[1, 1, 1], [1, 1, 0]])
+    order = execution_order(plan)
+    assert order == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+    assert to_grid(plan, [10, 40, 20, 50, 30, 60]).tolist() == [[10, 20, 30], [40, 50, 60]]
+    # the prediction is the default time source; a function of the micro-batch or one grid per step also serve
+    [st] = step_times([plan])
+    assert st.t_ms.tolist() == [[1, 2, 3], [4, 5, 6]] and st.real.tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert step_times([plan], lambda mb: 2 * mb.pred_ms)[0].t_ms.tolist() == [[2, 4, 6], [8, 10, 12]]
+    assert evaluate([plan], [np.full((2, 3), 7.0)], optim_ms=[14.0]).time_s == pytest.approx((21 + 7) / 1e3)
+    with pytest.raises(ValueError):
+        step_times([plan], [np.zeros((3, 2))])
+
+
+@pytest.mark.parametrize("strategy,R,window", [("equal_token", 8, 1), ("balanced", 8, 1), ("balanced", 16, 2)])
+def test_replay_of_the_prediction_equals_the_simulator(strategy, R, window):
+    mix, M, steps, seed, optim = Mix.of(DEFAULT_MIX), 4, 12, 3, 35.0
+    sizes = (batch_sizes("equal_token", mix.S, m_tokens=mix.S_max) if strategy == "equal_token" else
+             batch_sizes(strategy, mix.S, m_mem=4e5, cost_model=QUAD, target_ms=1.5 * QUAD.predict(1, mix.S_max)))
+    sim = simulate(QUAD.predict, mix, strategy, sizes, R, M, steps, seed, optim_ms=optim, window=window)
+    n = int(math.ceil(samples_per_step(mix, sizes, R, M) * steps * 1.1)) + R * M * max(sizes)  # as simulate sizes it
+    plans = plan_steps(mix.table(n, seed), seed, R, strategy, M, sizes, QUAD.predict, steps, window=window)
+    rep = evaluate(plans, None, optim)
+    assert (rep.samples, rep.tokens, rep.steps) == (sim.samples, sim.tokens, sim.steps)
+    for key in ("time_s", "tokens_per_s", "samples_per_s", "compute_cv", "idle_fraction", "compute_cv_pred",
+                "step_time_cv"):
+        assert getattr(rep, key) == pytest.approx(getattr(sim, key), rel=1e-12, abs=1e-15), key
+    assert rep.idle_fraction > (0.2 if strategy == "equal_token" else 0.0)  # not a trivial agreement
+
+
+def test_tiny_replay_times_every_planned_micro_batch_once(tmp_path):
+    from scripts.replay_plans import main
+
+    settings = tmp_path / "settings.json"
+    settings.write_text(json.dumps({"settings": [
+        {"strategy": "equal_token", "m_tokens": 120},
+        {"strategy": "balanced", "label": "bal", "batch_sizes": {"img_64": 4, "img_64x96": 3, "vid_64_9f": 2,
+                                                                 "vid_64x96_17f": 1}, "M": 3}]}))
+    out = tmp_path / "out"
+    # 30 samples: one of the 4 planned steps reaches the epoch's end and pads
+    res = main(["--out", str(out), "--settings", str(settings), "--ranks", "2", "--steps", "3", "--warmup", "1",
+                "--micro-batches", "2", "--samples", "30", "--calibration", "results/calibration_cpu_tiny.json",
+                "train.gc_every=0"])
+    doc = json.loads((out / "replay.json").read_text())
+    assert (out / "replay.md").exists() and len(doc["settings"]) == 2 == len(res["settings"])
+    mix = Mix.of([(m["bucket"], m["S"], m["share"]) for m in doc["meta"]["mix"]])
+    names = list(mix.names)
+    assert names == ["img_64", "img_64x96", "vid_64_9f", "vid_64x96_17f"]  # the config's data.synthetic.mix
+    padded = 0
+    for s in doc["settings"]:
+        assert s["batch_sizes"] == ([7, 5, 2, 1] if s["label"] == "equal_token" else [4, 3, 2, 1])
+        cost = Calibration.load("results/calibration_cpu_tiny.json").cost_model("none").predict
+        plans = plan_steps(mix.table(s["samples_in_epoch"], doc["meta"]["seed"]), doc["meta"]["seed"], 2,
+                           s["strategy"], s["M"], s["batch_sizes"], cost, 4)
+        rows = s["rows"]
+        assert len(rows) == sum(p.world_size * p.num_slots for p in plans)
+        for i, plan in enumerate(plans):
+            got = {(r["rank"], r["slot"]): r for r in rows if r["step"] == i - 1}
+            assert sorted(got) == sorted(execution_order(plan))  # every (rank, slot) once
+            for (rk, k), r in got.items():
+                mb = plan.ranks[rk][k]
+                assert (r["bucket"], r["S"], r["B"], r["real"], r["warmup"]) == \
+                    (names[mb.bucket], mb.S, mb.B, mb.num_real > 0, i == 0)
+                assert r["pred_ms"] == pytest.approx(mb.pred_ms) and r["measured_ms"] > 0
+                assert r["scaled_ms"] == r["measured_ms"]  # the whole model ran
+        # the epoch's end (then the next epoch starts): 15 micro-batches in 4s leave 3, one padding micro-batch in
+        # its 2 slots; 16 in 6s leave 4, whole slots
+        [end] = [p for p in plans if p.next_pos == 30]
+        pads = sum(int((~p.real()).sum()) for p in plans)
+        assert (pads, end.num_slots) == ((1, 2) if s["label"] == "equal_token" else (0, 2))
+        padded += pads
+        # the summary is the rows' arithmetic: idle from the timed rows' grid
+        timed = plans[1:]
+        grids = [np.array([[next(r["scaled_ms"] for r in rows if r["step"] == i and r["rank"] == rk and r["slot"] == k)
+                            for k in range(p.num_slots)] for rk in range(2)]) for i, p in enumerate(timed)]
+        busy = sum(g[p.real()].sum() for g, p in zip(grids, timed))
+        assert s["measured"]["idle_fraction"] == pytest.approx(1 - busy / sum(2 * g.max(0).sum() for g in grids))
+        assert s["measured"]["tokens"] == sum(p.tokens for p in timed)
+        assert s["predicted"]["tokens_per_s"] == pytest.approx(evaluate(timed, None, doc["meta"]["optim_ms_predicted"])
+                                                               .tokens_per_s)
+    assert padded == 1
+    # the timed runs of each (S, B), as a calibration's points
+    n_timed = sum(1 for s in doc["settings"] for r in s["rows"] if not r["warmup"])
+    assert sum(len(p["ms_runs"]) for p in doc["points"]) == n_timed and all(p["ms"] > 0 for p in doc["points"])
+
+
+def test_padding_micro_batches_carry_loss_weight_zero():
+    from types import SimpleNamespace
+
+    from scripts.replay_plans import SyntheticInputs
+
+    inputs = SyntheticInputs(SimpleNamespace(text_len=4, text_dim=3), pin=False)
+    real = inputs.batch(MicroBatch(0, (5, 6), (1.0, 1.0), 16, 1.0), "img_64", (4, 1, 8, 8))
+    pad = inputs.batch(MicroBatch(0, (5,), (0.0,), 16, 1.0), "img_64", (4, 1, 8, 8))
+    assert real.loss_weight.tolist() == [1.0, 1.0] and pad.loss_weight.tolist() == [0.0]
+    assert tuple(real.latents.shape) == (2, 4, 1, 8, 8) and tuple(pad.text.shape) == (1, 4, 3)
+    assert real.keys == ["5", "6"] and pad.num_real == 0 and real.num_real == 2

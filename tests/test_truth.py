@@ -1,0 +1,106 @@
+"""The simulator's truth apart from the planner's model, FSDP's collectives, and a fixed global batch."""
+import math
+
+import numpy as np
+import pytest
+
+from scheduling.balance import plan_step
+from scheduling.cost_model import CostModel
+from scheduling.simulate import Mix, settings_at_tokens, simulate, sizes_for, sweep_at_tokens, tokens_per_step
+from scheduling.truth import Cluster, CommModel, MeasuredTruth, ModelTruth
+
+QUAD = CostModel("quadratic", {"a": 30.0, "b0": 4.0, "b1": 0.02, "b2": 1.5e-6})
+MIX = Mix.of([("img", 1560, 0.4), ("v17", 7800, 0.3), ("v33", 14040, 0.2), ("v81", 32760, 0.1)])
+
+
+def test_measured_truth_draws_repeats_and_interpolates_between_measurements():
+    truth = MeasuredTruth({(1000, 1): [10.0, 12.0], (1000, 5): [30.0], (4000, 1): [40.0], (4000, 3): [100.0]})
+    rng = np.random.default_rng(0)
+    assert {truth.draw(1, 1000, rng) for _ in range(50)} == {10.0, 12.0}  # a measured micro-batch: its own runs
+    assert truth.mean(3, 1000) == pytest.approx(11 + (30 - 11) / 4 * 2)  # the line through B = 1 and 5
+    assert truth.mean(2, 4000) == pytest.approx(70.0)
+    at2000 = math.exp(0.5 * math.log(truth.mean(2, 1000)) + 0.5 * math.log(truth.mean(2, 4000)))
+    assert truth.mean(2, 2000) == pytest.approx(at2000)  # log-linear in log S, half way in log S
+    assert truth.mean(1, 8000) > truth.mean(1, 4000)  # extrapolated along the last two lengths
+    assert truth.noise.mean() == pytest.approx(0.0, abs=1e-12) and np.abs(truth.noise).max() == pytest.approx(1 / 11)
+
+
+def test_fsdp_comm_hides_behind_compute_but_the_first_gather():
+    comm = CommModel(param_bytes=8e9, grad_bytes=8e9, blocks=10, bandwidth=400.0, inter_node_bandwidth=40.0)
+    assert comm.ms(8) == pytest.approx(24e9 * 7 / 8 / 400e9 * 1e3)  # 52.5 ms
+    assert comm.ms(16) == pytest.approx(24e9 * 15 / 16 / 40e9 * 1e3) and comm.ms(1) == 0
+    t = np.array([[10.0, 200.0], [60.0, 30.0]])
+    assert np.allclose(comm.apply(t, 8), np.maximum(t, 52.5) + 5.25)
+
+
+def test_a_planted_slow_length_shows_as_idle_the_planner_cannot_see():
+    sizes = sizes_for("balanced", MIX, {"target_microbatch_ms": 3000.0, "m_mem": 2e5}, QUAD.predict)
+    run = lambda cluster: simulate(QUAD.predict, MIX, "balanced", sizes, R=8, M=2, steps=200, cluster=cluster)  # noqa
+    exact = run(Cluster(ModelTruth(QUAD.predict)))
+    slow = run(Cluster(ModelTruth(QUAD.predict), slow_S={7800: 1.6}))
+    assert exact.idle_fraction < 0.05 and slow.idle_fraction > exact.idle_fraction + 0.08
+    assert slow.compute_cv_pred == pytest.approx(exact.compute_cv_pred)  # the planner predicted the same
+
+
+def test_a_slow_rank_makes_the_others_wait():
+    one = Mix.of([("only", 1000, 1.0)])
+    r = simulate(lambda B, S: 100.0, one, "equal_token", [1], R=4, M=1, steps=20,
+                 cluster=Cluster(ModelTruth(lambda B, S: 100.0), slow_ranks={2: 1.5}))
+    assert r.idle_fraction == pytest.approx(1 - (3 * 100 + 150) / (4 * 150))
+    assert r.time_s == pytest.approx(20 * 0.150)
+
+
+def test_tokens_per_step_matches_the_planner_and_every_candidate_holds_g():
+    sizes = [12, 3, 1, 1]
+    plans_tokens = []
+    table = MIX.table(20000, seed=1)
+    pos = 0
+    for _ in range(300):
+        plan, pos = plan_step(table, 1, 0, pos, 4, "equal_token", 3, sizes, QUAD.predict)
+        plans_tokens.append(plan.tokens / 4)
+    assert np.mean(plans_tokens) == pytest.approx(tokens_per_step(MIX, sizes, 3), rel=0.03)
+    g = 2 * MIX.S_max
+    for strategy in ("equal_token", "dual_constraint", "balanced"):
+        cands = settings_at_tokens(strategy, MIX, QUAD.predict, 1.5, 2e5, g, M_max=8, per_M=3)
+        assert cands and all(abs(M * tokens_per_step(MIX, sz, 1) - g) <= 0.1 * g for _, sz, M in cands)
+        assert {M for _, _, M in cands} >= {1, 2}  # several M hold it, each with its own batch table
+    best, runs = sweep_at_tokens(QUAD.predict, MIX, "balanced", 8, g, p=1.5, m_mem=2e5, mbs=512, mbs_final=1024,
+                                 M_max=4, per_M=2)
+    assert best.tokens_per_s == pytest.approx(max(r.tokens_per_s for r in runs), rel=0.05)
+    assert abs(best.tokens / best.steps / 8 - g) <= 0.15 * g  # simulated tokens a rank a step: g ± 10 % + draws
+
+
+def test_the_protocol_records_what_training_reads_for_tokens_per_step(tmp_path):
+    """run_fixed_batch's best settings go into the calibration; resolve_schedule with tokens_per_step takes the
+    nearest simulated g and world size, and its batch table holds g within ±10 % on the corpus' own mix."""
+    from scheduling.calibrate import Point, fit_mode, new_calibration
+    from scheduling.config import SchedulingConfig
+    from scheduling.policy import ModelShape, resolve_schedule
+    from scheduling.protocol import inputs_from, record_chosen_at_g, run_fixed_batch
+
+    pts = [Point("b", S, B, True, QUAD.predict(B, S), [QUAD.predict(B, S) * f for f in (0.99, 1.01)], 5.0,
+                 1e9 + 1e5 * B * S) for B, S in [(1, 1560), (40, 1560), (1, 7800), (8, 7800), (1, 14040), (4, 14040),
+                                                 (1, 32760), (2, 32760)]]
+    cal = new_calibration({"full": fit_mode(pts)}, model={}, source="t", device="t", date="t", command="t",
+                          hbm_bytes=64e9)
+    path = str(tmp_path / "cal.json")
+    cal.save(path)
+    inp = inputs_from(cal, "full", MIX)
+    res = run_fixed_batch(inp, MIX, ranks=(8,), g_factors=(2.0,), mbs=256, mbs_final=512, per_M=2,
+                          model_truth=False, log=lambda s: None)
+    record_chosen_at_g(cal, res, MIX, "full", inp.m_mem)
+    cal.save(path)
+    best = res["steady"][(8, 2.0, "balanced")]
+    tokens = dict(zip(MIX.names, MIX.S))
+    shares = dict(zip(MIX.names, MIX.share))
+    s = resolve_schedule(SchedulingConfig("balanced", calibration=path, tokens_per_step=2 * MIX.S_max), tokens,
+                         ModelShape(1, 30, 1536, 512), world_size=8, shares=shares)
+    assert s.micro_batches == best.M and s.window == best.window
+    assert s.values["target_microbatch_ms"] == best.setting["target_microbatch_ms"]
+    assert s.sources["micro_batches"].startswith("calibration:chosen")
+    assert abs(s.values["tokens_per_step"] - 2 * MIX.S_max) <= 0.1 * 2 * MIX.S_max
+    # without a choice for it in the file (equal_token needs no calibration): every setting that holds g
+    e = resolve_schedule(SchedulingConfig("equal_token", tokens_per_step=3 * MIX.S_max), tokens,
+                         ModelShape(1, 30, 1536, 512), world_size=8, shares=shares)
+    assert abs(e.values["tokens_per_step"] - 3 * MIX.S_max) <= 0.1 * 3 * MIX.S_max and e.micro_batches >= 1
+    assert e.sources["micro_batches"] == "chosen for tokens_per_step (predicted tokens/s)"
