@@ -24,19 +24,18 @@ from models.build import build_parallel_model, model_inputs
 from models.flow_matching import FlowMatching
 from models.lora import has_lora, save_lora
 from models.parallelize import FSDPOptions, checkpoint_policy
-from scheduling.balance import advance, plan_step
+from scheduling.planner import advance, plan_step
 from scheduling.policy import ModelShape, schedule_for
 from scripts.sample import ValidationSampler
-from training.checkpoint import load_checkpoint, save_checkpoint
+from training.checkpoint import LoopState, load_checkpoint, save_checkpoint
 from training.config import TrainConfig, load_config
 from training.dist import fsdp_options_from_env, init_distributed, maybe_launch, shutdown
-from training.metrics_log import MetricsLogger
 from training.optim import EMA, build_optimizer
 from training.resume import apply_optim_config, check_config, optim_hyperparameters, resume
 from training.busy import StepProfiler
 from training.cuda_graphs import graph_blockers, graphs_for
-from training.step import autocast_for, collector_every, train_step, validation_loss
-from training.step_metrics import StepMetrics
+from training.step import TrainParts, autocast_for, collector_every, train_step, validation_loss
+from training.metrics import MetricsLogger, StepMetrics
 
 log = logging.getLogger("train")
 WARMUP_STEPS = 3  # steps left out of throughput (compilation, allocator warm-up)
@@ -49,57 +48,77 @@ def run(cfg: TrainConfig, config_yaml: str) -> dict:
 
 
 def _run(cfg: TrainConfig, config_yaml: str, gc_tick) -> dict:
+    # 1. process group and run folder
     ctx = init_distributed()
     torch.manual_seed(cfg.train.seed)
     if ctx.is_main:
         os.makedirs(cfg.run_dir, exist_ok=True)
     ctx.barrier()
 
+    # 2. the corpus, first: what it can check without the model (patterns, index, empty prompt) fails before the build
     buckets = bucket_table(cfg.data.buckets, patch=cfg.model.patch)
-    # the corpus first: what it can check without the model (patterns, index, empty prompt) fails before the build
     corpus = open_corpus(cfg.data, buckets, cfg.model.in_channels, cfg.model.text_dim, cfg.train.seed,
                          ctx.is_main, ctx.barrier, pooled_dim=getattr(cfg.model, "pooled_projection_dim", None))
+
+    # 3. the model, sharded with FSDP2 over several processes (models/parallelize.py)
     model = build_parallel_model(cfg.model, ctx.rank, ctx.world_size, ctx.device, FSDPOptions(**fsdp_options_from_env()))
-    inputs = functools.partial(model_inputs, cfg.model)
+
+    # 4. the schedule: batch size per bucket, cost model, M (scheduling.tokens_per_step), recompute per micro-batch
     shape = ModelShape.of(cfg.model, model.num_matmul_params())
     shares = dict(zip(corpus.bucket_names, np.bincount(corpus.table.bucket, minlength=len(corpus.bucket_names))))
     schedule = schedule_for(cfg, {n: b.tokens for n, b in buckets.items()}, shape, ctx.world_size, shares)
-    micro_batches = schedule.micro_batches or cfg.train.micro_batches  # scheduling.tokens_per_step sets M
+    micro_batches = schedule.micro_batches or cfg.train.micro_batches
     batch_sizes = [schedule.batch_sizes[n] for n in corpus.bucket_names]
-    policy = checkpoint_policy(cfg.model.checkpointing, schedule.recompute_blocks, cfg.model.keep_attention,
-                               len(model.blocks))
+
+    # 5. optimizer, LR schedule, EMA, objective, precision, graphs: the parts every step uses
+    optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.train.steps)
     graphs = graphs_for(cfg.train.cuda_graphs, ctx.device, ctx.world_size, graph_blockers(cfg.model),
                         cfg.train.graph_max_tokens)
-    # no weight-cast cache under CUDA graphs (captures forbid it) nor FSDP (it would hold a bf16 copy of every
-    # gathered weight until the forward ends); the numbers are the same either way
-    autocast = autocast_for(ctx.device, cfg.model.precision, cache=graphs is None and ctx.world_size == 1)
-    optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.train.steps)
-    ema = EMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None
-    objective = FlowMatching(cfg.objective)
+    parts = TrainParts(
+        model, FlowMatching(cfg.objective), optimizer, scheduler, ctx, cfg.train.seed, cfg.optim.grad_clip,
+        ema=EMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None,
+        checkpoint_policy=checkpoint_policy(cfg.model.checkpointing, schedule.recompute_blocks,
+                                            cfg.model.keep_attention, len(model.blocks)),
+        # no weight-cast cache under CUDA graphs (captures forbid it) nor FSDP (it would hold a bf16 copy of every
+        # gathered weight until the forward ends); the numbers are the same either way
+        autocast=autocast_for(ctx.device, cfg.model.precision, cache=graphs is None and ctx.world_size == 1),
+        model_inputs=functools.partial(model_inputs, cfg.model), graphs=graphs)
 
-    state = {"step": 0, "epoch": 0, "pos": 0, "samples_seen": 0, "bad_in_a_row": 0, "skipped_steps": 0}
+    # 6. resume: the newest good checkpoint (resume=auto) with this run's hyper-parameters (training/resume.py)
+    state = LoopState()
     adapter_only = has_lora(model) and cfg.model.pretrained is not None  # the base is re-read from pretrained
     fresh_hparams = optim_hyperparameters(optimizer)
 
     def load(path: str) -> dict:
         check_config(path, cfg, cfg.resume_force, ctx.is_main)
-        meta = load_checkpoint(path, model, optimizer, ema, ctx, trainable_only=adapter_only)
+        meta = load_checkpoint(path, model, optimizer, parts.ema, ctx, trainable_only=adapter_only)
         scheduler.load_state_dict(meta["lr_scheduler"])
         apply_optim_config(optimizer, scheduler, fresh_hparams)  # this run's lr, betas, ... at the restored step
         return meta
 
     ckpt, meta = resume(cfg.resume, cfg.run_dir, ctx, load)
     if ckpt:
-        state.update({k: meta[k] for k in state})
+        state = LoopState.from_meta(meta)
         bad = meta.get("data", {})  # placeholders were summed over ranks: one rank carries the sum on
         corpus.restore_bad(bad if ctx.is_main else {"bad": bad.get("bad", [])})
+
+    def checkpoint(diverged: bool = False) -> str:
+        bad = merge_bad_states(ctx.gather_objects(corpus.bad_state()))  # every rank's, so a resume knows them all
+        meta = state.meta() | {"lr_scheduler": scheduler.state_dict(), "data": bad}
+        path = save_checkpoint(cfg.run_dir, state.step, model, optimizer, parts.ema, meta, config_yaml, ctx,
+                               cfg.checkpoint.keep_last, trainable_only=adapter_only, diverged=diverged)
+        if has_lora(model):  # step_N/lora/: what WanPipeline.load_lora_weights reads (every rank gathers)
+            save_lora(model, os.path.join(path, "lora"), ctx.is_main)
+        return path
+
+    # 7. logging, data, validation, signals
     if ctx.is_main:  # after resume: a refused resume leaves the run's config as it was
         with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
             f.write(config_yaml)
     logger = MetricsLogger(cfg.run_dir, cfg.logging, cfg.name, OmegaConf.to_container(OmegaConf.create(config_yaml)),
                            enabled=ctx.is_main)
     if ctx.is_main:
-        log.info("%s from %s\n%s", f"resumed at step {state['step']}" if ckpt else "starting",
+        log.info("%s from %s\n%s", f"resumed at step {state.step}" if ckpt else "starting",
                  ckpt or "scratch", schedule.table({n: buckets[n].tokens for n in corpus.bucket_names}))
         log.info("scheduling values %s, from %s", schedule.values, schedule.sources)
         for note in schedule.notes:
@@ -108,89 +127,79 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick) -> dict:
                     cfg.data.num_workers)
     val_batches = loader.val_batches()
     sampler = ValidationSampler(cfg, ctx, val_batches, corpus.empty_text) if cfg.train.sample_every else None
-
-    stop = {"signal": None}  # SIGTERM/SIGINT: finish the step, checkpoint, exit
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, _f: stop.update(signal=s))
-
-    def checkpoint(diverged: bool = False):
-        bad = merge_bad_states(ctx.gather_objects(corpus.bad_state()))  # every rank's, so a resume knows them all
-        meta = {k: state[k] for k in state} | {"lr_scheduler": scheduler.state_dict(), "data": bad}
-        path = save_checkpoint(cfg.run_dir, state["step"], model, optimizer, ema, meta, config_yaml, ctx,
-                               cfg.checkpoint.keep_last, trainable_only=adapter_only, diverged=diverged)
-        if has_lora(model):  # step_N/lora/: what WanPipeline.load_lora_weights reads (every rank gathers)
-            save_lora(model, os.path.join(path, "lora"), ctx.is_main)
-        return path
-
-    def plan_at(epoch: int, pos: int):
-        return plan_step(corpus.table, cfg.train.seed, epoch, pos, ctx.world_size, schedule.strategy,
-                         micro_batches, batch_sizes, schedule.cost_fn, window=schedule.window)
-
     own_count = getattr(model, "train_flops", None)  # the MMDiT counts its joint attention itself
     metrics = StepMetrics(ctx, shape, cfg.metrics.peak_tflops, WARMUP_STEPS,
                           sample_flops=(lambda S: own_count(S, cfg.model.text_len)) if own_count else None)
     profiler = StepProfiler(cfg.metrics.busy_every, cfg.metrics.profile_steps, os.path.join(cfg.run_dir, "traces"),
                             ctx.rank)
-    last = {}
+    stop = {"signal": None}  # SIGTERM/SIGINT: finish the step, checkpoint, exit
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, _f: stop.update(signal=s))
+
+    def plan_at(epoch: int, pos: int):
+        return plan_step(corpus.table, cfg.train.seed, epoch, pos, ctx.world_size, schedule.strategy,
+                         micro_batches, batch_sizes, schedule.cost_fn, window=schedule.window)
+
+    # 8. the loop
+    bar = None
     if ctx.is_main and cfg.train.progress:
         from tqdm import tqdm
-        bar = tqdm(total=cfg.train.steps, initial=state["step"], desc=cfg.name, dynamic_ncols=True)
-    else:
-        bar = None
+        bar = tqdm(total=cfg.train.steps, initial=state.step, desc=cfg.name, dynamic_ncols=True)
+    last: dict = {}
     model.train()
-    if state["step"] == 0:  # the starting point of the val/loss curve
-        logger.log_metrics(0, {"samples_seen": 0, "val/loss": validation_loss(model, objective, val_batches, ctx,
-                                                                              cfg.train.seed, autocast, inputs)})
-    while state["step"] < cfg.train.steps:
+    if state.step == 0:  # the starting point of the val/loss curve
+        logger.log_metrics(0, {"samples_seen": 0, "val/loss": validation_loss(parts, val_batches)})
+    while state.step < cfg.train.steps:
         t_step = time.perf_counter()
-        epoch, pos = state["epoch"], state["pos"]
-        plan, next_pos = plan_at(epoch, pos)
+        epoch = state.epoch
+        plan, next_pos = plan_at(epoch, state.pos)
         nxt_epoch, nxt_pos = advance(epoch, next_pos, corpus.table)
-        if cfg.data.num_workers and state["step"] + 1 < cfg.train.steps:
+        if cfg.data.num_workers and state.step + 1 < cfg.train.steps:
             loader.prefetch(plan_at(nxt_epoch, nxt_pos)[0])  # workers decode the next step while this one runs
         lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
-        with profiler.context(state["step"] + 1):
-            st = train_step(model, objective, loader.step(plan), plan.num_samples, ctx, optimizer, scheduler, ema,
-                            cfg.optim.grad_clip, cfg.train.seed, epoch, policy, autocast, inputs, graphs)
+        with profiler.context(state.step + 1):
+            st = train_step(parts, loader.step(plan), plan.num_samples, epoch)
         step_s = time.perf_counter() - t_step
-        state.update(step=state["step"] + 1, epoch=nxt_epoch, pos=nxt_pos,
-                     samples_seen=state["samples_seen"] + plan.num_samples)
-        gc_tick(state["step"])
-        state["bad_in_a_row"] = state["bad_in_a_row"] + 1 if st.skipped else 0
-        state["skipped_steps"] += int(st.skipped)
+        state.step, state.epoch, state.pos = state.step + 1, nxt_epoch, nxt_pos
+        state.samples_seen += plan.num_samples
+        state.bad_in_a_row = state.bad_in_a_row + 1 if st.skipped else 0
+        state.skipped_steps += int(st.skipped)
+        gc_tick(state.step)
 
-        m = {"samples_seen": state["samples_seen"], "epoch": epoch, "train/lr": lr,
-             "train/skipped_steps": state["skipped_steps"],
-             **metrics.row(state["step"], plan, st, step_s, profiler.finish(state["step"], plan.num_slots))}
+        m = {"samples_seen": state.samples_seen, "epoch": epoch, "train/lr": lr,
+             "train/skipped_steps": state.skipped_steps,
+             **metrics.row(state.step, plan, st, step_s, profiler.finish(state.step, plan.num_slots))}
         m.update({f"data/skipped_{r}": n for r, n in corpus.skipped.items()})
         if graphs is not None:
             m.update({"memory/graph_pool_gib": graphs.pool_bytes / 2**30, "perf/graph_replays": graphs.stats.replays})
-        if state["step"] % cfg.train.val_every == 0 or state["step"] == cfg.train.steps:
-            m["val/loss"] = validation_loss(model, objective, val_batches, ctx, cfg.train.seed, autocast, inputs)
-        if state["step"] % cfg.train.log_every == 0 or "val/loss" in m:
-            logger.log_metrics(state["step"], m)
-        if sampler is not None and (state["step"] % cfg.train.sample_every == 0 or state["step"] == cfg.train.steps):
-            logger.log_videos(state["step"], sampler(model, state["step"], autocast))
+        if state.step % cfg.train.val_every == 0 or state.step == cfg.train.steps:
+            m["val/loss"] = validation_loss(parts, val_batches)
+        if state.step % cfg.train.log_every == 0 or "val/loss" in m:
+            logger.log_metrics(state.step, m)
+        if sampler is not None and (state.step % cfg.train.sample_every == 0 or state.step == cfg.train.steps):
+            logger.log_videos(state.step, sampler(model, state.step, parts.autocast))
         last = m
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{m['train/loss']:.4f}", **({"val": f"{m['val/loss']:.4f}"} if "val/loss" in m else {}))
 
-        if state["bad_in_a_row"] >= cfg.train.max_bad_steps:
+        if state.bad_in_a_row >= cfg.train.max_bad_steps:
             kept = checkpoint(diverged=True)  # for inspection: never resumed by auto, never evicts a good one
             raise RuntimeError(
-                f"{state['bad_in_a_row']} steps in a row had a NaN/Inf loss or gradient (train.max_bad_steps="
+                f"{state.bad_in_a_row} steps in a row had a NaN/Inf loss or gradient (train.max_bad_steps="
                 f"{cfg.train.max_bad_steps}); the diverged state is in {kept}. `resume=auto` restarts from the last "
                 f"good checkpoint; add a lower rate to continue past this point, e.g. optim.lr={cfg.optim.lr / 2:g}")
         if ctx.all_reduce_max(float(stop["signal"] is not None)):
-            log.warning("signal received: checkpointing at step %d and stopping", state["step"])
+            log.warning("signal received: checkpointing at step %d and stopping", state.step)
             last["checkpoint"] = checkpoint()
             break
-        if cfg.checkpoint.every and state["step"] % cfg.checkpoint.every == 0:
+        if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0:
             checkpoint()
     else:
-        if cfg.checkpoint.at_end and not os.path.exists(os.path.join(cfg.run_dir, f"step_{state['step']}")):
+        if cfg.checkpoint.at_end and not os.path.exists(os.path.join(cfg.run_dir, f"step_{state.step}")):
             checkpoint()
+
+    # 9. close
     if bar is not None:
         bar.close()
     loader.close()

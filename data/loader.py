@@ -70,7 +70,7 @@ from data.decode import DecodeError
 from data.index import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, SampleIndex, index_path, load_npy, read_meta
 from data.raw import RawConfig, clip_start, common_dir, ensure_raw_index, expand_urls, load_raw, select_raw
 from models.flow_matching import keyed_generator
-from scheduling.balance import MicroBatch, SampleTable, StepPlan
+from scheduling.planner import MicroBatch, SampleTable, StepPlan
 
 log = logging.getLogger(__name__)
 LOG_KEYS_PER_REASON = 20  # bad keys logged one by one per reason; the rest are counted only

@@ -6,10 +6,10 @@ Time of forward + backward of a micro-batch of B samples of S tokens (text lengt
                                                              ∝ S², cross-attention ∝ S·L; non-negative LS
                t = a + b0·B + b1·B·(S+L) + b2·B·(S+L)²       joint attention (MMDiT): text joins the sequence
            b0: work each sample costs whatever its S (its text tokens' projections, its conditioning). The issue's
-           form has no such term. On the H200 (Wan 1.3B, 512 text tokens; run 3 of results/h200_calibration.md) it
+           form has no such term. On the H200 (Wan 1.3B, 512 text tokens; results/h200_calibration.md) it
            is 5.2 ms a sample. The form without it fits that scan's ten points at 2.1 % against 0.23 %, and fitted to
            the ladder alone (without the memory probe, i480 at B = 459) it misses the probe by 11 %; with b0, by
-           2.5 %. On a scan with fewer lengths the probe is what pins b0 (results/h200_calibration.md, run 1).
+           2.5 %. On a scan with fewer lengths the probe is what pins b0 (results/h200_calibration.md).
            b0 is fitted from B0_MIN_POINTS points on, and only where B varies apart from S (else 0).
     auto       whichever of the two has the lower leave-one-out relative error
     floor      either form as t = max(floor, f(B, S)): a small micro-batch costs at least the host's time to launch
@@ -332,7 +332,7 @@ class MemoryModel:
     which every sample carries whatever its S). floor: a peak that does not grow with the micro-batch — the
     optimizer step's (fp32 states, gradients and the update's temporaries); a small micro-batch peaks there, not in
     backward. A line through such points as well as the large ones bends towards them and under-states c1: on the
-    H200 (Wan 1.3B, 30 blocks; run 1 of results/h200_calibration.md) every B = 1 point up to S = 46,800 peaked at
+    H200 (Wan 1.3B, 30 blocks; results/h200_calibration.md) every B = 1 point up to S = 46,800 peaked at
     26.6 GiB, and the plain line gave 110 KiB a token where the large micro-batches take 148."""
     c0: float
     c1: float

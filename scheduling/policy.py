@@ -11,7 +11,7 @@ Every knob is resolved in this order, and `Schedule.sources` records which sourc
 The cost function is the calibration's cost model for model.checkpointing (for `auto`, with both `none` and `full`
 measured: each micro-batch recomputes the fewest blocks that fit the budget, and its cost lies between the two
 modes' in proportion: PartialRecompute). Without a calibration it is
-the model's FLOPs (scheduling/metrics.py) at `proxy_tflops`: enough for relative balance metrics, not for absolute
+the model's FLOPs (scheduling/efficiency.py) at `proxy_tflops`: enough for relative balance metrics, not for absolute
 times. Settings that cannot work are refused with a ValueError naming the field. A calibration file that does not
 exist is refused too, unless the strategy's knobs are all set in the config (equal_token's m_tokens; dual_constraint's
 m_mem, m_comp and p): the run then goes on without it and says so in its notes.
@@ -27,7 +27,7 @@ from scheduling.batching import _check_fits, batch_sizes
 from scheduling.calibrate import HBM_FRACTION, Calibration
 from scheduling.config import SchedulingConfig
 from scheduling.fsdp_memory import FSDPMemoryModel
-from scheduling.metrics import model_flops
+from scheduling.efficiency import model_flops
 
 # the knobs that, all set in the config, let a strategy run without its calibration file
 SELF_SUFFICIENT = {"equal_token": ("m_tokens",), "dual_constraint": ("m_mem", "m_comp", "p")}

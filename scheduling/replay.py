@@ -9,7 +9,7 @@ does no work); FSDP synchronises every slot, and the optimizer step is sharded o
 
     step time     T = Σ_k max_r t_rk + optim_ms / R
 
-A run of K steps (scheduling.metrics holds the per-step formulas):
+A run of K steps (scheduling.efficiency holds the per-step formulas):
 
     tokens/s      Σ real latent tokens / Σ T          samples/s likewise (real samples: loss weight > 0)
     compute CV    mean over steps of (CV over ranks of Σ_k t_rk)          padding time counted as the rank's
@@ -27,8 +27,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from scheduling.balance import CostFn, MicroBatch, SampleTable, StepPlan, advance, plan_step
-from scheduling.metrics import compute_cv, step_time
+from scheduling.planner import CostFn, MicroBatch, SampleTable, StepPlan, advance, plan_step
+from scheduling.efficiency import compute_cv, step_time
 
 TimeSource = Union[None, Callable[[MicroBatch], float], Sequence[np.ndarray]]
 

@@ -1,21 +1,22 @@
-"""Cluster simulator: R ranks, M micro-batches per rank per step, the real planner, a calibrated cost model.
+"""Cluster simulator: R ranks, M micro-batches per rank per step, the real planner, a truth of micro-batch times.
 
-For each strategy the planner (scheduling/balance.py, the same code training runs) plans K steps over an epoch
+For each strategy the planner (scheduling/planner.py, the same code training runs) plans K steps over an epoch
 whose sample mix equals the corpus (shares are of samples; each bucket's batches are filled from the sample
-stream). A micro-batch's time is the cost model's prediction × (1 + ε), ε drawn from the calibration's relative
-residuals (bootstrap); FSDP synchronises every slot, so
+stream). Each micro-batch takes what the cluster's truth says (scheduling/truth.py: measured times, FSDP's
+collectives, slow ranks; or, the old mode, the planner's prediction × (1 + ε) with ε from the fit's residuals);
+FSDP synchronises every slot, so (scheduling/replay.py computes these)
 
     step time   = Σ_k max_r t_rk + optim_ms / R        (the optimizer step is sharded over the R ranks)
     compute CV  = CV over ranks of Σ_k t_rk, averaged over steps
     idle        = 1 − Σ t_rk / (R · Σ_steps Σ_k max_r t_rk)      (all steps together; padding slots idle)
     tokens/s    = real latent tokens / Σ step time;  samples/s likewise
 
-Protocol (issue 4): M = 4; m_mem from the memory model at 90 % of HBM (optimizer state included); each strategy at
-its best setting over a sweep — m_tokens for equal_token (also reported at m_tokens = S_max, the usual choice),
-m_comp for dual_constraint (p from the power fit), target_microbatch_ms for cost and balanced. The sweep is a grid,
-then every distinct setting between the best grid point's neighbours (where some batch size changes: breakpoints());
-the winner is simulated again on fresh samples and noise (seed + 1), so that its numbers are not the luckiest of
-many draws, and every row a table compares it with (equal_token at S_max, larger R, M, window) uses that draw too.
+A fixed global batch (sweep_at_tokens; scheduling/protocol.py runs it): every strategy's knob and M held to g real
+tokens per rank per step. Unconstrained (sweep): M fixed; m_mem from the memory model at 90 % of HBM; each strategy
+at its best setting over a sweep of its knob — m_tokens (equal_token), m_comp (dual_constraint, p from the power
+fit), target_microbatch_ms (cost, balanced): a grid, then every distinct setting between the best grid point's
+neighbours (where some batch size changes: breakpoints()); the winner is simulated again on fresh samples and
+noise (seed + 1), so that its numbers are not the luckiest of many draws.
 """
 from __future__ import annotations
 
@@ -25,12 +26,12 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from scheduling.balance import SampleTable, plan_step
+from scheduling.planner import SampleTable, plan_step
 from scheduling.batching import batch_sizes as rule_batch_sizes
 from scheduling.replay import RunSummary, StepTimes, summarize
 from scheduling.truth import Cluster, ModelTruth
 
-# Issue 4's default mix: (name, S for Wan's VAE and 1×2×2 patches, share of samples)
+# The default mix: (name, S for Wan's VAE and 1×2×2 patches, share of samples)
 DEFAULT_MIX = (("i480", 1560, 0.25), ("i720", 3600, 0.10), ("v480_17f", 7800, 0.15), ("v480_33f", 14040, 0.15),
                ("v480_49f", 20280, 0.12), ("v480_81f", 32760, 0.15), ("v720_81f", 75600, 0.08))
 SWEEP = {"equal_token": (0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0),      # × S_max
@@ -297,8 +298,8 @@ def sweep_at_tokens(cost_fn, mix: Mix, strategy: str, R: int, g: float, *, p: Op
 
 
 # ------------------------------------------------------------------------------ the default input, until measured
-# Issue 4's H200 measurements: 4 Wan-1.3B blocks, bf16, checkpointed, forward + backward; (B, S, ms).
-H200_ISSUE4_POINTS = ((16, 1024, 58.1), (64, 1024, 224.6), (8, 2048, 60.7), (32, 2048, 235.8), (4, 4096, 66.8),
+# The first H200 measurements of the project: 4 Wan-1.3B blocks, bf16, checkpointed, forward + backward; (B, S, ms).
+H200_FOUR_BLOCK_POINTS = ((16, 1024, 58.1), (64, 1024, 224.6), (8, 2048, 60.7), (32, 2048, 235.8), (4, 4096, 66.8),
                       (16, 4096, 259.5), (2, 8192, 78.9), (8, 8192, 311.9), (1, 16384, 105.0), (4, 16384, 417.5),
                       (2, 32768, 624.2), (1, 65536, 1041.6))
 WAN_1P3B = {"name": "wan", "dim": 1536, "num_layers": 30, "num_attention_heads": 12, "ffn_dim": 8960,
@@ -306,8 +307,9 @@ WAN_1P3B = {"name": "wan", "dim": 1536, "num_layers": 30, "num_attention_heads":
 H200_HBM_BYTES = 139.8 * 2**30
 
 
-def issue4_h200_calibration():
-    """A calibration fitted to issue 4's 12 H200 points, extrapolated 4 → 30 blocks, with an estimated memory model.
+def four_block_h200_calibration():
+    """A calibration fitted to the 12 H200_FOUR_BLOCK_POINTS, extrapolated 4 → 30 blocks, with an estimated memory
+    model (a compute-bound fixture for tests: measured points, no launch floor).
 
     Memory (not measured): c0 = 16 bytes per parameter (fp32 weights, gradients, two AdamW moments) + 2 GiB
     workspace; c1 = the fp32 block input each checkpointed block keeps (layers·D·4 bytes per token) + one block's
@@ -317,12 +319,12 @@ def issue4_h200_calibration():
     from scheduling.cost_model import MemoryModel
 
     m = WAN_1P3B
-    pts = [Point(f"S{S}", S, B, True, ms, [ms], 0.0, None) for B, S, ms in H200_ISSUE4_POINTS]
+    pts = [Point(f"S{S}", S, B, True, ms, [ms], 0.0, None) for B, S, ms in H200_FOUR_BLOCK_POINTS]
     rec = fit_mode(pts, scale=m["num_layers"] / 4)
     rec["optim_ms"] = None
     c1 = m["num_layers"] * m["dim"] * 4 + (14 * m["dim"] + 3 * m["ffn_dim"]) * 2
     rec["memory_model"] = MemoryModel(16.0 * m["params"] + 2 * 2**30, float(c1), measured=False).to_dict()
-    notes = ["fitted to the 12 (B, S, ms) points measured on the H200 and listed in issue 4 (4 Wan-1.3B blocks, "
+    notes = ["fitted to 12 (B, S, ms) points measured on the H200 (4 Wan-1.3B blocks, "
              "bf16, full activation checkpointing, forward + backward); the same machine's measured data, until "
              "scripts/calibrate.py writes results/calibration_h200.json",
              "cost × 30/4: per-block cost is identical (the non-block part is over-counted by the same factor)",
@@ -330,7 +332,7 @@ def issue4_h200_calibration():
              "bytes per token (checkpointed block inputs in fp32 + one block recomputed in bf16)",
              "optimizer ms unknown: the simulator adds no optimizer time"]
     return new_calibration({"full": rec}, model={k: v for k, v in m.items() if k != "params"},
-                           source="issue 4's H200 points", device="NVIDIA H200 (issue 4's measurements)",
-                           date="2026-11-29", command="scheduling.simulate.issue4_h200_calibration()",
+                           source="12 early H200 points", device="NVIDIA H200 (4 blocks)",
+                           date="2026-11-29", command="scheduling.simulate.four_block_h200_calibration()",
                            hbm_bytes=H200_HBM_BYTES, extrapolation={"blocks_timed": 4, "num_layers": 30, "scale": 7.5},
                            notes=notes)

@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 import ops.gelu_ffn as gelu_ffn  # noqa: E402 - CHUNK_BYTES is a column's knob
 import ops.gated_ffn as gated_ffn  # noqa: E402 - GATED_TAIL_MIN_TOKENS is a column's knob
-from scheduling.metrics import model_flops  # noqa: E402
+from scheduling.efficiency import model_flops  # noqa: E402
 
 WAN_1P3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
                 text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,

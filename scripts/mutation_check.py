@@ -4,7 +4,7 @@
     python scripts/mutation_check.py --base main --per-file 8 --seed 0 --out results/mutation
     python scripts/mutation_check.py --all --jobs 2           every file of scheduling/ training/ ops/ data/ models/
     python scripts/mutation_check.py --files ops/adaln.py --list     the mutants it would run, without running them
-    python scripts/mutation_check.py --only ops/adaln.py#41 scheduling/balance.py#7   re-run given mutants
+    python scripts/mutation_check.py --only ops/adaln.py#41 scheduling/planner.py#7   re-run given mutants
     python scripts/mutation_check.py --recheck results/mutation.csv --out results   re-run an earlier run's survivors
 
 Mutations (Python's ast; each replaces one node's source text, the rest of the file is left byte for byte):
@@ -54,8 +54,8 @@ PACKAGES = ("scheduling", "training", "ops", "data", "models")
 COVERED_BY = {
     "training/step.py": ["tests/test_train.py"],
     "training/checkpoint.py": ["tests/test_train.py"],
-    "training/metrics_log.py": ["tests/test_train.py"],
-    "training/step_metrics.py": ["tests/test_train.py"],
+    "training/metrics.py": ["tests/test_train.py"],
+    "training/metrics.py": ["tests/test_train.py"],
     "training/optim.py": ["tests/test_train.py"],
     "training/config.py": ["tests/test_train.py"],
     "training/busy.py": ["tests/test_distributed.py"],
@@ -64,7 +64,7 @@ COVERED_BY = {
     "models/parallelize.py": ["tests/test_distributed.py"],
     "data/batch.py": ["tests/test_data.py"],
     "data/loader.py": ["tests/test_train.py"],
-    "scheduling/metrics.py": ["tests/test_simulate.py"],
+    "scheduling/efficiency.py": ["tests/test_simulate.py"],
 }
 CMP_SWAP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
             ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In}

@@ -328,13 +328,13 @@ class Runner:
 
     def step(self, batches, num_samples: int, policy, epoch: int):
         """(micro-batch ms in list order, wall ms of the step between two syncs, StepStats)."""
-        from training.step import train_step
+        from training.step import TrainParts, train_step
 
         self.sync()
         t0 = time.perf_counter()
-        st = train_step(self.model, self.objective, batches, num_samples, self.ctx, self.optimizer, self.scheduler,
-                        self.ema, self.cfg.optim.grad_clip, self.cfg.train.seed, epoch, policy, self.autocast,
-                        self.model_inputs, self.graphs)
+        parts = TrainParts(self.model, self.objective, self.optimizer, self.scheduler, self.ctx, self.cfg.train.seed,
+                           self.cfg.optim.grad_clip, self.ema, policy, self.autocast, self.model_inputs, self.graphs)
+        st = train_step(parts, batches, num_samples, epoch)
         self.sync()
         wall_ms = (time.perf_counter() - t0) * 1e3
         if len(st.mb_s) != len(batches):
@@ -457,7 +457,7 @@ def main(argv=None) -> dict:
     from models.build import build_model
     from models.parallelize import checkpoint_policy
     from scheduling.calibrate import Calibration
-    from scheduling.metrics import model_flops
+    from scheduling.efficiency import model_flops
     from scheduling.policy import ModelShape
     from scheduling.replay import evaluate, plan_steps, step_times, summarize
     from scheduling.simulate import samples_per_step

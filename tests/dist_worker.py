@@ -19,10 +19,10 @@ from data.batch import collate  # noqa: E402
 from models.build import build_model, build_parallel_model  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.flow_matching import FlowMatching, ObjectiveConfig  # noqa: E402
-from scheduling.metrics import compute_cv, idle_fraction  # noqa: E402
+from scheduling.efficiency import compute_cv, idle_fraction  # noqa: E402
 from training.busy import StepProfiler  # noqa: E402
 from training.dist import init_distributed, shutdown  # noqa: E402
-from training.step import train_step  # noqa: E402
+from training.step import TrainParts, train_step  # noqa: E402
 
 CFG = ModelConfig(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=16,
                   freq_dim=16, ffn_dim=64, num_layers=2, text_len=8)
@@ -76,8 +76,9 @@ def main(out_path, glue="torch"):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     prof = StepProfiler(busy_every=1, profile_steps=None, trace_dir="", rank=ctx.rank)
     with prof.context(1):
-        train_step(model, objective, iter(PLAN[ctx.rank]), NUM_REAL, ctx, opt, sched, None, 0.0, 0, 0,
-                   lambda B, S: glue != "torch", lambda: torch.autocast("cpu", enabled=False))
+        parts = TrainParts(model, objective, opt, sched, ctx, 0, checkpoint_policy=lambda B, S: glue != "torch",
+                           autocast=lambda: torch.autocast("cpu", enabled=False))
+        train_step(parts, iter(PLAN[ctx.rank]), NUM_REAL, 0)
     busy = ctx.all_gather_floats(prof.finish(1, 2)).numpy()
     if ctx.rank == 0:
         torch.manual_seed(0)

@@ -145,9 +145,9 @@ def test_the_probe_agrees_across_two_ranks_whose_fits_differ():
 
 def test_refit_keeps_an_estimated_memory_model_and_drops_stale_choices(tmp_path):
     from scheduling.calibrate import refit
-    from scheduling.simulate import issue4_h200_calibration
+    from scheduling.simulate import four_block_h200_calibration
 
-    cal = issue4_h200_calibration()
+    cal = four_block_h200_calibration()
     est = cal.data["modes"]["full"]["memory_model"]
     cal.data["chosen"] = {"by": "scripts/simulate_cluster.py", "m_mem": 1, "by_world_size": {"8": {}}}
     cal = refit(cal, None)
@@ -184,7 +184,7 @@ def test_the_launch_floor_prices_every_point_of_the_h200_eager_scan(monkeypatch)
     and ~300 (the GPU waited on the host): the cost model's floor prices them, and every point — those two
     included — is within 3 %, where the form without a floor misses them by 27 % and 9 %. Issue 4's points (4
     blocks, all compute-bound) get no floor."""
-    from scheduling.simulate import H200_ISSUE4_POINTS
+    from scheduling.simulate import H200_FOUR_BLOCK_POINTS
     from tests.helpers import ROOT
 
     monkeypatch.chdir(ROOT)
@@ -196,7 +196,7 @@ def test_the_launch_floor_prices_every_point_of_the_h200_eager_scan(monkeypatch)
     assert cost.predict(1, 1560) == cost.params["floor"] and cost.predict(1, 32760) > 2000
     plain = fit_cost_model([p.B for p in pts], [p.S for p in pts], [p.ms for p in pts], form="quadratic")
     assert max(abs(r) for r in plain.residuals) > 0.2
-    issue4 = [Point("b", S, B, True, ms, [ms], 0.0) for B, S, ms in H200_ISSUE4_POINTS]
+    issue4 = [Point("b", S, B, True, ms, [ms], 0.0) for B, S, ms in H200_FOUR_BLOCK_POINTS]
     assert "floor" not in fit_mode(issue4)["cost_model"]["params"]
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import ROOT, png_claiming, rewrite_members, run_training, tiny_overrides, write_tar
-from training.metrics_log import read_metrics
+from training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from scheduling.cost_model import CostModel, MemoryModel, fit_both, fit_cost_model, fit_memory_model
-from scheduling.simulate import H200_ISSUE4_POINTS
+from scheduling.simulate import H200_FOUR_BLOCK_POINTS
 
 
 def grid(seed=0, n=40):
@@ -56,7 +56,7 @@ def test_joint_attention_enters_as_S_plus_L_squared():
 
 
 def test_issue4_h200_points_power_misses_about_15_percent_quadratic_under_1():
-    B, S, t = map(np.array, zip(*H200_ISSUE4_POINTS))
+    B, S, t = map(np.array, zip(*H200_FOUR_BLOCK_POINTS))
     fits = fit_both(B, S, t)
     assert 0.12 < fits["power"].rel_rmse < 0.18, fits["power"].describe()
     assert fits["quadratic"].rel_rmse < 0.01, fits["quadratic"].describe()
@@ -86,7 +86,7 @@ def test_auto_keeps_the_power_form_when_the_data_follow_it():
 
 
 def test_json_round_trip_and_scaling(tmp_path):
-    B, S, t = map(np.array, zip(*H200_ISSUE4_POINTS))
+    B, S, t = map(np.array, zip(*H200_FOUR_BLOCK_POINTS))
     m = fit_cost_model(B, S, t)
     m.save(str(tmp_path / "m.json"))
     back = CostModel.load(str(tmp_path / "m.json"))

@@ -9,7 +9,7 @@ from models.flow_matching import FlowMatching, ObjectiveConfig
 from training.cuda_graphs import FakeGraphs, MicroBatchGraphs, graphs_for
 from training.dist import DistContext
 from training.optim import EMA, OptimConfig, build_optimizer
-from training.step import autocast_for, train_step
+from training.step import TrainParts, autocast_for, train_step
 
 TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
             text_dim=8, freq_dim=16, ffn_dim=32, num_layers=2)
@@ -45,8 +45,9 @@ def _train(graphs, steps, device="cpu", policy=lambda B, S: False):
     losses, norms = [], []
     for step, shapes in enumerate(steps):
         batches = _batches(shapes, step, device)
-        st = train_step(model, obj, batches, sum(b.num_real for b in batches), ctx, opt, sched, ema, 1.0, 0, 0,
-                        policy, autocast_for(ctx.device, "bf16", cache=graphs is None), graphs=graphs)
+        parts = TrainParts(model, obj, opt, sched, ctx, 0, 1.0, ema, policy,
+                           autocast_for(ctx.device, "bf16", cache=graphs is None), graphs=graphs)
+        st = train_step(parts, batches, sum(b.num_real for b in batches), 0)
         losses.append(st.loss_sum), norms.append(st.grad_norm)
     return model, ema, losses, norms
 

@@ -12,7 +12,7 @@ from data.config import DataConfig
 from data.index import SampleIndex, load_npy
 from data.loader import Loader, open_corpus
 from data.synthetic import write_synthetic_corpus
-from scheduling.balance import plan_step
+from scheduling.planner import plan_step
 
 BUCKETS = bucket_table({"img": {"frames": 1, "height": 32, "width": 48},
                         "vid": {"frames": 9, "height": 32, "width": 32}})

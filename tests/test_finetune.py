@@ -321,7 +321,7 @@ def test_lora_run_through_train_py_resumes_samples_and_exports(tmp_path):
     from scripts.export import export
     from scripts.sample import load_source
     from tests.helpers import run_training
-    from training.metrics_log import read_metrics
+    from training.metrics import read_metrics
 
     import shutil
 

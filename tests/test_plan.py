@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from scheduling.balance import SampleTable, advance, plan_step
+from scheduling.planner import SampleTable, advance, plan_step
 
 S_OF = np.array([16, 24, 48, 120])
 

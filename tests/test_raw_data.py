@@ -19,7 +19,7 @@ from data.encoders import EncoderConfig
 from data.index import SampleIndex, load_npy, npy_bytes
 from data.loader import Loader, open_corpus
 from data.raw import RawConfig, assign_bucket, expand_urls, index_corpus
-from scheduling.balance import advance, plan_step
+from scheduling.planner import advance, plan_step
 from scripts.make_corpus import BAD_AT_INDEX, BAD_KINDS, encode_jpg, encode_mp4, write_raw_corpus
 from scripts.precompute_latents import precompute
 
@@ -301,7 +301,7 @@ def test_precomputed_latents_give_the_batches_of_on_the_fly_encoding(clean, late
 
 def test_training_on_raw_shards_equals_training_on_their_precomputed_latents(clean, latents, tmp_path):
     from tests.helpers import run_training, tiny_overrides
-    from training.metrics_log import read_metrics
+    from training.metrics import read_metrics
 
     losses = {}
     for name, source in (("raw", f"data.urls='{clean}/shard-*.tar'"), ("latent", f"data.index={latents[0]}")):

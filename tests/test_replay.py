@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from scheduling.balance import MicroBatch, StepPlan
+from scheduling.planner import MicroBatch, StepPlan
 from scheduling.batching import batch_sizes
 from scheduling.calibrate import Calibration
 from scheduling.cost_model import CostModel

@@ -5,15 +5,15 @@ import math
 import numpy as np
 import pytest
 
-from scheduling.balance import SampleTable, advance, deal_balanced, plan_step
+from scheduling.planner import SampleTable, advance, deal_balanced, plan_step
 from scheduling.batching import (batch_sizes, cost_batch_size, dual_constraint_batch_size,
                                  equal_token_batch_size)
 from scheduling.calibrate import Calibration
 from scheduling.config import SchedulingConfig
 from scheduling.cost_model import CostModel, MemoryModel
-from scheduling.metrics import compute_cv, cv, idle_fraction, model_flops, step_time
+from scheduling.efficiency import compute_cv, cv, idle_fraction, model_flops, step_time
 from scheduling.policy import ModelShape, resolve_schedule
-from scheduling.simulate import DEFAULT_MIX, Mix, issue4_h200_calibration
+from scheduling.simulate import DEFAULT_MIX, Mix, four_block_h200_calibration
 
 QUAD = CostModel("quadratic", {"a": 15.7, "b1": 0.0238, "b2": 1.44e-6})  # ≈ the H200 fit, full depth
 WAN13 = ModelShape(p_matmul=1_250_623_488, layers=30, dim=1536, text_len=512)
@@ -61,7 +61,7 @@ def test_scheduling_config_refuses_zero(kw, field):
 
 
 def test_metrics_on_hand_cases():
-    """scheduling/metrics.py on R = 2 ranks × M = 3 slots (R ≠ M, so rows and columns cannot be confused), with
+    """scheduling/efficiency.py on R = 2 ranks × M = 3 slots (R ≠ M, so rows and columns cannot be confused), with
     degenerate inputs giving 0 rather than NaN, and the FLOP formula of CONTRACTS §9 with every term distinct."""
     t = np.array([[4.0, 1.0, 3.0], [2.0, 1.0, 1.0]])
     # idle = 1 − Σ t / (R · Σ_k max_r t_rk) = 1 − 12 / (2 · 8)
@@ -226,7 +226,7 @@ def test_padding_counts_as_idle():
 # --------------------------------------------------------------------------------------------------- policy
 @pytest.fixture()
 def h200(tmp_path):
-    cal = issue4_h200_calibration()
+    cal = four_block_h200_calibration()
     cal.data["chosen"] = {"m_mem": 300_000, "reference_world_size": 8, "by_world_size": {
         "8": {"equal_token": {"m_tokens": 113_400}, "cost": {"target_microbatch_ms": 12_000.0},
               "balanced": {"target_microbatch_ms": 10_500.0}, "dual_constraint": {"m_comp": 4e6, "p": 1.3}},
@@ -260,7 +260,7 @@ def test_explicit_config_beats_the_calibration_and_sources_say_so(h200):
 def test_m_mem_is_taken_at_the_shortest_bucket_on_every_path(tmp_path):
     """A memory model with a per-sample term bounds B·S at the run's shortest S (mem_budget_gib, the 90 % default,
     PartialRecompute); the simulator's chosen m_mem is used only where it was taken at an S no longer than it."""
-    cal = issue4_h200_calibration()
+    cal = four_block_h200_calibration()
     mem = MemoryModel(20 * 2**30, 150 * 2**10, c2=20 * 2**20, floor=26 * 2**30)
     cal.data["modes"]["full"]["memory_model"] = mem.to_dict()
     path = cal.save(str(tmp_path / "c.json"))
@@ -280,7 +280,7 @@ def test_m_mem_is_taken_at_the_shortest_bucket_on_every_path(tmp_path):
 
 
 def test_defaults_without_simulator_choices(tmp_path):
-    path = issue4_h200_calibration().save(str(tmp_path / "c.json"))
+    path = four_block_h200_calibration().save(str(tmp_path / "c.json"))
     s = resolve_schedule(SchedulingConfig("dual_constraint", calibration=path), WAN_TOKENS, WAN13)
     p = Calibration.load(path).cost_model("full", "power").params["p"]
     assert s.values["p"] == pytest.approx(p) and s.sources["p"] == "calibration:power fit"
@@ -312,7 +312,7 @@ def test_policy_refuses_a_calibration_of_another_model_or_mode(h200):
 
 
 def test_auto_checkpointing_recomputes_the_fewest_blocks_that_fit(tmp_path):
-    cal = issue4_h200_calibration()
+    cal = four_block_h200_calibration()
     none = json.loads(json.dumps(cal.data["modes"]["full"]))
     none["cost_model"]["params"] = {k: v * 0.75 for k, v in none["cost_model"]["params"].items()}
     none["memory_model"]["c1"] *= 4  # no recompute: more activation memory per token
@@ -344,7 +344,7 @@ def test_keep_attention_spends_memory_on_attention_outputs_first(tmp_path):
     from models.parallelize import checkpoint_policy
     from scheduling.policy import PartialRecompute, kept_bytes_per_token
 
-    cal = issue4_h200_calibration()
+    cal = four_block_h200_calibration()
     full_mem, full_cost = cal.memory_model("full"), cal.cost_model("full")
     none_mem = MemoryModel(full_mem.c0, full_mem.c1 * 12)
     L, budget, a = WAN13.layers, 40 * 2**30, 2.0 * WAN13.dim * (1 + 1 / 64)

@@ -8,7 +8,7 @@ from scheduling.batching import batch_sizes
 from scheduling.config import SchedulingConfig
 from scheduling.cost_model import CostModel
 from scheduling.policy import ModelShape, resolve_schedule
-from scheduling.simulate import DEFAULT_MIX, Mix, issue4_h200_calibration, simulate
+from scheduling.simulate import DEFAULT_MIX, Mix, four_block_h200_calibration, simulate
 
 QUAD = CostModel("quadratic", {"a": 15.7, "b1": 0.0238, "b2": 1.44e-6})
 MIX = Mix.of(DEFAULT_MIX)
@@ -52,7 +52,7 @@ def test_unconstrained_protocol_records_the_chosen_settings_training_reads(tmp_p
     and what record_chosen writes is what a run without tokens_per_step reads."""
     from scheduling.protocol import record_chosen, run_unconstrained
 
-    cal = issue4_h200_calibration()
+    cal = four_block_h200_calibration()
     path = cal.save(str(tmp_path / "cal.json"))
     res = run_unconstrained(cal, "full", MIX, ranks=[8, 16], sweep_ranks=[8], mbs=256, log=lambda s: None)
     best = res["best"]
@@ -74,7 +74,7 @@ def test_simulate_cluster_writes_its_report_into_the_folder_it_is_given(tmp_path
 
     from tests.helpers import ROOT
 
-    cal = issue4_h200_calibration()
+    cal = four_block_h200_calibration()
     path = cal.save(str(tmp_path / "cal.json"))
     before = open(path).read()
     out = tmp_path / "sim"
@@ -182,11 +182,11 @@ def test_equal_token_sweep_keeps_a_setting_exactly_at_the_memory_bound():
 
 
 def test_default_calibration_memory_estimate():
-    """The estimated memory model of issue4_h200_calibration(): c0 = 16 bytes a parameter (fp32 weights, gradients, two
+    """The estimated memory model of four_block_h200_calibration(): c0 = 16 bytes a parameter (fp32 weights, gradients, two
     AdamW moments) + 2 GiB, c1 = layers·D·4 + (14·D + 3·ffn)·2 bytes a token, as its docstring and notes state."""
     from scheduling.cost_model import MemoryModel
 
-    cal = issue4_h200_calibration()
+    cal = four_block_h200_calibration()
     mem = MemoryModel.from_dict(cal.data["modes"]["full"]["memory_model"])
     assert mem.c0 == 16.0 * 1_418_996_800 + 2 * 2**30 and mem.c1 == 30 * 1536 * 4 + (14 * 1536 + 3 * 8960) * 2
     assert not mem.measured and 23 < mem.c0 / 2**30 < 24

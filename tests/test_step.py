@@ -1,7 +1,7 @@
 """One training step in one process: train_step's loss normalisation (CONTRACTS §3: × world_size, padding weight 0)
 and its skip rule for a non-finite loss or gradient norm, the validation loss's per-sample mean (training/step.py);
 the Batch it reads (data/batch.py); the optimizer pieces it drives (training/optim.py); the metrics row made of it
-(training/step_metrics.py), how that row is logged (training/metrics_log.py), the busy time read from its slot
+(training/metrics.py), how that row is logged (training/metrics.py), the busy time read from its slot
 ranges (training/busy.py) and the collectives it calls (training/dist.py). A tiny linear model whose losses are written out by hand here, so every number is
 checked against arithmetic, not against the code."""
 import contextlib
@@ -18,7 +18,7 @@ from data.batch import collate
 from models.flow_matching import FlowMatching, ObjectiveConfig, keyed_generator
 from training.dist import DistContext
 from training.optim import EMA
-from training.step import autocast_for, train_step, validation_loss
+from training.step import TrainParts, autocast_for, train_step, validation_loss
 
 C, TEXT_LEN, TEXT_DIM = 3, 4, 2
 SEED, EPOCH = 11, 2
@@ -104,8 +104,7 @@ class Recording(torch.optim.SGD):
 
 def step(model, batches, num_samples, ctx, opt, ema=None, grad_clip=0.0):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return train_step(model, OBJ, batches, num_samples, ctx, opt, sched, ema, grad_clip, SEED, EPOCH,
-                      lambda B, S: False, contextlib.nullcontext)
+    return train_step(TrainParts(model, OBJ, opt, sched, ctx, SEED, grad_clip, ema=ema), batches, num_samples, EPOCH)
 
 
 def test_gradient_is_world_size_times_the_weighted_per_sample_mean_over_the_whole_step():
@@ -192,12 +191,12 @@ def test_validation_loss_is_the_mean_over_samples_and_times_not_over_batches():
                 losses.append(hand_loss(model, mb.latents, mb.text, torch.full((mb.B,), tv), noise))
     per_sample = torch.cat(losses)
     assert per_sample.numel() == 4 * 5
-    got = validation_loss(model, OBJ, vals, DistContext(), SEED, contextlib.nullcontext)
+    got = validation_loss(TrainParts(model, OBJ, None, None, DistContext(), SEED), vals)
     assert math.isclose(got, per_sample.mean().item(), rel_tol=1e-6)
     by_batch = sum(torch.cat(losses[i * 5:(i + 1) * 5]).mean().item() for i in range(2)) / 2
     assert not math.isclose(got, by_batch, rel_tol=1e-3)  # the two weightings differ on these batches
     # fixed noise and times: the same value again, and the model is left in training mode, checkpointing off
-    assert validation_loss(model, OBJ, vals, DistContext(), SEED, contextlib.nullcontext) == got
+    assert validation_loss(TrainParts(model, OBJ, None, None, DistContext(), SEED), vals) == got
     assert model.training and model.checkpointing == [(False,), (False,)]
 
 
@@ -273,8 +272,8 @@ def test_optimizer_defaults_schedule_groups_and_ema():
 def test_metrics_row_loss_is_the_per_sample_mean_and_mfu_uses_this_steps_time(monkeypatch):
     """train/loss = Σ every rank's weighted loss sum / real samples of the step; perf/mfu = the step's model FLOPs /
     (this step's seconds · world · peak), on a CUDA context (the memory probe stubbed: this runs on the CPU)."""
-    from scheduling.balance import SampleTable, plan_step
-    from scheduling.metrics import model_flops
+    from scheduling.planner import SampleTable, plan_step
+    from scheduling.efficiency import model_flops
     from scheduling.policy import ModelShape
     from training import step_metrics
     from training.step import StepStats
@@ -303,7 +302,7 @@ def test_metrics_log_means_lists_for_wandb_and_finishes_its_run(tmp_path, monkey
     no strings, bools or mixed lists; close() finishes the wandb run."""
     import json
 
-    from training.metrics_log import LoggingConfig, MetricsLogger
+    from training.metrics import LoggingConfig, MetricsLogger
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     logger = MetricsLogger(str(tmp_path), LoggingConfig(), "t", {})

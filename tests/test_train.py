@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import ROOT, run_training, tiny_overrides
 from training.checkpoint import list_checkpoints
-from training.metrics_log import read_metrics
+from training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from scheduling.balance import plan_step
+from scheduling.planner import plan_step
 from scheduling.cost_model import CostModel
 from scheduling.simulate import Mix, settings_at_tokens, simulate, sizes_for, sweep_at_tokens, tokens_per_step
 from scheduling.truth import Cluster, CommModel, MeasuredTruth, ModelTruth

@@ -25,6 +25,7 @@ import pickle
 import re
 import shutil
 import warnings
+from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
 import torch
@@ -179,6 +180,26 @@ def verify_checkpoint(path: str, ctx: DistContext) -> Optional[str]:
     if problem is None and flags.max() > 0:
         problem = f"rank {int(flags.argmax())} found a damaged or missing file (its log names it)"
     return problem
+
+
+@dataclass
+class LoopState:
+    """Where the loop is (saved in meta.json, restored on resume): optimizer steps done, the plan position
+    (epoch, pos: the global sample position the plan is a function of), samples trained on, and the NaN guard's
+    counts."""
+    step: int = 0
+    epoch: int = 0
+    pos: int = 0
+    samples_seen: int = 0
+    bad_in_a_row: int = 0
+    skipped_steps: int = 0
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> "LoopState":
+        return cls(**{f.name: int(meta[f.name]) for f in fields(cls) if f.name in meta})
+
+    def meta(self) -> dict:
+        return asdict(self)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from models.config import MODEL_CONFIGS, ModelConfig
 from models.flow_matching import ObjectiveConfig
 from models.sampler import SampleConfig
 from scheduling.config import SchedulingConfig
-from training.metrics_log import LoggingConfig, MetricsConfig
+from training.metrics import LoggingConfig, MetricsConfig
 from training.optim import OptimConfig
 
 

@@ -35,6 +35,25 @@ class StepStats:
     buckets: list = field(default_factory=list)
 
 
+@dataclass
+class TrainParts:
+    """What every step uses, made once by the trainer: the model and its objective, the optimizer with its LR
+    schedule and EMA, the process group, the precision, the per-micro-batch recompute decision, the model's extra
+    inputs and the micro-batch graphs."""
+    model: torch.nn.Module
+    objective: FlowMatching
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    ctx: DistContext
+    seed: int
+    grad_clip: float = 0.0
+    ema: object = None
+    checkpoint_policy: Callable[[int, int], object] = lambda B, S: False
+    autocast: Callable = contextlib.nullcontext
+    model_inputs: Callable[[Batch], dict] = lambda batch: {}
+    graphs: object = None   # training.cuda_graphs.MicroBatchGraphs, or None: eager
+
+
 def autocast_for(device: torch.device, precision: str, cache: bool = True):
     """The autocast context factory of a run. cache=False turns off autocast's weight-cast cache, which CUDA graph
     captures require (the numbers are the same: the cache only saves repeating a cast)."""
@@ -81,13 +100,14 @@ class _Clock:
         return fwd, bwd
 
 
-def train_step(model, objective: FlowMatching, batches: Iterable[Batch], num_samples: int, ctx: DistContext,
-               optimizer, scheduler, ema, grad_clip: float, seed: int, epoch: int,
-               checkpoint_policy: Callable[[int, int], bool], autocast, model_inputs=lambda batch: {},
-               graphs=None) -> StepStats:
-    """model_inputs(batch) → the model's extra keyword inputs (models.build.model_inputs: MMDiT's mask, pooled).
-    graphs: a training.cuda_graphs.MicroBatchGraphs that replays each (bucket shape, B, recompute decision) after
-    its first eager run; parameter gradients then stay allocated between steps (zeroed in place)."""
+def train_step(parts: TrainParts, batches: Iterable[Batch], num_samples: int, epoch: int) -> StepStats:
+    """One optimizer step over this rank's micro-batches; num_samples: real samples in the whole step (all ranks).
+    With parts.graphs each (bucket shape, B, recompute decision) is replayed after its first eager run; parameter
+    gradients then stay allocated between steps (zeroed in place)."""
+    model, objective, optimizer, scheduler, ema, ctx = (parts.model, parts.objective, parts.optimizer,
+                                                        parts.scheduler, parts.ema, parts.ctx)
+    seed, grad_clip, checkpoint_policy, autocast, model_inputs, graphs = (
+        parts.seed, parts.grad_clip, parts.checkpoint_policy, parts.autocast, parts.model_inputs, parts.graphs)
     st = StepStats()
     dev = ctx.device
     loss_sum = torch.zeros((), device=dev) if graphs is None else \
@@ -158,9 +178,10 @@ def train_step(model, objective: FlowMatching, batches: Iterable[Batch], num_sam
 
 
 @torch.no_grad()
-def validation_loss(model, objective: FlowMatching, batches: list[Batch], ctx: DistContext, seed: int,
-                    autocast, model_inputs=lambda batch: {}) -> float:
+def validation_loss(parts: TrainParts, batches: list[Batch]) -> float:
     """Flow-matching loss on the fixed held-out batches at fixed t ∈ VAL_TIMES and fixed noise: deterministic."""
+    model, objective, ctx, seed, autocast, model_inputs = (parts.model, parts.objective, parts.ctx, parts.seed,
+                                                           parts.autocast, parts.model_inputs)
     was_training = model.training
     model.eval()
     model.set_activation_checkpointing(False)

@@ -1,0 +1,198 @@
+"""Training metrics: the per-step row of CONTRACTS §9, and the one path that logs it.
+
+StepMetrics makes a step's row from the plan, every rank's timings and (sampled) busy times:
+    perf/tokens_per_s, perf/samples_per_s   global real latent tokens / samples per wall second since warm-up
+    perf/mfu                                model FLOPs of the step's micro-batches / (step s · world · peak)
+    time/<k>, time/<k>_max                  rank 0's value and the max over ranks
+    balance/*_pred                          from the cost model's prediction of every (rank, slot)
+    balance/busy_cv, balance/idle_fraction  from measured busy time per (rank, slot), on profiled steps
+    balance/step_time_cv                    CV of the step time over the last 50 steps
+
+MetricsLogger is the one path: log_metrics(step, dict) → console/progress bar, run_dir/metrics.jsonl always, wandb
+when on. Keys are namespaced as CONTRACTS §9 (`train/loss`, `perf/tokens_per_s`, `balance/compute_cv_pred`, ...);
+every JSONL row carries `step` and `samples_seen`. Lists (per-micro-batch values such as `batch/S`) go to JSONL as
+they are and to wandb as their mean.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from scheduling.efficiency import compute_cv, cv, idle_fraction, model_flops
+from scheduling.planner import StepPlan
+from scheduling.policy import ModelShape
+from training.dist import DistContext
+from training.step import StepStats
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class LoggingConfig:
+    wandb: str = "offline"
+    project: str = "adaptiveload"
+    entity: Optional[str] = None
+
+    def __post_init__(self):
+        if self.wandb not in WANDB_MODES:
+            raise ValueError(f"logging.wandb must be one of {WANDB_MODES}, got {self.wandb!r}")
+
+
+@dataclass
+class MetricsConfig:
+    peak_tflops: Optional[float] = None   # the accelerator's dense bf16 peak, for perf/mfu (null on CPU)
+    busy_every: int = 0                   # profile a step every N steps for measured busy time (0: never)
+    profile_steps: Optional[tuple[int, int]] = None  # [first, last]: write a profiler trace for these steps
+
+    def __post_init__(self):
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ValueError(f"metrics.peak_tflops must be > 0 or null, got {self.peak_tflops}")
+        if self.busy_every < 0:
+            raise ValueError(f"metrics.busy_every must be ≥ 0, got {self.busy_every}")
+        if self.profile_steps is not None:
+            self.profile_steps = tuple(self.profile_steps)
+            if len(self.profile_steps) != 2 or not 0 <= self.profile_steps[0] <= self.profile_steps[1]:
+                raise ValueError(f"metrics.profile_steps must be [first, last] steps with 0 ≤ first ≤ last, or null, "
+                                 f"got {list(self.profile_steps)}")
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else (1e308 if v > 0 else -1e308)
+    return v
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str, cfg: LoggingConfig, name: str, config: dict, enabled: bool = True):
+        self.enabled = enabled  # only rank 0 writes
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._file = open(self.path, "a") if enabled else None
+        self._wandb = None
+        mode = os.environ.get("WANDB_MODE", cfg.wandb)  # the environment wins, so tests can disable it
+        if enabled and mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(project=cfg.project, entity=cfg.entity, name=name, dir=run_dir, mode=mode,
+                                     config=config, id=_run_id(run_dir), resume="allow")
+
+    def log_metrics(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}, "time": time.time()}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: _scalar(v) for k, v in metrics.items() if _scalar(v) is not None}, step=step)
+
+    def log_videos(self, step: int, videos: dict) -> None:
+        """{key: mp4 path}: the paths to JSONL, wandb.Video(path) to wandb (it needs no moviepy from a path)."""
+        if not self.enabled or not videos:
+            return
+        self._file.write(json.dumps({"step": step, **videos, "time": time.time()}) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({k: wandb.Video(p, format="mp4") for k, p in videos.items()}, step=step)
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+            self._file = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _scalar(v):
+    """wandb gets numbers; a list of numbers (per micro-batch) as its mean; strings and None are left out."""
+    if isinstance(v, list):
+        nums = [x for x in v if isinstance(x, (int, float)) and not isinstance(x, bool)]
+        return sum(nums) / len(nums) if nums and len(nums) == len(v) else None
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _run_id(run_dir: str) -> str:
+    """A stable wandb id per run_dir, so a resumed run continues the same wandb run."""
+    path = os.path.join(run_dir, "wandb_id.txt")
+    if os.path.exists(path):
+        return open(path).read().strip()
+    import uuid
+
+    rid = uuid.uuid4().hex[:12]
+    with open(path, "w") as f:
+        f.write(rid)
+    return rid
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+TIMINGS = ("step_s", "data_wait_s", "fwd_s", "bwd_s", "optim_s")
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class StepMetrics:
+    def __init__(self, ctx: DistContext, shape: ModelShape, peak_tflops: Optional[float], warmup_steps: int = 3,
+                 sample_flops: Optional[Callable[[int], float]] = None):
+        """sample_flops(S): one sample's training FLOPs where the model counts them itself (the MMDiT's joint
+        attention, which the contract's formula undercounts); default: the formula above."""
+        self.ctx, self.shape, self.peak_tflops, self.warmup = ctx, shape, peak_tflops, warmup_steps
+        s = shape
+        self.sample_flops = functools.lru_cache(maxsize=None)(
+            sample_flops or (lambda S: model_flops(1, S, s.text_len, s.p_matmul, s.layers, s.dim)))
+        self.step_times: deque = deque(maxlen=50)
+        self.t0: Optional[float] = None
+        self.tokens = self.samples = 0
+        self.steps_here = 0  # steps run by this process: a resumed run warms up too
+
+    def row(self, step: int, plan: StepPlan, st: StepStats, step_s: float, busy: Optional[list]) -> dict:
+        ctx = self.ctx
+        gathered = ctx.all_gather_floats([step_s, st.data_wait_s, st.fwd_s, st.bwd_s, st.optim_s, st.loss_sum])
+        self.step_times.append(float(gathered[:, 0].max()))
+        now = time.perf_counter()
+        self.steps_here += 1
+        if self.steps_here == self.warmup:
+            self.t0, self.tokens, self.samples = now, 0, 0
+        elif self.t0 is not None:
+            self.tokens += plan.tokens
+            self.samples += plan.num_samples
+        elapsed = now - self.t0 if self.t0 is not None else 0.0
+        flops = sum(mb.num_real * self.sample_flops(mb.S) for r in plan.ranks for mb in r)
+        pred = plan.pred_ms()
+        m = {"train/loss": float(gathered[:, 5].sum()) / max(1, plan.num_samples),
+             "train/grad_norm": st.grad_norm,
+             "perf/tokens_per_s": self.tokens / elapsed if self.tokens else None,
+             "perf/samples_per_s": self.samples / elapsed if self.samples else None,
+             "perf/mfu": (flops / (self.step_times[-1] * ctx.world_size * self.peak_tflops * 1e12)
+                          if self.peak_tflops and ctx.device.type == "cuda" else None),
+             "balance/compute_cv_pred": compute_cv(pred), "balance/idle_fraction_pred": idle_fraction(pred, plan.real()),
+             "balance/step_time_cv": cv(self.step_times),
+             "batch/S": st.S, "batch/B": st.B, "batch/bucket": st.buckets,
+             "memory/peak_gib": ctx.all_reduce_max(peak_memory_gib(ctx.device))}
+        for i, k in enumerate(TIMINGS):
+            m[f"time/{k}"], m[f"time/{k}_max"] = float(gathered[0, i]), float(gathered[:, i].max())
+        if busy is not None:
+            busy_RM = ctx.all_gather_floats(busy).numpy()
+            m["balance/busy_cv"] = compute_cv(busy_RM)
+            m["balance/idle_fraction"] = idle_fraction(busy_RM, plan.real())
+            m["time/busy_s"] = float(np.sum(busy_RM[0]))
+        return m
