@@ -7,10 +7,12 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
 import signal
+import sys
 import time
 
 import hydra
@@ -29,30 +31,48 @@ from scheduling.policy import ModelShape, schedule_for
 from scripts.sample import ValidationSampler
 from training.checkpoint import LoopState, load_checkpoint, save_checkpoint
 from training.config import TrainConfig, load_config
-from training.dist import fsdp_options_from_env, init_distributed, maybe_launch, shutdown
+from training.dist import (check_devices, cpu_threads, fsdp_options_from_env, init_distributed, launcher,
+                           maybe_launch, shutdown)
 from training.optim import EMA, build_optimizer
 from training.resume import apply_optim_config, check_config, optim_hyperparameters, resume
+from training.run_folder import claim, multirun_job, run_files
+from training.shape_benchmark import calibration_for_run
 from training.busy import StepProfiler
 from training.cuda_graphs import graph_blockers, graphs_for
 from training.step import TrainParts, autocast_for, collector_every, train_step, validation_loss
-from training.metrics import MetricsLogger, StepMetrics
+from training.metrics import MetricsLogger, StepMetrics, busy_every
 
 log = logging.getLogger("train")
 WARMUP_STEPS = 3  # steps left out of throughput (compilation, allocator warm-up)
 
 
-def run(cfg: TrainConfig, config_yaml: str) -> dict:
-    """Train as configured; returns the last logged metrics (for tests and scripts)."""
+def run(cfg: TrainConfig, config_yaml: str, preset: str = "default") -> dict:
+    """Train as configured; returns the last logged metrics (for tests and scripts). preset: the conf=NAME chosen
+    (a wandb tag)."""
     with collector_every(cfg.train.gc_every) as gc_tick:  # Python's collector between steps, not inside them
-        return _run(cfg, config_yaml, gc_tick)
+        return _run(cfg, config_yaml, gc_tick, preset)
 
 
-def _run(cfg: TrainConfig, config_yaml: str, gc_tick) -> dict:
-    # 1. process group and run folder
+def _run(cfg: TrainConfig, config_yaml: str, gc_tick, preset: str) -> dict:
+    # 1. process group and run folder: a fresh run never writes into another run's folder (training/run_folder.py)
+    check_devices(cfg.launch.num_processes, cfg.launch.device)
     ctx = init_distributed()
+    threads = cpu_threads(cfg.launch.cpu_threads) if ctx.device.type == "cpu" else None
+    if ctx.is_main:
+        backend = torch.distributed.get_backend() if ctx.distributed else "none"
+        log.info("%d process(es) (started by %s), device %s, backend %s%s", ctx.world_size, launcher(), ctx.device,
+                 backend, f", {threads} CPU thread(s) each (launch.cpu_threads)" if threads else "")
+        if launcher() == "accelerate launch" and ctx.world_size == 1 and ctx.device.type == "cpu":
+            log.warning("accelerate launch started one process: on CPUs it starts one whatever --num_processes "
+                        "says; use torchrun --nproc_per_node N (or launch.num_processes=N) for several")
     torch.manual_seed(cfg.train.seed)
+    if not cfg.resume and not cfg.overwrite and run_files(cfg.run_dir):
+        claim(cfg.run_dir, cfg.resume, cfg.overwrite)  # every rank refuses alike, before anything is built
     if ctx.is_main:
         os.makedirs(cfg.run_dir, exist_ok=True)
+        aside = claim(cfg.run_dir, cfg.resume, cfg.overwrite)
+        if aside:
+            log.warning("overwrite=true: the run that was in %s moved to %s", cfg.run_dir, aside)
     ctx.barrier()
 
     # 2. the corpus, first: what it can check without the model (patterns, index, empty prompt) fails before the build
@@ -60,17 +80,24 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick) -> dict:
     corpus = open_corpus(cfg.data, buckets, cfg.model.in_channels, cfg.model.text_dim, cfg.train.seed,
                          ctx.is_main, ctx.barrier, pooled_dim=getattr(cfg.model, "pooled_projection_dim", None))
 
-    # 3. the model, sharded with FSDP2 over several processes (models/parallelize.py)
+    # 3. the calibration: scheduling.calibration=auto finds one for this model and device, or measures it now
+    calibration, found = cfg.scheduling.calibration, "config"
+    if calibration == "auto":
+        calibration, found = calibration_for_run(cfg, ctx, log.info)
+        torch.manual_seed(cfg.train.seed)  # the model starts alike whether the benchmark ran or not
+    scfg = dataclasses.replace(cfg, scheduling=dataclasses.replace(cfg.scheduling, calibration=calibration))
+
+    # 4. the model, sharded with FSDP2 over several processes (models/parallelize.py)
     model = build_parallel_model(cfg.model, ctx.rank, ctx.world_size, ctx.device, FSDPOptions(**fsdp_options_from_env()))
 
-    # 4. the schedule: batch size per bucket, cost model, M (scheduling.tokens_per_step), recompute per micro-batch
+    # 5. the schedule: batch size per bucket, cost model, M (scheduling.tokens_per_step), recompute per micro-batch
     shape = ModelShape.of(cfg.model, model.num_matmul_params())
     shares = dict(zip(corpus.bucket_names, np.bincount(corpus.table.bucket, minlength=len(corpus.bucket_names))))
-    schedule = schedule_for(cfg, {n: b.tokens for n, b in buckets.items()}, shape, ctx.world_size, shares)
+    schedule = schedule_for(scfg, {n: b.tokens for n, b in buckets.items()}, shape, ctx.world_size, shares)
     micro_batches = schedule.micro_batches or cfg.train.micro_batches
     batch_sizes = [schedule.batch_sizes[n] for n in corpus.bucket_names]
 
-    # 5. optimizer, LR schedule, EMA, objective, precision, graphs: the parts every step uses
+    # 6. optimizer, LR schedule, EMA, objective, precision, graphs: the parts every step uses
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.train.steps)
     graphs = graphs_for(cfg.train.cuda_graphs, ctx.device, ctx.world_size, graph_blockers(cfg.model),
                         cfg.train.graph_max_tokens)
@@ -84,7 +111,7 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick) -> dict:
         autocast=autocast_for(ctx.device, cfg.model.precision, cache=graphs is None and ctx.world_size == 1),
         model_inputs=functools.partial(model_inputs, cfg.model), graphs=graphs)
 
-    # 6. resume: the newest good checkpoint (resume=auto) with this run's hyper-parameters (training/resume.py)
+    # 7. resume: the newest good checkpoint (resume=auto) with this run's hyper-parameters (training/resume.py)
     state = LoopState()
     adapter_only = has_lora(model) and cfg.model.pretrained is not None  # the base is re-read from pretrained
     fresh_hparams = optim_hyperparameters(optimizer)
@@ -111,16 +138,19 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick) -> dict:
             save_lora(model, os.path.join(path, "lora"), ctx.is_main)
         return path
 
-    # 7. logging, data, validation, signals
+    # 8. logging, data, validation, signals
     if ctx.is_main:  # after resume: a refused resume leaves the run's config as it was
         with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
             f.write(config_yaml)
+    tags = (f"preset:{preset}", f"strategy:{schedule.strategy}", f"model:{cfg.model.name}-{cfg.model.dim}x"
+            f"{cfg.model.attention_layers}", f"world:{ctx.world_size}")
     logger = MetricsLogger(cfg.run_dir, cfg.logging, cfg.name, OmegaConf.to_container(OmegaConf.create(config_yaml)),
-                           enabled=ctx.is_main)
+                           enabled=ctx.is_main, tags=tags)
     if ctx.is_main:
+        log.info("scheduling: strategy %s, calibration %s (%s), %d micro-batch(es) a step; values %s, from %s",
+                 schedule.strategy, calibration or "none", found, micro_batches, schedule.values, schedule.sources)
         log.info("%s from %s\n%s", f"resumed at step {state.step}" if ckpt else "starting",
                  ckpt or "scratch", schedule.table({n: buckets[n].tokens for n in corpus.bucket_names}))
-        log.info("scheduling values %s, from %s", schedule.values, schedule.sources)
         for note in schedule.notes:
             log.warning("scheduling: %s", note)
     loader = Loader(corpus, cfg.model.text_len, cfg.data.caption_dropout, cfg.train.seed, ctx.rank,
@@ -130,8 +160,8 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick) -> dict:
     own_count = getattr(model, "train_flops", None)  # the MMDiT counts its joint attention itself
     metrics = StepMetrics(ctx, shape, cfg.metrics.peak_tflops, WARMUP_STEPS,
                           sample_flops=(lambda S: own_count(S, cfg.model.text_len)) if own_count else None)
-    profiler = StepProfiler(cfg.metrics.busy_every, cfg.metrics.profile_steps, os.path.join(cfg.run_dir, "traces"),
-                            ctx.rank)
+    profiler = StepProfiler(busy_every(cfg.metrics, ctx.world_size), cfg.metrics.profile_steps,
+                            os.path.join(cfg.run_dir, "traces"), ctx.rank)
     stop = {"signal": None}  # SIGTERM/SIGINT: finish the step, checkpoint, exit
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _f: stop.update(signal=s))
@@ -140,15 +170,18 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick) -> dict:
         return plan_step(corpus.table, cfg.train.seed, epoch, pos, ctx.world_size, schedule.strategy,
                          micro_batches, batch_sizes, schedule.cost_fn, window=schedule.window)
 
-    # 8. the loop
+    # 9. the loop
     bar = None
     if ctx.is_main and cfg.train.progress:
         from tqdm import tqdm
         bar = tqdm(total=cfg.train.steps, initial=state.step, desc=cfg.name, dynamic_ncols=True)
     last: dict = {}
     model.train()
-    if state.step == 0:  # the starting point of the val/loss curve
-        logger.log_metrics(0, {"samples_seen": 0, "val/loss": validation_loss(parts, val_batches)})
+    if state.step == 0:  # the starting point of the val/loss curve, and each bucket's batch size and tokens
+        table = {f"schedule/{k}/{n}": v for n in corpus.bucket_names
+                 for k, v in (("B", schedule.batch_sizes[n]), ("tokens", schedule.batch_sizes[n] * buckets[n].tokens))}
+        logger.log_metrics(0, {"samples_seen": 0, "tokens_seen": 0, "val/loss": validation_loss(parts, val_batches),
+                               **table})
     while state.step < cfg.train.steps:
         t_step = time.perf_counter()
         epoch = state.epoch
@@ -162,11 +195,12 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick) -> dict:
         step_s = time.perf_counter() - t_step
         state.step, state.epoch, state.pos = state.step + 1, nxt_epoch, nxt_pos
         state.samples_seen += plan.num_samples
+        state.tokens_seen += plan.tokens
         state.bad_in_a_row = state.bad_in_a_row + 1 if st.skipped else 0
         state.skipped_steps += int(st.skipped)
         gc_tick(state.step)
 
-        m = {"samples_seen": state.samples_seen, "epoch": epoch, "train/lr": lr,
+        m = {"samples_seen": state.samples_seen, "tokens_seen": state.tokens_seen, "epoch": epoch, "train/lr": lr,
              "train/skipped_steps": state.skipped_steps,
              **metrics.row(state.step, plan, st, step_s, profiler.finish(state.step, plan.num_slots))}
         m.update({f"data/skipped_{r}": n for r, n in corpus.skipped.items()})
@@ -211,16 +245,35 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick) -> dict:
 
 @hydra.main(config_path="conf", config_name="train", version_base=None)
 def main(dcfg: DictConfig) -> None:
+    """A mistake the user can fix (a ValueError: a bad value, a folder that holds another run, a missing file)
+    prints its message alone; HYDRA_FULL_ERROR=1 shows the whole trace."""
+    try:
+        _main(dcfg)
+    except ValueError as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        sys.exit(f"error: {e}\n(HYDRA_FULL_ERROR=1 shows where it came from)")
+
+
+def _main(dcfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
     raw = OmegaConf.to_container(dcfg, resolve=True)
     raw.pop("hydra", None)
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:  # -m: each job its own run folder and wandb run, one wandb group
+        raw = multirun_job(raw, hc.job.num)
+    if any(o.split("=", 1)[0].lstrip("+~") in ("logging", "logging.wandb") for o in hc.overrides.task):
+        os.environ["WANDB_MODE"] = raw["logging"]["wandb"]  # the command line beats the environment
     cfg = load_config(raw)  # every bad value is refused here, before any compute
     if cfg.show_buckets:
         from scripts.show_buckets import print_buckets
 
         print_buckets(cfg)
         return
-    maybe_launch(cfg.launch.num_processes)
-    run(cfg, OmegaConf.to_yaml(OmegaConf.create(raw)))
+    maybe_launch(cfg.launch.num_processes, cfg.launch.device)
+    run(cfg, OmegaConf.to_yaml(OmegaConf.create(raw)), preset=hc.runtime.choices.get("conf") or "default")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,10 @@ class SchedulingConfig:
     p: Optional[float] = None                   # dual_constraint: exponent
     target_microbatch_ms: Optional[float] = None  # cost / balanced: predicted fwd+bwd ms per micro-batch
     window: int = 1                             # steps planned together (balanced)
-    calibration: Optional[str] = None           # JSON written by scripts/calibrate.py
+    calibration: Optional[str] = None           # JSON written by scripts/calibrate.py; `auto`: the trainer finds
+                                                # one for this model and device, or measures it on first use
+    benchmark_points: int = 8                   # calibration=auto's shape benchmark: at most this many points,
+    benchmark_time_s: float = 300.0             # within this many seconds of scanning
     tokens_per_step: Optional[float] = None     # a fixed global batch: expected real tokens per GPU per optimizer
                                                 # step; the strategy's knob and train.micro_batches are chosen for it
 
@@ -28,5 +31,9 @@ class SchedulingConfig:
             v = getattr(self, name)
             if v is not None and not v > 0:  # NaN fails here too; training/config.py refuses ±Inf first
                 raise ValueError(f"scheduling.{name} must be > 0 (or null), got {v}")
+        if self.benchmark_points < 2:
+            raise ValueError(f"scheduling.benchmark_points must be ≥ 2, got {self.benchmark_points}")
+        if not self.benchmark_time_s > 0:
+            raise ValueError(f"scheduling.benchmark_time_s must be > 0, got {self.benchmark_time_s}")
         if self.window < 1:
             raise ValueError(f"scheduling.window must be ≥ 1, got {self.window}")

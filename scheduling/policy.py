@@ -162,6 +162,9 @@ def _load_calibration(cfg: SchedulingConfig, notes: list) -> Optional[Calibratio
     are all set in the config (SELF_SUFFICIENT). Otherwise a missing file is refused (Calibration.load)."""
     if not cfg.calibration:
         return None
+    if cfg.calibration == "auto":
+        raise ValueError("scheduling.calibration=auto is resolved by the trainer (training/shape_benchmark.py "
+                         "calibration_for_run) before the schedule: pass the file it chose")
     knobs = SELF_SUFFICIENT.get(cfg.strategy)
     if not os.path.exists(cfg.calibration) and knobs and all(getattr(cfg, k) is not None for k in knobs):
         notes.append(f"scheduling.calibration={cfg.calibration} does not exist yet: {cfg.strategy} runs on the "

@@ -24,6 +24,21 @@ def print_buckets(cfg) -> None:
 
     table = bucket_table(cfg.data.buckets, patch=cfg.model.patch)
     sc = cfg.scheduling
+    if sc.calibration == "auto":  # what the trainer would take, without measuring anything here
+        import torch
+
+        from training.shape_benchmark import device_name, find_calibration
+
+        device = device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        path, how = find_calibration(cfg, device, cfg.launch.num_processes)
+        if path is None:
+            print(f"scheduling.calibration=auto: no file fits this model on {device} ({'; '.join(how) or 'none'}); "
+                  "the run measures one on first use. Until then, the equal-token table at scheduling.m_tokens:")
+            sc = replace(sc, strategy="equal_token", calibration=None)
+        else:
+            print(f"scheduling.calibration=auto: {path} ({how})")
+            sc = replace(sc, calibration=path)
+        cfg = replace(cfg, scheduling=sc)
     meta = build_model(replace(cfg.model, pretrained=None), "meta")  # parameter counts without memory
     shape = ModelShape.of(cfg.model, meta.num_matmul_params())
     schedule = schedule_for(cfg, {n: b.tokens for n, b in table.items()}, shape, cfg.launch.num_processes)

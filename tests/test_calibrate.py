@@ -158,18 +158,18 @@ def test_refit_keeps_an_estimated_memory_model_and_drops_stale_choices(tmp_path)
 
 
 def test_check_runs_given_micro_batches_against_a_calibration(tmp_path):
-    from scripts.calibrate import _parse_checks, calibrate_config
+    from training.shape_benchmark import _parse_checks, calibrate_config
     from tests.helpers import compose_config
 
     cal = str(tmp_path / "cal.json")
     cfg = compose_config([f"scheduling.calibration={cal}"])
-    calibrate_config(cfg, {"max_points": 6, "repeats": 1}, command="test", log=lambda s: None)
+    calibrate_config(cfg, {"max_points": 6, "repeats": 1, "out": cal}, command="test", log=lambda s: None)
     out = str(tmp_path / "check.json")
     rows = calibrate_config(cfg, {"check": ["img_64:3", "vid_64_9f:2"], "repeats": 1, "out": out}, log=lambda s: None)
     assert [(r["bucket"], r["B"], r["fits"]) for r in rows] == [("img_64", 3, True), ("vid_64_9f", 2, True)]
     assert all(r["ms"] > 0 and r["predicted_ms"] > 0 and len(r["ms_runs"]) == 1 for r in rows)
     assert json.load(open(out))["rows"] == rows
-    from scripts.calibrate import DEFAULTS
+    from training.shape_benchmark import DEFAULTS
     assert DEFAULTS["fit_min_tokens"] is None and DEFAULTS["probe_cap"] is True
     table = cfg.data.buckets
     for bad in ("img_64", "nope:2", "img_64:0", "img_64:x"):
@@ -253,13 +253,13 @@ def test_k_block_scan_extrapolates_the_cost_and_drops_the_memory_model():
 
 
 def test_cpu_tiny_model_calibration_end_to_end(tmp_path):
-    from scripts.calibrate import calibrate_config
+    from training.shape_benchmark import calibrate_config
     from tests.helpers import compose_config
 
     out = str(tmp_path / "cal.json")
     cfg = compose_config([f"scheduling.calibration={out}"])
     t0 = time.perf_counter()
-    calibrate_config(cfg, {"max_points": 8, "repeats": 2}, command="test", log=lambda s: None)
+    calibrate_config(cfg, {"max_points": 8, "repeats": 2, "out": out}, command="test", log=lambda s: None)
     assert time.perf_counter() - t0 < 30
     d = json.load(open(out))
     rec = d["modes"]["none"]  # the tiny config's checkpointing mode

@@ -1,5 +1,5 @@
 """scheduling/fsdp_memory.py: the per-rank FSDP memory model, its split from a slice at two depths, the file and
-the policy; scripts/calibrate.py's slice mode on the CPU."""
+the policy; training/shape_benchmark.py's slice mode on the CPU."""
 import json
 import math
 from dataclasses import replace
@@ -230,7 +230,7 @@ def test_a_missing_calibration_is_refused_only_where_a_knob_needs_it(tmp_path):
 def test_gradients_are_dropped_as_accumulated_and_the_peak_rows_skip_the_warmup():
     import torch
 
-    from scripts.calibrate import _dropping_grads, _peak_rows
+    from training.shape_benchmark import _dropping_grads, _peak_rows
 
     lin = torch.nn.Linear(4, 3)
     with _dropping_grads(lin):
@@ -244,12 +244,12 @@ def test_gradients_are_dropped_as_accumulated_and_the_peak_rows_skip_the_warmup(
 
 
 def test_cpu_slice_calibration_states_the_slice_and_its_scaling(tmp_path):
-    from scripts.calibrate import calibrate_config
+    from training.shape_benchmark import calibrate_config
     from tests.helpers import compose_config
 
     out = str(tmp_path / "cal.json")
     cfg = compose_config([f"scheduling.calibration={out}"])
-    opts = {"blocks": 1, "fsdp_ranks": 8, "max_points": 6, "repeats": 1, "warmup": 0}
+    opts = {"blocks": 1, "fsdp_ranks": 8, "max_points": 6, "repeats": 1, "warmup": 0, "out": out}
     calibrate_config(cfg, opts, command="test", log=lambda s: None)
     d = json.load(open(out))
     assert d["extrapolation"] == {"blocks_timed": 1, "num_layers": 2, "scale": 2.0, "fsdp_ranks": 8,

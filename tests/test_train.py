@@ -221,3 +221,69 @@ def test_tokens_per_step_holds_the_global_batch(tmp_path, cache):
     per_step = [sum(B * S for B, S in zip(r["batch/B"], r["batch/S"])) for r in rows]
     assert len(rows) == 24 and len(rows[0]["batch/S"]) == 4  # M = 960 / 240
     assert abs(sum(per_step) / len(per_step) - 960) <= 0.15 * 960
+
+
+def test_a_fresh_run_never_writes_into_another_runs_folder(tmp_path, cache):
+    run_dir = str(tmp_path / "taken")
+    run_training(tiny_overrides(run_dir, cache, "train.steps=2", "train.val_every=2"))
+    before = open(os.path.join(run_dir, "metrics.jsonl")).read()
+    with pytest.raises(ValueError, match=r"already holds a run \(config.yaml, metrics.jsonl, step_2.*resume=auto"):
+        run_training(tiny_overrides(run_dir, cache, "train.steps=2"))
+    assert open(os.path.join(run_dir, "metrics.jsonl")).read() == before  # refused before anything was written
+    run_training(tiny_overrides(run_dir, cache, "train.steps=1", "train.val_every=1", "overwrite=true"))
+    aside = [d for d in os.listdir(run_dir) if d.startswith("replaced-")]
+    assert len(aside) == 1 and open(os.path.join(run_dir, aside[0], "metrics.jsonl")).read() == before
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1]  # the new run's rows alone
+    assert [s for s, _ in list_checkpoints(run_dir)] == [1]
+
+
+def test_multirun_gives_every_job_its_own_folder_and_one_wandb_group(tmp_path, cache):
+    args = [sys.executable, "train.py", "-m", "optim.lr=1e-3,2e-3", "name=sweep",
+            f"hydra.sweep.dir={tmp_path}/sweeps", *tiny_overrides(str(tmp_path / "runs" / "sweep"), cache,
+                                                                    "train.steps=2", "train.val_every=2")]
+    done = subprocess.run(args, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for job, lr in ((0, "0.001"), (1, "0.002")):
+        folder = tmp_path / "runs" / f"sweep-{job}"
+        assert [r["step"] for r in read_metrics(str(folder))][-1] == 2
+        text = (folder / "config.yaml").read_text()
+        assert f"name: sweep-{job}" in text and f"lr: {lr}" in text and "group: sweep" in text
+
+
+@pytest.mark.parametrize("preset", ["wan21_8gpu", "wan21_16gpu", "hunyuan_video", "wan21_1p3b", "wan21_1p3b_lora"])
+def test_gpu_presets_run_the_balanced_planner_on_a_calibration_of_their_own(preset):
+    from tests.helpers import compose_config
+
+    cfg = compose_config([f"conf={preset}"])
+    assert (cfg.scheduling.strategy, cfg.scheduling.calibration, cfg.launch.device) == ("balanced", "auto", "cuda")
+    base = compose_config([f"conf={preset}", "scheduling=equal_token"])  # the paper's baseline, one word away
+    assert base.scheduling.strategy == "equal_token" and base.scheduling.m_tokens == cfg.scheduling.m_tokens
+
+
+def _train_cli(*args, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    env.pop("HYDRA_FULL_ERROR", None)
+    done = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    return done.returncode, (done.stdout + done.stderr).splitlines()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.device_count() >= 8, reason="this machine has the preset's GPUs")
+def test_a_gpu_preset_on_a_machine_without_its_gpus_stops_at_once_with_one_message(tmp_path):
+    t0 = time.perf_counter()
+    rc, lines = _train_cli("conf=wan21_8gpu", f"run_dir={tmp_path / 'r'}")
+    assert rc != 0 and time.perf_counter() - t0 < 60 and len(lines) <= 3, lines
+    assert any("wants 8 GPU process(es) (launch.device=cuda" in line and "launch.device=cpu" in line
+               for line in lines)
+    assert not any("Traceback" in line for line in lines)
+    assert not set(os.listdir(tmp_path / "r")) & {"config.yaml", "metrics.jsonl", ".hydra"}  # Hydra's train.log only
+
+
+def test_the_first_twenty_lines_say_what_ran(tmp_path, cache):
+    rc, lines = _train_cli(*tiny_overrides(str(tmp_path / "r"), cache, "train.steps=1", "train.val_every=1",
+                                           "train.progress=false", "logging=disabled", "scheduling=balanced"))
+    assert rc == 0, lines[-20:]
+    head = "\n".join(lines[:20])
+    assert "1 process(es) (started by python (one process)), device cpu, backend none, 1 CPU thread(s)" in head
+    assert "scheduling: strategy balanced, calibration results/calibration_cpu_tiny.json (config)" in head

@@ -185,12 +185,13 @@ def verify_checkpoint(path: str, ctx: DistContext) -> Optional[str]:
 @dataclass
 class LoopState:
     """Where the loop is (saved in meta.json, restored on resume): optimizer steps done, the plan position
-    (epoch, pos: the global sample position the plan is a function of), samples trained on, and the NaN guard's
-    counts."""
+    (epoch, pos: the global sample position the plan is a function of), samples and latent tokens trained on, and
+    the NaN guard's counts."""
     step: int = 0
     epoch: int = 0
     pos: int = 0
     samples_seen: int = 0
+    tokens_seen: int = 0
     bad_in_a_row: int = 0
     skipped_steps: int = 0
 

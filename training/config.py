@@ -30,10 +30,16 @@ from training.optim import OptimConfig
 @dataclass
 class LaunchConfig:
     num_processes: int = 1  # processes on this node; train.py starts them when no launcher did
+    device: str = "auto"    # auto | cuda | cpu: cuda refuses a machine without a GPU for every local process
+    cpu_threads: Optional[int] = None  # intra-op threads per CPU process; null: OMP_NUM_THREADS, else 1
 
     def __post_init__(self):
         if self.num_processes < 1:
             raise ValueError(f"launch.num_processes must be ≥ 1, got {self.num_processes}")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"launch.device must be auto, cuda or cpu, got {self.device!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"launch.cpu_threads must be ≥ 1 or null, got {self.cpu_threads}")
 
 
 @dataclass
@@ -82,6 +88,7 @@ class TrainConfig:
     run_dir: str = "runs/default"
     resume: Optional[str] = None  # null | auto | a checkpoint folder
     resume_force: bool = False    # resume even where the config changes the plan or the trained state
+    overwrite: bool = False       # a fresh run into a folder holding another: its files move aside (run_folder.py)
     show_buckets: bool = False
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     train: LoopConfig = field(default_factory=LoopConfig)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -91,18 +91,51 @@ def fsdp_options_from_env() -> dict:
             "offload_params": flag("FSDP_OFFLOAD_PARAMS", False)}
 
 
-def maybe_launch(num_processes: int) -> None:
+def check_devices(num_processes: int, device: str) -> None:
+    """Refuse at once what cannot run here: launch.device=cuda with fewer GPUs than local processes (a GPU preset
+    on a CPU machine would otherwise build its model in host memory, once per process), or more processes than
+    GPUs on a GPU machine."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))
+    if device == "cuda" and gpus < local:
+        raise ValueError(f"this run wants {local} GPU process(es) (launch.device=cuda, launch.num_processes="
+                         f"{num_processes}) but this machine has {gpus} GPU(s): run it where there are, lower "
+                         "launch.num_processes, or set launch.device=cpu to try it on CPUs")
+    if gpus and "LOCAL_RANK" not in os.environ and gpus < num_processes:
+        raise ValueError(f"launch.num_processes={num_processes} but this machine has {gpus} GPUs: lower it or use "
+                         "a multi-node launcher")
+
+
+def launcher() -> str:
+    """Who started this process: torchrun (or train.py's own launch), accelerate, or plain python."""
+    if any(k.startswith("ACCELERATE_") for k in os.environ):
+        return "accelerate launch"
+    if os.environ.get("ADAPTIVELOAD_SELF_LAUNCHED"):
+        return "train.py (launch.num_processes)"
+    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
+        return "torchrun"
+    return "python (one process)"
+
+
+def cpu_threads(requested: Optional[int]) -> int:
+    """Intra-op threads for a CPU process: launch.cpu_threads, else OMP_NUM_THREADS, else 1. torch's default (every
+    core) made the tiny default run 17× slower on a shared 2-core machine."""
+    n = requested or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or 1
+    torch.set_num_threads(n)
+    return n
+
+
+def maybe_launch(num_processes: int, device: str = "auto") -> None:
     """Re-run this command under torch's elastic launcher with `num_processes` processes when no launcher did."""
+    check_devices(num_processes, device)
     if num_processes <= 1 or "LOCAL_RANK" in os.environ or "WORLD_SIZE" in os.environ:
         return
-    if torch.cuda.is_available() and torch.cuda.device_count() < num_processes:
-        raise ValueError(f"launch.num_processes={num_processes} but this machine has "
-                         f"{torch.cuda.device_count()} GPUs: lower it or use a multi-node launcher")
     from torch.distributed.run import main as torchrun
 
     # On SIGTERM the launcher forwards the signal and kills the workers after this many seconds (default 30): each
     # rank finishes its step and writes its checkpoint shards first, which takes longer than 30 s at 14B.
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "900")
+    os.environ["ADAPTIVELOAD_SELF_LAUNCHED"] = "1"
     torchrun(["--standalone", f"--nproc_per_node={num_processes}", sys.argv[0], *sys.argv[1:]])
     sys.exit(0)
 

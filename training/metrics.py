@@ -6,7 +6,9 @@ StepMetrics makes a step's row from the plan, every rank's timings and (sampled)
     time/<k>, time/<k>_max                  rank 0's value and the max over ranks
     balance/*_pred                          from the cost model's prediction of every (rank, slot)
     balance/busy_cv, balance/idle_fraction  from measured busy time per (rank, slot), on profiled steps
-    balance/step_time_cv                    CV of the step time over the last 50 steps
+    balance/step_time_cv                    CV over the last 50 steps of (step time ÷ the planner's predicted step
+                                            time Σ_k max_r pred_rk): the variation the plan does not explain —
+                                            stragglers, data stalls, clocks — not that of different batch tables
 
 MetricsLogger is the one path: log_metrics(step, dict) → console/progress bar, run_dir/metrics.jsonl always, wandb
 when on. Keys are namespaced as CONTRACTS §9 (`train/loss`, `perf/tokens_per_s`, `balance/compute_cv_pred`, ...);
@@ -21,7 +23,7 @@ import math
 import os
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
@@ -41,22 +43,26 @@ class LoggingConfig:
     wandb: str = "offline"
     project: str = "adaptiveload"
     entity: Optional[str] = None
+    group: Optional[str] = None    # wandb group: the runs of one comparison (a multirun sets the sweep's name)
+    tags: list = field(default_factory=list)
 
     def __post_init__(self):
         if self.wandb not in WANDB_MODES:
             raise ValueError(f"logging.wandb must be one of {WANDB_MODES}, got {self.wandb!r}")
+        self.tags = [str(t) for t in self.tags]
 
 
 @dataclass
 class MetricsConfig:
     peak_tflops: Optional[float] = None   # the accelerator's dense bf16 peak, for perf/mfu (null on CPU)
-    busy_every: int = 0                   # profile a step every N steps for measured busy time (0: never)
+    busy_every: Optional[int] = None      # profile a step every N steps for measured busy time (0: never; null:
+                                          # BUSY_EVERY_MULTI on several processes, never on one)
     profile_steps: Optional[tuple[int, int]] = None  # [first, last]: write a profiler trace for these steps
 
     def __post_init__(self):
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ValueError(f"metrics.peak_tflops must be > 0 or null, got {self.peak_tflops}")
-        if self.busy_every < 0:
+        if self.busy_every is not None and self.busy_every < 0:
             raise ValueError(f"metrics.busy_every must be ≥ 0, got {self.busy_every}")
         if self.profile_steps is not None:
             self.profile_steps = tuple(self.profile_steps)
@@ -65,24 +71,46 @@ class MetricsConfig:
                                  f"got {list(self.profile_steps)}")
 
 
+BUSY_EVERY_MULTI = 50  # the measured balance on several processes, by default: one profiled step in 50 (cheap)
+
+
+def busy_every(cfg: MetricsConfig, world_size: int) -> int:
+    return cfg.busy_every if cfg.busy_every is not None else (BUSY_EVERY_MULTI if world_size > 1 else 0)
+
+
 def _clean(v):
     if isinstance(v, float) and not math.isfinite(v):
         return None if math.isnan(v) else (1e308 if v > 0 else -1e308)
     return v
 
 
+X_AXES = ("samples_seen", "tokens_seen")  # what runs with different batch tables are compared against
+BY_SAMPLES = ("train/*", "val/*", "perf/*", "balance/*", "time/*", "memory/*", "data/*")
+
+
 class MetricsLogger:
-    def __init__(self, run_dir: str, cfg: LoggingConfig, name: str, config: dict, enabled: bool = True):
+    """log_metrics(step, row): JSONL always, wandb when on. wandb gets the resolved config, the group, tags, and
+    samples_seen / tokens_seen as x-axes (every namespaced metric plotted against samples_seen by default)."""
+
+    def __init__(self, run_dir: str, cfg: LoggingConfig, name: str, config: dict, enabled: bool = True,
+                 tags: tuple = ()):
         self.enabled = enabled  # only rank 0 writes
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._file = open(self.path, "a") if enabled else None
         self._wandb = None
-        mode = os.environ.get("WANDB_MODE", cfg.wandb)  # the environment wins, so tests can disable it
+        # the config's mode, unless WANDB_MODE is set (train.py sets it from a command-line logging choice, which
+        # so beats the environment; tests set it to disabled)
+        mode = os.environ.get("WANDB_MODE", cfg.wandb)
         if enabled and mode != "disabled":
             import wandb
 
             self._wandb = wandb.init(project=cfg.project, entity=cfg.entity, name=name, dir=run_dir, mode=mode,
-                                     config=config, id=_run_id(run_dir), resume="allow")
+                                     config=config, id=_run_id(run_dir), resume="allow", group=cfg.group,
+                                     tags=sorted(set(tags) | set(cfg.tags)))
+            for axis in X_AXES:
+                self._wandb.define_metric(axis)
+            for pattern in BY_SAMPLES:
+                self._wandb.define_metric(pattern, step_metric="samples_seen")
 
     def log_metrics(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -160,6 +188,7 @@ class StepMetrics:
         self.sample_flops = functools.lru_cache(maxsize=None)(
             sample_flops or (lambda S: model_flops(1, S, s.text_len, s.p_matmul, s.layers, s.dim)))
         self.step_times: deque = deque(maxlen=50)
+        self.step_ratios: deque = deque(maxlen=50)  # measured ÷ predicted step time (balance/step_time_cv)
         self.t0: Optional[float] = None
         self.tokens = self.samples = 0
         self.steps_here = 0  # steps run by this process: a resumed run warms up too
@@ -178,6 +207,9 @@ class StepMetrics:
         elapsed = now - self.t0 if self.t0 is not None else 0.0
         flops = sum(mb.num_real * self.sample_flops(mb.S) for r in plan.ranks for mb in r)
         pred = plan.pred_ms()
+        pred_s = float(pred.max(axis=0).sum()) / 1e3 if pred.size else 0.0
+        if pred_s > 0:
+            self.step_ratios.append(self.step_times[-1] / pred_s)
         m = {"train/loss": float(gathered[:, 5].sum()) / max(1, plan.num_samples),
              "train/grad_norm": st.grad_norm,
              "perf/tokens_per_s": self.tokens / elapsed if self.tokens else None,
@@ -185,7 +217,7 @@ class StepMetrics:
              "perf/mfu": (flops / (self.step_times[-1] * ctx.world_size * self.peak_tflops * 1e12)
                           if self.peak_tflops and ctx.device.type == "cuda" else None),
              "balance/compute_cv_pred": compute_cv(pred), "balance/idle_fraction_pred": idle_fraction(pred, plan.real()),
-             "balance/step_time_cv": cv(self.step_times),
+             "balance/step_time_cv": cv(self.step_ratios),
              "batch/S": st.S, "batch/B": st.B, "batch/bucket": st.buckets,
              "memory/peak_gib": ctx.all_reduce_max(peak_memory_gib(ctx.device))}
         for i, k in enumerate(TIMINGS):
