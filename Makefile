@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-fast bench-adaln clean
+.PHONY: setup train test clean
 
 setup: $(STAMP)
 
