@@ -5,16 +5,15 @@ Time of forward + backward of a micro-batch of B samples of S tokens (text lengt
     quadratic  t = a + b0·B + b1·B·S + b2·B·S² [+ b3·B·S·L]  the FLOP shape: projections/MLP ∝ S, self-attention
                                                              ∝ S², cross-attention ∝ S·L; non-negative LS
                t = a + b0·B + b1·B·(S+L) + b2·B·(S+L)²       joint attention (MMDiT): text joins the sequence
-           b0: work each sample costs whatever its S (its text tokens' projections, its conditioning). The issue's
-           form has no such term. On the H200 (Wan 1.3B, 512 text tokens; results/h200_calibration.md) it
-           is 5.2 ms a sample. The form without it fits that scan's ten points at 2.1 % against 0.23 %, and fitted to
-           the ladder alone (without the memory probe, i480 at B = 459) it misses the probe by 11 %; with b0, by
-           2.5 %. On a scan with fewer lengths the probe is what pins b0 (results/h200_calibration.md).
+           b0: work each sample costs whatever its S (its text tokens' projections, its conditioning); the paper's
+           form has none. Without it the H200 scans fit worse and under-predict the short bucket at large B (the
+           memory probe) by an order of magnitude more (results/calibration_h200.md, Notes); on a scan with few
+           lengths the probe is what pins b0.
            b0 is fitted from B0_MIN_POINTS points on, and only where B varies apart from S (else 0).
     auto       whichever of the two has the lower leave-one-out relative error
     floor      either form as t = max(floor, f(B, S)): a small micro-batch costs at least the host's time to launch
                its kernels (eager on a GPU: ~0.45 s for 30 Wan-1.3B blocks whatever its B·S under ~10k tokens,
-               results/h200_calibration.md; a CUDA graph takes that floor away). Fitted like the memory model's: each
+               results/calibration_h200.md; a CUDA graph takes that floor away). Fitted like the memory model's: each
                measured time is tried as the floor, the points at or under it (within FLOOR_TOL_T) are the floor's,
                f is fitted to the rest, and the floor is kept only where it explains two or more points and halves
                the error over every point; it is then the geometric mean of its points' times. Every point stays in the fit.
@@ -332,8 +331,8 @@ class MemoryModel:
     which every sample carries whatever its S). floor: a peak that does not grow with the micro-batch — the
     optimizer step's (fp32 states, gradients and the update's temporaries); a small micro-batch peaks there, not in
     backward. A line through such points as well as the large ones bends towards them and under-states c1: on the
-    H200 (Wan 1.3B, 30 blocks; results/h200_calibration.md) every B = 1 point up to S = 46,800 peaked at
-    26.6 GiB, and the plain line gave 110 KiB a token where the large micro-batches take 148."""
+    H200 (Wan 1.3B, 30 blocks) every B = 1 point up to S = 46,800 peaked at the same 26.6 GiB
+    (results/calibration_h200.md)."""
     c0: float
     c1: float
     rel_rmse: float = float("nan")

@@ -15,7 +15,7 @@
 # shortest buckets of the simulator's default mix with their shares (i480 .25, i720 .10, v480_17f .15, v480_33f .15).
 # The longer buckets take 1–10 s a sample on the 1.3B: 7 steps × 16 micro-batches × 3 strategies of them would not
 # fit 10 minutes. At factor 2 every micro-batch holds ≥ 23k tokens, above the ~10k under which an eager 1.3B
-# micro-batch waits on the host (results/h200_calibration.md), so the calibration's model applies to all of them.
+# micro-batch waits on the host (results/calibration_h200.md), so the calibration's model applies to all of them.
 #
 # Time (K = STEPS = 6 timed steps after WARMUP = 1, R·M = 16 micro-batches a step):
 #   a  the planner's own prediction of the micro-batches it plans (the script prints it first; --dry-run on a CPU):

@@ -119,8 +119,8 @@ def test_memory_model_fit_and_m_mem():
 
 def test_memory_model_recovers_a_floor_and_a_per_sample_term():
     """Small micro-batches peak in the optimizer step (the floor), whatever their S; a plain line through them and
-    the large ones under-states the per-token cost (the H200 scan of run 1 in results/h200_calibration.md:
-    110 KiB a token by the line, 148 measured)."""
+    the large ones under-states the per-token cost (the earlier H200 scan in results/calibration_h200.md,
+    Notes)."""
     floor, c0, c1, c2 = 26 * 2**30, 16 * 2**30, 210 * 2**10, 22 * 2**20
     B = np.array([1, 96, 1, 19, 1, 10, 1, 4, 1, 3, 1, 2])
     S = np.array([1560, 1560, 7800, 7800, 14040, 14040, 32760, 32760, 46800, 46800, 75600, 75600])
