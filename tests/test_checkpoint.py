@@ -256,3 +256,26 @@ def test_config_changes_split_plan_from_hyperparameters():
     plan, other = config_changes(saved, now)
     assert plan == {"data.buckets.b": (None, 2)}
     assert other == {"optim.lr": (1e-3, 5e-4), "train.steps": (10, 20)}
+
+
+class _RankOfTwo(DistContext):
+    """Rank `rank` of a two-process run, in one process: the other rank's all_gather_floats values are given."""
+
+    def __init__(self, rank, other_flags):
+        super().__init__(rank=rank, world_size=2)
+        self.other = other_flags
+
+    def all_gather_floats(self, values):
+        rows = [torch.tensor(values, dtype=torch.float64), torch.tensor(self.other, dtype=torch.float64)]
+        return torch.stack(rows if self.rank == 0 else rows[::-1])
+
+
+def test_damage_found_by_another_rank_fails_the_check_on_every_rank(tmp_path):
+    """verify_checkpoint's verdict is agreed: each rank hashes half the files, and a rank whose own half is clean
+    still reports the damage another rank found (else the ranks would disagree on loading)."""
+    model, opt, sched, ema = _trained()
+    path = _save(tmp_path, 2, model, opt, sched, ema)
+    assert verify_checkpoint(path, _RankOfTwo(0, [0.0])) is None
+    for rank in (0, 1):
+        problem = verify_checkpoint(path, _RankOfTwo(rank, [1.0]))
+        assert problem == f"rank {1 - rank} found a damaged or missing file (its log names it)", problem

@@ -193,3 +193,36 @@ def test_the_bucket_table_counts_the_models_patches():
         load_config(compose_raw([odd, "model.patch_size=[1,4,4]"]))
     with pytest.raises(ValueError, match=r"data\.buckets\.\w+: \d+ latent frames do not divide"):
         load_config(compose_raw(["model.patch_size=[2,2,2]"]))
+
+
+def test_null_is_refused_by_number_string_and_bool_fields_and_containers_take_only_their_kind():
+    """null is a value for Optional fields only: a number, string or bool field refuses it naming the field (not a
+    TypeError from a range check), and a bare dict/list field takes nothing but its container."""
+    raw = compose_raw()
+    assert load_config(_put(raw, None, ("scheduling", "m_mem"), None)).scheduling.m_mem is None
+    for keys, value in ((("train", "steps"), None), (("optim", "lr"), None), (("name",), None),
+                        (("train", "progress"), None), (("sample", "prompts"), "a red ball"),
+                        (("data", "encoders", "tiny_vae"), [1, 2])):
+        with pytest.raises(ValueError, match=re.escape(_name(keys))):
+            load_config(_put(raw, None, keys, value))
+
+
+def test_checkpoint_keep_last_must_keep_one():
+    assert load_config(compose_raw(["checkpoint.keep_last=1"])).checkpoint.keep_last == 1
+    with pytest.raises(ValueError, match=r"checkpoint\.keep_last must be ≥ 1, got 0"):
+        load_config(compose_raw(["checkpoint.keep_last=0"]))
+
+
+def test_equal_token_needs_m_tokens_or_a_calibration_and_the_others_do_not_need_m_tokens(tmp_path):
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text("{}")  # only named here: load_config does not read it
+    with pytest.raises(ValueError, match=r"scheduling\.m_tokens must be set for the equal_token strategy"):
+        load_config(compose_raw(["scheduling=equal_token", "scheduling.m_tokens=null"]))
+    assert load_config(compose_raw(["scheduling=equal_token", "scheduling.m_tokens=96"])).scheduling.m_tokens == 96
+    cfg = load_config(compose_raw(["scheduling=equal_token", "scheduling.m_tokens=null",
+                                   f"scheduling.calibration={calibration}"]))
+    assert cfg.scheduling.m_tokens is None and cfg.scheduling.calibration == str(calibration)
+    for strategy in ("dual_constraint", "cost", "balanced"):  # their knobs are others: m_tokens stays unset
+        cfg = load_config(compose_raw([f"scheduling={strategy}", "scheduling.m_tokens=null",
+                                       f"scheduling.calibration={calibration}"]))
+        assert cfg.scheduling.strategy == strategy and cfg.scheduling.m_tokens is None
