@@ -22,7 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.buckets import bucket_table
 from data.loader import Loader, merge_bad_states, open_corpus
-from models.build import build_parallel_model, model_inputs
+from models.build import build_parallel_model
+from training.inputs import model_inputs
 from models.flow_matching import FlowMatching
 from models.lora import has_lora, save_lora
 from models.parallelize import FSDPOptions, checkpoint_policy
@@ -78,7 +79,7 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick, preset: str) -> dict:
     # 2. the corpus, first: what it can check without the model (patterns, index, empty prompt) fails before the build
     buckets = bucket_table(cfg.data.buckets, patch=cfg.model.patch)
     corpus = open_corpus(cfg.data, buckets, cfg.model.in_channels, cfg.model.text_dim, cfg.train.seed,
-                         ctx.is_main, ctx.barrier, pooled_dim=getattr(cfg.model, "pooled_projection_dim", None))
+                         ctx.is_main, ctx.barrier, pooled_dim=cfg.model.pooled_dim)
 
     # 3. the calibration: scheduling.calibration=auto finds one for this model and device, or measures it now
     calibration, found = cfg.scheduling.calibration, "config"
@@ -157,9 +158,8 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick, preset: str) -> dict:
                     cfg.data.num_workers)
     val_batches = loader.val_batches()
     sampler = ValidationSampler(cfg, ctx, val_batches, corpus.empty_text) if cfg.train.sample_every else None
-    own_count = getattr(model, "train_flops", None)  # the MMDiT counts its joint attention itself
     metrics = StepMetrics(ctx, shape, cfg.metrics.peak_tflops, WARMUP_STEPS,
-                          sample_flops=(lambda S: own_count(S, cfg.model.text_len)) if own_count else None)
+                          sample_flops=lambda S: model.train_flops(S, cfg.model.text_len))
     profiler = StepProfiler(busy_every(cfg.metrics, ctx.world_size), cfg.metrics.profile_steps,
                             os.path.join(cfg.run_dir, "traces"), ctx.rank)
     stop = {"signal": None}  # SIGTERM/SIGINT: finish the step, checkpoint, exit

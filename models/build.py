@@ -1,4 +1,14 @@
-"""Model factory: ModelConfig → a model on one device (parallelism is applied from outside, models/parallelize.py)."""
+"""Model factory: ModelConfig → the model as training runs it, built in the fixed order
+
+    1. the reference model (models/wan.py, models/mmdit.py) on one device, random or from `model.pretrained`
+    2. fused ops (models/fused_wan.py apply_fused_ops, `model.fused_ops`) and the activation-checkpointing knobs
+       (`model.offload_checkpoints`; which blocks recompute is set per micro-batch: models/checkpointing.py)
+    3. fine-tuning: LoRA adapters / frozen parameters (models/lora.py)
+    4. compile and FSDP2 (models/parallelize.py), in build_parallel_model
+
+None of the steps renames a state-dict key. The conditioning a model takes beyond (x_t, 1000·t, text) is built from
+the batch at the data → model seam (training/inputs.py).
+"""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -10,7 +20,9 @@ from models.parallelize import FSDPOptions, materialize_from_rank0, parallelize
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.nn.Module:
-    """The full model on `device`: random (under the caller's torch seed) or from `cfg.pretrained`."""
+    """The full model on `device`: random (under the caller's torch seed) or from `cfg.pretrained`, with its fused ops
+    and fine-tuning applied (steps 1–3 of the module docstring)."""
+    from models.fused_wan import apply_fused_ops
     from models.lora import apply_finetune
 
     if cfg.name == "mmdit":
@@ -31,7 +43,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.n
     else:
         with torch.device(device):
             model = Model(**cfg.diffusers_kwargs(), adaln_backend=cfg.adaln_backend)
-    model.glue_backend = cfg.glue_backend
+    apply_fused_ops(model, cfg.fused_ops)
     if cfg.offload_checkpoints:
         model.offload_checkpoints = True
     return apply_finetune(model, cfg)  # LoRA / frozen before parallelize
@@ -50,29 +62,6 @@ def build_parallel_model(cfg: ModelConfig, rank: int, world_size: int, device: t
     model = build_model(replace(cfg, pretrained=None), "meta")
     parallelize(model, compile=cfg.compile, world_size=world_size, fsdp=fsdp)
     return materialize_from_rank0(model, full_sd, device, offload_params=bool(fsdp and fsdp.offload_params))
-
-
-def model_inputs(cfg, batch) -> dict:
-    """Keyword inputs beyond (x_t, 1000·t, text) that the model takes from the batch (MMDiT: mask, pooled text,
-    embedded guidance). A corpus without pooled text gets the mean of its valid text tokens."""
-    if cfg.name != "mmdit":
-        return {}
-    mask, pooled = batch.text_mask, batch.pooled
-    if pooled is None:
-        if cfg.pooled_projection_dim != cfg.text_embed_dim:
-            raise ValueError(f"the corpus has no pooled text embedding and model.pooled_projection_dim="
-                             f"{cfg.pooled_projection_dim} differs from model.text_embed_dim={cfg.text_embed_dim}: "
-                             "precompute pooled embeddings or make the two equal")
-        m = mask.float()[..., None]
-        pooled = (batch.text * m).sum(1) / m.sum(1).clamp_min(1)
-    guidance = (torch.full((batch.B,), 1000.0 * cfg.guidance_scale, device=batch.latents.device)
-                if cfg.guidance_embeds else None)
-    out = dict(encoder_attention_mask=mask, pooled_projections=pooled, guidance=guidance)
-    if mask is not None and mask.device.type == "cpu":  # on the host: no sync inside the model's forward
-        from models.mmdit import text_span
-
-        out["text_span"] = text_span(mask)
-    return out
 
 
 def matmul_params(model: torch.nn.Module) -> int:

@@ -6,14 +6,21 @@ trains).
 
 Numbers reach these dataclasses already checked finite and of their declared type (training/config.py); the range
 of each is checked here.
+
+Deprecated names, accepted for one release with a FutureWarning (once a process) and then removed:
+`model.glue_backend` → `model.fused_ops` (a field here, because training/config.py refuses unknown keys: when set, it
+is copied to fused_ops, which it overrides, and reset to null), the model attribute `glue_backend` → `fused_ops`
+(models/layers.py) and `WanBlock.recompute_glue` → `FusedWanBlock.recompute_norms` (models/fused_wan.py).
 """
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
 ADALN_BACKENDS = ("auto", "triton", "torch")
+FUSED_OPS = ADALN_BACKENDS
 CHECKPOINTING = ("none", "full", "auto")
 # Every Linear inside a Wan block (what musubi-tuner and DiffSynth adapt by default): peft target_modules suffixes.
 LORA_BLOCK_LINEARS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
@@ -58,7 +65,8 @@ class RunKnobs:
                                           # data.encoders.max_text_len (training/config.py checks it)
     precision: str = "bf16"               # matmuls under autocast on GPU; fp32 on CPU; master weights stay fp32
     adaln_backend: str = "auto"
-    glue_backend: str = "auto"            # Wan's fused glue (ops/): torch | triton | auto (Triton on CUDA)
+    fused_ops: str = "auto"               # models/fused_wan.py's blocks: torch | triton | auto (Triton on CUDA)
+    glue_backend: Optional[str] = None    # deprecated alias of fused_ops (one release): when set, it overrides it
     checkpointing: str = "none"
     offload_checkpoints: bool = False     # recomputed blocks' inputs wait in pinned host memory (one process)
     keep_attention: bool = False          # recomputed blocks keep SDPA's outputs (full: all; auto: as memory allows)
@@ -70,8 +78,14 @@ class RunKnobs:
     def _check_knobs(self) -> None:
         if self.adaln_backend not in ADALN_BACKENDS:
             raise ValueError(f"model.adaln_backend must be one of {ADALN_BACKENDS}, got {self.adaln_backend!r}")
-        if self.glue_backend not in ADALN_BACKENDS:
-            raise ValueError(f"model.glue_backend must be one of {ADALN_BACKENDS}, got {self.glue_backend!r}")
+        if self.glue_backend is not None:  # the deprecated name: checked under it, then moved to fused_ops
+            warn_deprecated("model.glue_backend", "model.fused_ops")
+            if self.glue_backend not in FUSED_OPS:
+                raise ValueError(f"model.glue_backend (deprecated: model.fused_ops) must be one of {FUSED_OPS}, got "
+                                 f"{self.glue_backend!r}")
+            self.fused_ops, self.glue_backend = self.glue_backend, None
+        if self.fused_ops not in FUSED_OPS:
+            raise ValueError(f"model.fused_ops must be one of {FUSED_OPS}, got {self.fused_ops!r}")
         if self.checkpointing not in CHECKPOINTING:
             raise ValueError(f"model.checkpointing must be one of {CHECKPOINTING}, got {self.checkpointing!r}")
         if self.keep_attention and self.checkpointing == "none":
@@ -147,6 +161,11 @@ class ModelConfig(RunKnobs):
     def dim(self) -> int:
         return self.num_attention_heads * self.attention_head_dim
 
+    @property
+    def pooled_dim(self) -> None:
+        """Wan takes no pooled text embedding."""
+        return None
+
     def diffusers_kwargs(self) -> dict:
         """The fields diffusers' WanTransformer3DModel takes, as our WanTransformer's constructor does."""
         return dict(patch_size=self.patch_size, num_attention_heads=self.num_attention_heads,
@@ -184,11 +203,12 @@ class MMDiTConfig(RunKnobs):
     def __post_init__(self):
         if self.name != "mmdit":
             raise ValueError(f"model.name must be one of {sorted(MODEL_CONFIGS)}, got {self.name!r}")
+        fused_key = "model.fused_ops" if self.glue_backend is None else "model.glue_backend"  # the name the user set
         self._check_knobs()
-        if self.glue_backend == "triton" or self.offload_checkpoints:
-            raise ValueError("model.glue_backend=triton and model.offload_checkpoints are Wan's (models/wan.py); the "
-                             "MMDiT blocks run the torch glue and keep checkpoints on the device: leave them at "
-                             "auto / false")
+        if self.fused_ops == "triton" or self.offload_checkpoints:
+            raise ValueError(f"{fused_key}=triton and model.offload_checkpoints are Wan's (models/fused_wan.py, "
+                             "models/checkpointing.py); the MMDiT blocks run the reference path and keep checkpoints "
+                             "on the device: leave them at auto / false")
         for name in ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "num_layers",
                      "text_embed_dim", "pooled_projection_dim", "patch_size", "patch_size_t"):
             if getattr(self, name) < 1:
@@ -223,6 +243,11 @@ class MMDiTConfig(RunKnobs):
         return self.text_embed_dim
 
     @property
+    def pooled_dim(self) -> int:
+        """The pooled text embedding's width, as the data side calls it."""
+        return self.pooled_projection_dim
+
+    @property
     def attention_layers(self) -> int:
         """Blocks whose joint attention spans text and video tokens."""
         return self.num_layers + self.num_single_layers
@@ -236,3 +261,14 @@ class MMDiTConfig(RunKnobs):
 
 
 MODEL_CONFIGS = {"wan": ModelConfig, "mmdit": MMDiTConfig}
+
+
+_WARNED: set = set()
+
+
+def warn_deprecated(old: str, new: str, stacklevel: int = 3) -> None:
+    """A FutureWarning, once a process, that `old` is a deprecated name of `new` (kept for one release)."""
+    if old not in _WARNED:
+        _WARNED.add(old)
+        warnings.warn(f"{old} is deprecated and will be removed in the next release: use {new} (same values)",
+                      FutureWarning, stacklevel=stacklevel)

@@ -1,4 +1,5 @@
-"""Primitives every model shares: norms, timestep embedding, MLPs, 3-D RoPE, attention, gated residual.
+"""Primitives every model shares: norms, timestep embedding, MLPs, 3-D RoPE, attention, gated residual, and the
+mixins for diffusers-format files (DiffusersFormat) and the ops' backends (BackendKnobs).
 
 Module and attribute names follow diffusers (`linear_1`, `net.0.proj`, ...) so that the models built from them
 keep diffusers' state-dict keys. Formulas:
@@ -16,15 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ops.gated_ffn import passes
+from models.config import warn_deprecated
+from ops.triton_setup import BACKENDS
 
 
 class FP32LayerNorm(nn.LayerNorm):
@@ -147,14 +147,10 @@ def attention(q_BNHD: torch.Tensor, k_BLHD: torch.Tensor, v_BLHD: torch.Tensor) 
     return o_BHND.transpose(1, 2).flatten(2).type_as(q_BNHD)
 
 
-def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, backend: str = "torch") -> torch.Tensor:
-    """x + y·gate summed in fp32, cast back to the residual stream's dtype (ops/gated_residual.py; backend "triton"
-    fuses it into one pass)."""
-    if backend == "torch":
-        return (x.float() + y.float() * gate.float()).type_as(x)
-    from ops.gated_residual import gated_residual as fused
-
-    return fused(x, y, gate, backend=backend)
+def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x + y·gate summed in fp32, cast back to the residual stream's dtype (ops/gated_residual.py fuses it into one
+    pass: models/fused_wan.py)."""
+    return (x.float() + y.float() * gate.float()).type_as(x)
 
 
 # ------------------------------------------------------------------------------------------------ added for MMDiT
@@ -331,35 +327,11 @@ def parse_size(size: int | str) -> int:
     return int(float(match.group(1)) * units[(match.group(2) or "B").lower()])
 
 
-def _attention_ops() -> tuple:
-    aten = torch.ops.aten
-    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    return tuple(getattr(aten, n).default for n in names if hasattr(aten, n))
-
-
-def keep_attention_context():
-    """Selective checkpointing (torch.utils.checkpoint): the self-attention's SDPA kernel is saved in forward,
-    everything else is recomputed — the recompute then reuses its output and log-sum-exp instead of running it.
-    Self-attention only (keys as many as queries): a cross-attention to 512 text tokens costs 512/S of it to rerun
-    but holds as many output bytes (on the H200 at S = 32760, keeping both let 23 blocks keep within diffusers'
-    peak; results/step_h200.md). A cross-attention to exactly as many tokens as queries is kept too (memory only)."""
-    ops = _attention_ops()
-
-    def policy(ctx, op, *args, **kwargs):
-        if op in ops and args[0].shape[-2] == args[1].shape[-2]:  # q, k: [B, H, N, Dh], [B, H, L, Dh]
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
-
-
-class PolicyKnobs:
-    """Mixin: the per-run knobs the trainer turns on a model from outside — which AdaLN backend every block uses,
-    and whether blocks recompute activations in backward (set per micro-batch; a hook, not a wrapper, so state-dict
-    keys never change). The model provides `blocks`."""
-
-    _checkpointing = 0  # the number of leading blocks that recompute in backward
+class BackendKnobs:
+    """Mixin: which implementation a model's ops run, turned from outside — `adaln_backend` (ops/adaln.py in every
+    AdaLN of every block and the head) and `fused_ops` (the fused blocks of models/fused_wan.py, applied by its
+    apply_fused_ops; `glue_backend` is its deprecated name, kept for one release). Each is auto | triton | torch;
+    "auto" takes Triton on CUDA and the reference elsewhere. The model provides `blocks`."""
 
     @property
     def adaln_backend(self) -> str:
@@ -367,70 +339,32 @@ class PolicyKnobs:
 
     @adaln_backend.setter
     def adaln_backend(self, backend: str) -> None:
-        from ops.adaln import BACKENDS
-
         if backend not in BACKENDS:
             raise ValueError(f"adaln_backend must be one of {BACKENDS}, got {backend!r}")
         self._adaln_backend = backend
         for block in self.blocks:
             block.adaln_backend = backend
 
-    _keep_attention = 0  # of the recomputed blocks, how many (the last of them) keep their self-attention outputs
+    @property
+    def fused_ops(self) -> str:
+        """Backend of the fused execution around the matmuls (models/fused_wan.py): "torch" the reference path,
+        "triton" the fused ops, "auto" Triton on CUDA (the config default). A bare model starts at "torch"; a model
+        without fused blocks (the MMDiT) runs the reference whatever it says."""
+        return getattr(self, "_fused_ops", "torch")
 
-    def set_activation_checkpointing(self, enabled, keep_attention: int = 0) -> None:
-        """Which blocks recompute their activations in backward (the trainer decides per micro-batch): True every
-        block, False none, an int k the first k blocks. The first ones, because backward reaches them last: by then
-        the later blocks' saved activations are freed, so k recomputed blocks lower the peak by k blocks' worth.
+    @fused_ops.setter
+    def fused_ops(self, backend: str) -> None:
+        from models.fused_wan import apply_fused_ops
 
-        keep_attention = j ≤ k: the last j recomputed blocks (k − j … k − 1) keep their self-attention's output and
-        log-sum-exp from the forward (selective checkpointing: keep_attention_context), so their recompute skips it,
-        the costliest op at long S, for B·S·D·2 bytes a block (plus B·heads·S·4). The last ones, because backward
-        reaches them first: their kept outputs are freed before the first blocks' backward, where the step peaks
-        (every parameter's gradient is alive there), so they hold memory only while it is to spare."""
-        n = len(self.blocks)
-        if isinstance(enabled, bool) or (hasattr(enabled, "dtype") and getattr(enabled, "dtype", None) == bool):
-            k = n if enabled else 0
-        elif isinstance(enabled, numbers.Integral):
-            k = int(enabled)
-        else:
-            raise TypeError(f"set_activation_checkpointing takes a bool or a block count, got {enabled!r}")
-        if not 0 <= k <= n:
-            raise ValueError(f"activation checkpointing: {enabled!r} blocks asked for, the model has {n}")
-        if not isinstance(keep_attention, numbers.Integral) or not 0 <= keep_attention <= k:
-            raise ValueError(f"activation checkpointing: keep_attention={keep_attention!r} must lie in [0, {k}] "
-                             "(the recomputed blocks)")
-        self._checkpointing, self._keep_attention = k, int(keep_attention)
-
-    def recomputes(self, i: int) -> bool:
-        """Whether block i recomputes in this forward (never without autograd)."""
-        return i < self._checkpointing and torch.is_grad_enabled()
-
-    def keeps_attention(self, i: int) -> bool:
-        """Whether block i, recomputed, keeps its self-attention outputs (the last keep_attention recomputed blocks)."""
-        return self._checkpointing - self._keep_attention <= i < self._checkpointing
-
-    def run_block(self, i: int, block, *args):
-        """Block i as this forward runs it: plainly, recomputed in backward, or recomputed around its kept attention."""
-        if not self.recomputes(i):
-            return block(*args)
-        # passes(): the block's ops learn which call is the recompute (ops/gated_ffn.py skips work there)
-        if self.keeps_attention(i):
-            return checkpoint(passes(block), *args, use_reentrant=False, context_fn=keep_attention_context)
-        return checkpoint(passes(block), *args, use_reentrant=False)
+        apply_fused_ops(self, backend)
 
     @property
     def glue_backend(self) -> str:
-        """Backend of Wan's fused glue around the matmuls (gated residuals, q/k RMSNorm + RoPE, the cross-attention
-        LayerNorm, the GELU MLP; results/step_h200.md): "torch" the reference path, "triton" the fused ops, "auto"
-        Triton on CUDA (the config default). A bare model starts at "torch"."""
-        return getattr(self, "_glue_backend", "torch")
+        """Deprecated: the old name of `fused_ops` (one release)."""
+        warn_deprecated("the model attribute glue_backend", "fused_ops")
+        return self.fused_ops
 
     @glue_backend.setter
     def glue_backend(self, backend: str) -> None:
-        from ops.adaln import BACKENDS
-
-        if backend not in BACKENDS:
-            raise ValueError(f"glue_backend must be one of {BACKENDS}, got {backend!r}")
-        self._glue_backend = backend
-        for block in self.blocks:
-            block.glue_backend = backend
+        warn_deprecated("the model attribute glue_backend", "fused_ops", stacklevel=4)  # through Module.__setattr__
+        self.fused_ops = backend

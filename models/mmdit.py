@@ -42,8 +42,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.layers import (MLP, DiffusersFormat, FeedForward, PolicyKnobs, FP32LayerNorm, RMSNorm, RoPE3D, SiLUFeedForward,
-                           apply_rope, gated_residual, masked_attention, timestep_embedding)
+from models.checkpointing import CheckpointingMixin
+from models.layers import (MLP, BackendKnobs, DiffusersFormat, FeedForward, FP32LayerNorm, RMSNorm, RoPE3D,
+                           SiLUFeedForward, apply_rope, gated_residual, masked_attention, timestep_embedding)
 from ops.adaln import adaln_modulate
 
 EPS = 1e-6           # every norm in HunyuanVideo
@@ -227,11 +228,13 @@ class DualStreamBlock(nn.Module):
         c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(temb_BD)
         be = self.adaln_backend
 
+        # 1. joint attention over [x; c]
         a_BND, a_BLD = self.attn(adaln_modulate(x_BND, scale_msa, shift_msa, EPS, backend=be),
                                  adaln_modulate(c_BLD, c_scale_msa, c_shift_msa, EPS, backend=be), rope, mask)
         x_BND = gated_residual(x_BND, a_BND, gate_msa)
         c_BLD = gated_residual(c_BLD, a_BLD, c_gate_msa)
 
+        # 2. feed-forward, per stream
         x_BND = gated_residual(x_BND, self.ff(adaln_modulate(x_BND, scale_mlp, shift_mlp, EPS, backend=be)),
                                gate_mlp)
         c_BLD = gated_residual(c_BLD, self.ff_context(adaln_modulate(c_BLD, c_scale_mlp, c_shift_mlp, EPS,
@@ -261,10 +264,12 @@ class SingleStreamBlock(nn.Module):
         return gated_residual(h_BSD, self.proj_out(torch.cat([a_BSD, mlp_BSM], dim=-1)), gate)
 
 
-class MMDiT(DiffusersFormat, PolicyKnobs, nn.Module):
+class MMDiT(DiffusersFormat, BackendKnobs, CheckpointingMixin, nn.Module):
     """HunyuanVideo text-to-video MMDiT; defaults are HunyuanVideo's (13B). See the module docstring for the math.
 
-    FSDP2 / compile from outside: `blocks` lists every dual- then single-stream block (they live in the ModuleLists
+    Executed as written here; from outside: the AdaLN backend (`model.adaln_backend`, ops/adaln.py in every AdaLN),
+    activation checkpointing per micro-batch (models/checkpointing.py; no offload), compile and FSDP2
+    (models/parallelize.py). It has no fused blocks: `model.fused_ops` leaves it as it is. FSDP2 / compile from outside: `blocks` lists every dual- then single-stream block (they live in the ModuleLists
     `transformer_blocks` and `single_transformer_blocks`, diffusers' names); the rest (embedders, token refiner,
     head) belongs to the root.
     """
@@ -330,7 +335,7 @@ class MMDiT(DiffusersFormat, PolicyKnobs, nn.Module):
                 nn.init.zeros_(m.linear.weight)
                 nn.init.zeros_(m.linear.bias)
 
-    # ----------------------------------------------------------------------------------------- policy knobs
+    # ----------------------------------------------------------------------------------------------- blocks
     @property
     def blocks(self) -> tuple[nn.Module, ...]:
         """The repeated blocks, dual- then single-stream, for fully_shard / block.compile() from outside."""

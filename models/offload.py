@@ -16,10 +16,10 @@ so its memory returns the moment backward drops it, however far the CPU runs ahe
 A selective policy (context_fn, as torch.utils.checkpoint takes it) may keep some ops' outputs from the forward for
 the recompute: model.keep_attention's blocks offload their inputs too and keep only the self-attention's output.
 
-Both calls are marked (ops.gated_ffn.checkpoint_pass "forward" / "recompute"), as models.layers.run_block marks
-torch.utils.checkpoint's: the block's last op then skips what a pass does not use (ops/gated_ffn.py).
-The recompute is the same forward as torch.utils.checkpoint's (autocast state and random state restored), so
-outputs and gradients equal the plain model's (tested, also with frozen embedders). Limits, each refused with a
+`run` is called twice, the forward then the recompute: models/checkpointing.py (the only caller) marks the two calls
+as it marks torch.utils.checkpoint's, so the block's last op skips what a pass does not use. The recompute is the
+same forward as torch.utils.checkpoint's (autocast state and random state restored), so outputs and gradients equal
+the plain model's (tested, also with frozen embedders). Limits, each refused with a
 message: one backward per forward, `.backward()` only (not torch.autograd.grad), a single process (FSDP2's hooks
 expect the non-reentrant checkpoint; parallelize refuses the pair).
 On the CPU the "host copy" is a clone (same code path, nothing to save).
@@ -30,8 +30,6 @@ from contextlib import nullcontext
 from typing import Callable
 
 import torch
-
-from ops.gated_ffn import checkpoint_pass
 
 _STREAMS: dict = {}  # one copy stream per device, shared by every forward
 
@@ -121,13 +119,13 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
         if context_fn is None:
             ctx.recompute_context = None
-            with torch.no_grad(), checkpoint_pass("forward"):
+            with torch.no_grad():
                 out = run(x, *args)
         else:  # as the recompute will run it (autograd on, the same inputs needing grad): a selective policy's ops
             # must be called alike in both (SDPA computes its log-sum-exp only for autograd); the graph dies here
             forward_context, ctx.recompute_context = context_fn()
             needs = ctx.needs_input_grad[4:]
-            with torch.enable_grad(), forward_context, checkpoint_pass("forward"):
+            with torch.enable_grad(), forward_context:
                 out = run(*[a.detach().requires_grad_(n) for a, n in zip((x, *args), needs)]).detach()
         ctx.index = store.put(x)
         ctx.save_for_backward(*args)  # the small inputs (text, modulation, RoPE angles) stay where they are
@@ -149,7 +147,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
                 torch.cuda.set_rng_state(ctx.rng[1], ctx.device)
             recompute_context, ctx.recompute_context = ctx.recompute_context or nullcontext(), None
             with torch.enable_grad(), torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled), \
-                    recompute_context, checkpoint_pass("recompute"):
+                    recompute_context:
                 out = ctx.run(x, *args)  # only its graph is used: the block's last op may skip its output
         torch.autograd.backward(out, dout)
         return (None, None, None, None, x.grad if x.requires_grad else None,
@@ -166,6 +164,6 @@ def offloaded_checkpoint(run: Callable, store: HostStore, x: torch.Tensor, *args
     """run(x, *args) (tensors only) recomputed in backward from a host copy of x.
 
     context_fn: as torch.utils.checkpoint's — () → (forward context, recompute context), e.g. a selective policy
-    (models.layers.keep_attention_context) whose forward caches what the recompute then reuses. With one, the
+    (models.checkpointing.keep_attention_context) whose forward caches what the recompute then reuses. With one, the
     forward runs under autograd as the recompute will (its graph freed at once), so that every op is called alike."""
     return _OffloadedCheckpoint.apply(run, store, context_fn, _ANCHOR, x, *args)

@@ -1,8 +1,14 @@
-"""Parallelism applied from outside the model, in this order: activation-checkpointing policy, compile, FSDP2.
+"""Execution applied from outside the model, in this fixed order (as torchtitan's parallelize and Liger's kernels):
 
-The same code runs on gloo (CPU) and NCCL (GPU). The model itself only exposes
-`set_activation_checkpointing(bool | k blocks)` (a per-step hook, not a wrapper, so state-dict keys never change) and its
-`blocks`; compile uses `block.compile()` for the same reason. This is the only file that imports FSDP2.
+    1. fused ops                 models/fused_wan.py apply_fused_ops (class swap of the blocks; models/build.py)
+    2. activation checkpointing  a per-micro-batch hook, set_activation_checkpointing(bool | k blocks, keep_attention)
+                                 (models/checkpointing.py; the policy below decides k), not a wrapper
+    3. compile                   block.compile() per block (torch.compile(block) would rename keys to _orig_mod)
+    4. FSDP2                     fully_shard per block, then the root
+
+Fused ops come first because FSDP2 replaces each block's class (FSDP<Block>), which a later class swap would undo;
+checkpointing and compile act on the blocks' forward whatever runs it; FSDP2 wraps last. No step renames a
+state-dict key. The same code runs on gloo (CPU) and NCCL (GPU). This is the only file that imports FSDP2.
 
 Checkpointing modes (model.checkpointing): none | full | auto — auto decides per micro-batch from the measured memory
 models how many leading blocks recompute (none where B·S fits without, more as B·S grows: scheduling.policy
@@ -12,7 +18,7 @@ Precision: parameters stay fp32 (the master weights) and are all-gathered in fp3
 autocast, while the modulation tables, time embedder and norms compute in fp32 as diffusers keeps them
 (FSDP2's bf16 param policy would cast those too, so it is not used).
 
-Large models (`build_sharded`): every rank builds the model on the meta device and shards it; rank 0 alone holds
+Large models (models/build.py build_parallel_model): every rank builds the model on the meta device and shards it; rank 0 alone holds
 a full copy (random init or the pretrained folder) in host memory and broadcasts it shard by shard
 (`set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)`), so 14B on 8 ranks never holds
 8 full copies.

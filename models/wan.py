@@ -30,31 +30,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.layers import (MLP, DiffusersFormat, FeedForward, PolicyKnobs, FP32LayerNorm, RMSNorm, RoPE3D, apply_rope, attention,
-                           gated_residual, keep_attention_context, timestep_embedding)
-from models.offload import HostStore, offloaded_checkpoint
+from models.checkpointing import CheckpointingMixin
+from models.layers import (MLP, BackendKnobs, DiffusersFormat, FeedForward, FP32LayerNorm, RMSNorm, RoPE3D, apply_rope,
+                           attention, gated_residual, timestep_embedding)
 from ops.adaln import adaln_modulate
-from ops.adaln_linear import adaln_gelu_ffn, adaln_linear, fuses_adaln
-from ops.gated_ffn import adaln_gelu_ffn_gated, gated_tail_applies
-from ops.gelu_ffn import _HAS_TRITON, gelu_ffn
-from ops.qk_norm_rope import qk_norm_rope
-from ops.rope_attention import rope_attention
-
-
-
-def resolve_glue(glue: str, x: torch.Tensor) -> str:
-    """"auto": the fused glue on CUDA, the reference path (bit for bit diffusers' math) elsewhere."""
-    if glue == "auto":
-        return "triton" if x.is_cuda and _HAS_TRITON else "torch"
-    return glue
-
-
-def _no_rotation(x_BND: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos = 1, sin = 0 for every token, as stride-0 views of one row: qk_norm_rope then is RMSNorm exactly
-    (n·1 − n'·0 = n in fp32, and n is already rounded to x's dtype)."""
-    K = x_BND.shape[-1] // heads // 2
-    one = torch.ones(1, K, device=x_BND.device)
-    return one.expand(x_BND.shape[1], K), torch.zeros_like(one).expand(x_BND.shape[1], K)
 
 
 class WanAttention(nn.Module):
@@ -71,112 +50,50 @@ class WanAttention(nn.Module):
         self.norm_k = RMSNorm(dim, eps)
 
     def forward(self, x_BND: torch.Tensor, ctx_BLD: torch.Tensor | None = None,
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None, glue: str = "torch",
-                norm: tuple | None = None, recompute: bool = True, residual: bool = False):
-        """norm = (scale, shift, eps, backend): x_BND is the residual stream and the attention's input is
-        AdaLN(x; scale, shift) — under the fused glue made inside the projections that read it (ops/adaln_linear.py:
-        not saved for backward); with glue "torch" made first, as diffusers does. recompute=False (fused glue):
-        AdaLN's output and the rotated q/k are saved for backward instead of remade (WanBlock.recompute_glue).
-        The remaking path reads the projections' weights directly: hooks on a plain nn.Linear do not run there
-        (a LoRA-wrapped one runs its module). residual=True returns (output, x_res): x_res is x_BND to add the output
-        to: under the fused norm an alias whose gradient the norm's backward kernel sums into dx (no separate add)."""
-        x_res = x_BND
-        reads_x = [self.to_q] if ctx_BLD is not None else [self.to_q, self.to_k, self.to_v]
-        fuse_norm = (glue != "torch" and recompute and norm is not None
-                     and all(type(m) is nn.Linear for m in reads_x) and fuses_adaln(x_BND, *norm[:2], norm[3]))
-        if norm is not None and not fuse_norm:  # AdaLN's output made here, and saved by what reads it
-            x_BND = adaln_modulate(x_BND, *norm[:3], backend=norm[3])
-        if glue == "torch":
-            kv_BLD = x_BND if ctx_BLD is None else ctx_BLD
-            v = self.to_v(kv_BLD).unflatten(-1, (self.heads, -1))
-            q = self.norm_q(self.to_q(x_BND)).unflatten(-1, (self.heads, -1))  # (B, N, H, Dh)
-            k = self.norm_k(self.to_k(kv_BLD)).unflatten(-1, (self.heads, -1))  # (B, L, H, Dh)
-            if rope is not None:
-                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-            out = self.to_out[0](attention(q, k, v))
-            return (out, x_res) if residual else out
-        # the fused glue: q/k RMSNorm + RoPE inside attention (saving q, k once: ops/rope_attention.py)
-        if fuse_norm:
-            scale, shift, eps, backend = norm
-            *projected, x_res = adaln_linear(x_BND, scale, shift, eps, [(m.weight, m.bias) for m in reads_x],
-                                             backend=backend, residual=True)
-            if ctx_BLD is None:
-                q, k, v = projected
-            else:  # v before k: a LoRA-wrapped one draws its dropout in the reference path's order
-                q, v = projected[0], self.to_v(ctx_BLD)
-                k = self.to_k(ctx_BLD)
-        else:  # e.g. a LoRA-wrapped projection, running its module in the reference path's order
-            kv_BLD = x_BND if ctx_BLD is None else ctx_BLD
-            v = self.to_v(kv_BLD)
-            q, k = self.to_q(x_BND), self.to_k(kv_BLD)
-        rope_q = rope_k = rope
-        if rope is None:  # cross-attention: angle 0, the norm only
-            rope_q, rope_k = _no_rotation(q, self.heads), _no_rotation(k, self.heads)
-        if not recompute:
-            q = qk_norm_rope(q, self.norm_q.weight, *rope_q, self.norm_q.eps, backend=glue)
-            k = qk_norm_rope(k, self.norm_k.weight, *rope_k, self.norm_k.eps, backend=glue)
-            out = self.to_out[0](attention(q.unflatten(-1, (self.heads, -1)), k.unflatten(-1, (self.heads, -1)),
-                                           v.unflatten(-1, (self.heads, -1))))
-        else:
-            out = self.to_out[0](rope_attention(q, k, v, self.heads, self.norm_q.weight, self.norm_k.weight, rope_q,
-                                                rope_k, self.norm_q.eps, self.norm_k.eps, backend=glue))
-        return (out, x_res) if residual else out
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Self-attention over x (rope: its (cos, sin)), or cross-attention of x to ctx."""
+        kv_BLD = x_BND if ctx_BLD is None else ctx_BLD
+        # v first: a LoRA-wrapped projection draws its dropout in this order, on every execution path
+        v = self.to_v(kv_BLD).unflatten(-1, (self.heads, -1))
+        q = self.norm_q(self.to_q(x_BND)).unflatten(-1, (self.heads, -1))  # (B, N, H, Dh)
+        k = self.norm_k(self.to_k(kv_BLD)).unflatten(-1, (self.heads, -1))  # (B, L, H, Dh)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        return self.to_out[0](attention(q, k, v))
 
 
 class WanBlock(nn.Module):
     """One Wan transformer block: AdaLN self-attention, cross-attention to text, AdaLN feed-forward."""
 
-    # Under the fused glue, AdaLN's outputs and the rotated q/k are remade in backward rather than saved: 0.56 GiB
-    # less at S = 32760 on Wan 1.3B for six extra passes a block (results/step_h200.md). False saves them.
-    recompute_glue = True
-
     def __init__(self, dim: int, ffn_dim: int, heads: int, cross_attn_norm: bool, eps: float):
         super().__init__()
         self.eps = eps
         self.adaln_backend = "auto"  # set through WanTransformer.adaln_backend
-        self.glue_backend = "torch"  # set through WanTransformer.glue_backend
         self.attn1 = WanAttention(dim, heads, eps)
         self.attn2 = WanAttention(dim, heads, eps)
         self.norm2 = FP32LayerNorm(dim, eps, elementwise_affine=True) if cross_attn_norm else nn.Identity()
         self.ffn = FeedForward(dim, ffn_dim)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
 
+    def modulation(self, tmod_BT6D: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(shift_msa, scale_msa, gate_msa, shift_ff, scale_ff, gate_ff): each a strided (B, T, D) fp32 view; T = 1
+        broadcasts one row over all tokens."""
+        return (self.scale_shift_table[None] + tmod_BT6D.float()).unbind(2)
+
     def forward(self, x_BND: torch.Tensor, ctx_BLD: torch.Tensor, tmod_BT6D: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        # Each of the six is a strided (B, T, D) fp32 view; T = 1 broadcasts one row over all tokens.
-        shift_msa, scale_msa, gate_msa, shift_ff, scale_ff, gate_ff = (
-            self.scale_shift_table[None] + tmod_BT6D.float()).unbind(2)
+        shift_msa, scale_msa, gate_msa, shift_ff, scale_ff, gate_ff = self.modulation(tmod_BT6D)
 
-        glue = resolve_glue(self.glue_backend, x_BND)
-        rec = self.recompute_glue
-        # x_res: the residual stream, through the fused norm's alias where there is one (its gradient summed there)
-        attn, x_res = self.attn1(x_BND, rope=rope, glue=glue, recompute=rec, residual=True,
-                                 norm=(scale_msa, shift_msa, self.eps, self.adaln_backend))
-        x_BND = gated_residual(x_res, attn, gate_msa, glue)
+        # 1. self-attention
+        norm_x = adaln_modulate(x_BND, scale_msa, shift_msa, self.eps, backend=self.adaln_backend)
+        x_BND = gated_residual(x_BND, self.attn1(norm_x, rope=rope), gate_msa)
 
-        if glue != "torch" and isinstance(self.norm2, FP32LayerNorm):  # LN·w + b = AdaLN with scale w − 1, shift b
-            w, b = self.norm2.weight.float(), self.norm2.bias.float()
-            attn, x_res = self.attn2(x_BND, ctx_BLD, glue=glue, recompute=rec, residual=True,
-                                     norm=((w - 1)[None, None], b[None, None], self.norm2.eps, glue))
-            x_BND = x_res + attn
-        else:
-            x_BND = x_BND + self.attn2(self.norm2(x_BND), ctx_BLD, glue=glue, recompute=rec)
+        # 2. cross-attention
+        x_BND = x_BND + self.attn2(self.norm2(x_BND), ctx_BLD)
 
-        proj, out = self.ffn.net[0].proj, self.ffn.net[2]
-        if glue != "torch" and type(proj) is nn.Linear and type(out) is nn.Linear:
-            # the MLP saving x and its pre-activation only (ops/gelu_ffn.py), AdaLN's output not at all
-            if rec and fuses_adaln(x_BND, scale_ff, shift_ff, self.adaln_backend):
-                if gated_tail_applies(x_BND, gate_ff):  # the residual inside: a recompute stops after W1·y
-                    return adaln_gelu_ffn_gated(x_BND, scale_ff, shift_ff, self.eps, proj.weight, proj.bias,
-                                                out.weight, out.bias, gate_ff, backend=self.adaln_backend)
-                y = adaln_gelu_ffn(x_BND, scale_ff, shift_ff, self.eps, proj.weight, proj.bias, out.weight, out.bias,
-                                   backend=self.adaln_backend)
-            else:
-                h = adaln_modulate(x_BND, scale_ff, shift_ff, self.eps, backend=self.adaln_backend)
-                y = gelu_ffn(h, proj.weight, proj.bias, out.weight, out.bias, backend=glue)
-        else:  # the reference path, or a LoRA-wrapped layer running its module
-            y = self.ffn(adaln_modulate(x_BND, scale_ff, shift_ff, self.eps, backend=self.adaln_backend))
-        return gated_residual(x_BND, y, gate_ff, glue)
+        # 3. feed-forward
+        norm_x = adaln_modulate(x_BND, scale_ff, shift_ff, self.eps, backend=self.adaln_backend)
+        return gated_residual(x_BND, self.ffn(norm_x), gate_ff)
 
 
 class WanConditionEmbedder(nn.Module):
@@ -200,13 +117,13 @@ class WanConditionEmbedder(nn.Module):
         return temb_BTD, tmod_BT6D, self.text_embedder(text_BLC)
 
 
-class WanTransformer(DiffusersFormat, PolicyKnobs, nn.Module):
-    """Wan 2.1 text-to-video transformer; defaults are Wan2.1-T2V-14B. See the module docstring for the math."""
+class WanTransformer(DiffusersFormat, BackendKnobs, CheckpointingMixin, nn.Module):
+    """Wan 2.1 text-to-video transformer; defaults are Wan2.1-T2V-14B. See the module docstring for the math.
 
-    # Recomputed blocks keep their inputs in pinned host memory between forward and backward (models/offload.py;
-    # model.offload_checkpoints): on the H200 0.66× diffusers' peak at S = 75600 against 0.85× without, little at
-    # 32760 where the peak comes after the inputs are freed (results/step_h200.md). Single process only.
-    offload_checkpoints = False
+    Executed as written here (the reference); from outside: fused ops (models/fused_wan.py apply_fused_ops, or
+    `model.fused_ops`), the AdaLN backend (`model.adaln_backend`), activation checkpointing per micro-batch
+    (models/checkpointing.py), compile and FSDP2 (models/parallelize.py) — none of them changes a state-dict key."""
+
     _keep_in_fp32_modules = ["rope", "time_embedder", "scale_shift_table", "norm1", "norm2", "norm3"]
     _diffusers_class_name = "WanTransformer3DModel"  # from_pretrained / save_pretrained: models.layers.DiffusersFormat
 
@@ -268,21 +185,17 @@ class WanTransformer(DiffusersFormat, PolicyKnobs, nn.Module):
         else:
             raise ValueError(f"timestep must be [B] or [B, N={N}] (one per token), got {tuple(timestep.shape)}")
 
+        # 1. rotary position embedding, patch embedding, time and text conditioning
         rope = self.rope(f, h, w, hidden_states.device)
         x_BND = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
         temb_BTD, tmod_BT6D, ctx_BLD = self.condition_embedder(t_BT, encoder_hidden_states)
 
-        offload = self.offload_checkpoints and self._checkpointing > 0 and torch.is_grad_enabled()
-        store = HostStore(x_BND.device) if offload else None
+        # 2. transformer blocks, each plainly or recomputed in backward (models/checkpointing.py)
+        store = self.offload_store(x_BND.device)  # where recomputed blocks keep their inputs (None: on the device)
         for i, block in enumerate(self.blocks):
-            keeps = self.keeps_attention(i)  # its input offloaded too, its kept attention output stays on the device
-            if self.recomputes(i) and store is not None:  # input in host memory
-                x_BND = offloaded_checkpoint(lambda x, c, t, cos, sin, blk=block: blk(x, c, t, (cos, sin)), store,
-                                             x_BND, ctx_BLD, tmod_BT6D, *rope,
-                                             context_fn=keep_attention_context if keeps else None)
-            else:
-                x_BND = self.run_block(i, block, x_BND, ctx_BLD, tmod_BT6D, rope)
+            x_BND = self.run_block(i, block, x_BND, ctx_BLD, tmod_BT6D, rope, store=store)
 
+        # 3. output norm, projection and unpatchify
         shift, scale = (self.scale_shift_table[None] + temb_BTD[:, :, None]).unbind(2)  # (B, T, D) each
         x_BND = adaln_modulate(x_BND, scale, shift, self.eps, backend=self.adaln_backend)
         x_BNP = self.proj_out(x_BND)  # P = p_t·p_h·p_w·C_out, channel fastest
@@ -303,3 +216,8 @@ class WanTransformer(DiffusersFormat, PolicyKnobs, nn.Module):
         for block in self.blocks:
             n += sum(block.get_submodule(name).weight.numel() for name in per_token)
         return n
+
+    def train_flops(self, S: int, L: int) -> float:
+        """Forward + backward FLOPs of one sample with S video and L text tokens (no recompute counted):
+        6·P·S + 12·D·layers·(S² + S·L), P = num_matmul_params (self-attention S², cross-attention S·L)."""
+        return 6.0 * self.num_matmul_params() * S + 12.0 * self.dim * len(self.blocks) * (S * S + S * L)

@@ -29,28 +29,22 @@ under activation checkpointing and needs nothing special under FSDP2.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import importlib.util
-import math
-import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-# Imported on first use by _kernels(): triton.language jits its own helpers (tl.cdiv, tl.sum's combine) when it is
-# imported, in whatever mode TRITON_INTERPRET names then, and the tests set it only after finding no CUDA.
+from ops.triton_setup import (BACKENDS, DTYPES, HAS_TRITON, MAX_D, KernelConfig, cdiv, import_triton, interpreting,
+                              mod_layout, nearest_tuned, next_pow2, on_device, require_triton, rows_last, segments,
+                              span, store_cast)
+
+# Imported on first use by _kernels() (ops/triton_setup.py: the tests choose the interpreter before that).
 triton = None
 tl = None
 _cast = None  # the store cast of the kernels, jitted by _kernels(): round-to-nearest-even bf16 under the interpreter
-_HAS_TRITON = importlib.util.find_spec("triton") is not None  # a module constant: torch.compile traces the checks
 
-BACKENDS = ("auto", "triton", "torch")
 DMOD_SCHEMES = ("fused", "dtile")
-MAX_D = 16384  # one row lives in registers; wider rows would spill (auto falls back to the reference)
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def adaln_reference(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -63,10 +57,9 @@ def adaln_reference(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, e
 # upcast to fp32 at once (the interpreter has no bf16 arithmetic, and the math is fp32 by contract). Row offsets
 # are int64: B·N·D passes 2^31 at video sizes.
 #
-# A row is held as two segments, columns [0, BLOCK_A) and [BLOCK_A, BLOCK_A + BLOCK_B): with BLOCK_A the largest
-# power of two ≤ D and BLOCK_B the next power of two ≥ D − BLOCK_A, D = 1536 = 1024 + 512 and 5120 = 4096 + 1024
-# need no masked lanes at all (one power-of-two tile would mask a quarter and three eighths of its lanes).
-# The unsplit layout (BLOCK_A = next power of two, masked; BLOCK_B = 1, empty) is kept for the benchmark.
+# A row is held as two segments, columns [0, BLOCK_A) and [BLOCK_A, BLOCK_A + BLOCK_B) (ops/triton_setup.py
+# segments: D = 1536 = 1024 + 512 and 5120 = 4096 + 1024 need no masked lanes at all). The unsplit layout
+# (BLOCK_A = next power of two, masked; BLOCK_B = 1, empty) is kept for the benchmark.
 
 def _fwd_kernel(X, SCALE, SHIFT, Y, MEAN, RSTD,
                 N, tiles_per_prog, eps,
@@ -229,88 +222,20 @@ def _dmod_dtile_kernel(DY, X, MEAN, RSTD, PART_S, PART_H,
     tl.store(PART_H + part, tl.sum(acc_h, axis=0), mask=cmask)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def require_triton(op: str, available: bool) -> None:
-    if not available:
-        raise RuntimeError(f"{op}: backend='triton' needs the `triton` package (pip install triton); "
-                           "use backend='torch' or 'auto'")
-
-
-def import_triton(op: str, interpret: bool, available: bool):
-    """(triton, triton.language), imported on first use by every fused op here: the interpreter must have been
-    chosen (TRITON_INTERPRET) before triton's first import, which this checks."""
-    require_triton(op, available)
-    import triton
-    import triton.language as tl
-
-    if interpret and type(tl.cdiv).__name__ != "InterpretedFunction":
-        raise RuntimeError(f"{op}: TRITON_INTERPRET=1 was set after triton was imported; set it before any import "
-                           "of triton (tests/conftest.py does so when CUDA is absent)")
-    return triton, tl
-
-
-def _cast_impl(v, dtype: tl.constexpr):
-    return v.to(dtype)
-
-
-def _cast_rne_impl(v, dtype: tl.constexpr):
-    # Triton's interpreter casts fp32 → bf16 by truncation, the GPU to nearest even: under the interpreter the
-    # kernels store through this cast, which rounds to the nearest-even bf16 by integer arithmetic first (as
-    # ops/qk_norm_rope.py), so CPU tests see the GPU's numbers. The GPU compiles _cast_impl: a plain cast.
-    if dtype == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        v = ((bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return v.to(dtype)
-
-
-def store_cast(interpret: bool):
-    """The jitted store cast the kernels of a module call as `_cast(v, PTR.dtype.element_ty)` (after that module's
-    import_triton, so `tl` exists for the annotations)."""
-    global tl
-    triton_, tl = import_triton("store_cast", interpret, _HAS_TRITON)
-    return triton_.jit(_cast_rne_impl if interpret else _cast_impl)
-
-
 def _require_triton() -> None:
-    require_triton("adaln", _HAS_TRITON)
+    require_triton("adaln", HAS_TRITON)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels(interpret: bool):
     global triton, tl, _cast
-    triton, tl = import_triton("adaln", interpret, _HAS_TRITON)
+    triton, tl = import_triton("adaln", interpret, HAS_TRITON)
     _cast = store_cast(interpret)  # resolved by the kernels at compile time
     return triton.jit(_fwd_kernel), triton.jit(_bwd_kernel), triton.jit(_dmod_dtile_kernel)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 # ---------------------------------------------------------------------------------------------------------- launchers
-@dataclass(frozen=True)
-class KernelConfig:
-    """Launch shape of one kernel. rows: rows per tile; programs_per_sm: the persistent grid's programs per SM
-    (over all samples; each program owns a contiguous span of tiles), 0 = one tile per program; block_d: features per
-    program (the D-tile kernel only; 0 = all of D); split: a row as two unmasked power-of-two segments, or one
-    masked tile (None: split when the smaller segment still gets 16-byte vectors); num_stages: software-pipelining
-    depth of the loop over a program's tiles."""
-    rows: int
-    num_warps: int
-    programs_per_sm: int
-    block_d: int = 0
-    split: bool | None = None
-    num_stages: int = 1
-
-
-# Launch shapes measured best on the H200 (results/adaln_notes.md), keyed by (kernel, per-token modulation, D);
+# Launch shapes measured best on the H200 (results/adaln_h200.md), keyed by (kernel, per-token modulation, D);
 # another D takes the nearest entry with rows scaled to keep the tile's size.
 TUNED = {
     ("fwd", False, 1536): KernelConfig(2, 4, 4, num_stages=3),
@@ -326,14 +251,6 @@ TUNED = {
 }
 
 
-def nearest_tuned(table: dict, prefix: tuple, D: int) -> tuple[int, KernelConfig]:
-    """(D0, config) of the tuned entry whose key is prefix + (D0,) with D0 nearest D on a log scale (the ops'
-    TUNED tables: a width not tuned starts from its nearest tuned neighbour)."""
-    D = max(D, 1)  # an empty width launches nothing, but still asks for a shape (on CUDA: log2 of k / 0 raised)
-    key = min((k for k in table if k[:-1] == prefix), key=lambda k: abs(math.log2(k[-1] / D)))
-    return key[-1], table[key]
-
-
 def default_config(kind: str, D: int, device: torch.device, per_token: bool = False) -> KernelConfig:
     """Launch shape for a kernel ("fwd", "bwd", "dtile") at width D."""
     if device.type != "cuda":  # the interpreter pays ~1 ms per program and per loop step: few, wide programs
@@ -341,30 +258,9 @@ def default_config(kind: str, D: int, device: torch.device, per_token: bool = Fa
     D0, cfg = nearest_tuned(TUNED, (kind, per_token and kind != "dtile"), D)
     if kind == "dtile" or D0 == D:
         return cfg
-    rows = max(1, min(64, cfg.rows * _next_pow2(D0) // _next_pow2(D)))
+    rows = max(1, min(64, cfg.rows * next_pow2(D0) // next_pow2(D)))
     return dataclasses.replace(cfg, rows=rows, split=None)
 
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
-
-
-def _span(n_tiles: int, B: int, cfg: KernelConfig, device: torch.device) -> tuple[int, int]:
-    """(programs per sample, tiles per program) for a grid of contiguous spans."""
-    if n_tiles == 0:
-        return 0, 1
-    target = n_tiles if cfg.programs_per_sm == 0 else max(1, _cdiv(cfg.programs_per_sm * _sm_count(device), B))
-    tiles_per_prog = _cdiv(n_tiles, min(n_tiles, target))
-    return _cdiv(n_tiles, tiles_per_prog), tiles_per_prog
-
-
-def _mod_layout(t: torch.Tensor, B: int, N: int) -> tuple[bool, int, int, int]:
-    """(per token, batch stride, token stride, feature stride) of a [B|1, N|1, D] modulation; stride 0 broadcasts."""
-    per_token = t.shape[1] == N and N > 1
-    return per_token, t.stride(0) if t.shape[0] > 1 else 0, t.stride(1) if per_token else 0, t.stride(2)
 
 
 def _check(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> None:
@@ -375,56 +271,35 @@ def _check(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> None:
         if t.dim() != 3 or t.shape[2] != D or t.shape[0] not in (1, B) or t.shape[1] not in (1, N):
             raise ValueError(f"adaln: {name} must be [B, 1, D], [B, N, D] or [1, 1, D] with x [B, N, D] = "
                              f"{tuple(x.shape)}, got {tuple(t.shape)}")
-        if t.dtype not in _DTYPES or t.device != x.device:
+        if t.dtype not in DTYPES or t.device != x.device:
             raise ValueError(f"adaln: {name} must be fp32/fp16/bf16 on {x.device}, got {t.dtype} on {t.device}")
-    if x.dtype not in _DTYPES:
+    if x.dtype not in DTYPES:
         raise ValueError(f"adaln: the Triton backend takes fp32/fp16/bf16 x, got {x.dtype}; use backend='torch'")
     if D > MAX_D:
         raise ValueError(f"adaln: the Triton backend keeps a row in registers, D ≤ {MAX_D}, got {D}; "
                          "use backend='torch'")
-    if x.device.type != "cuda" and not _interpreting():
+    if x.device.type != "cuda" and not interpreting():
         raise RuntimeError("adaln: backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before first use")
-
-
-def _segments(D: int, cfg: KernelConfig, elem_bytes: int) -> tuple[int, int]:
-    """(BLOCK_A, BLOCK_B): see the kernels' header. An empty segment b is one masked lane."""
-    block_a = 1 << (D.bit_length() - 1)
-    block_b = _next_pow2(D - block_a) if D > block_a else 1
-    split = cfg.split
-    if split is None:  # a thread's share of the small segment should fill a 16-byte load
-        split = block_b == 1 or cfg.rows * block_b * elem_bytes >= 16 * 32 * cfg.num_warps
-    return (block_a, block_b) if split else (_next_pow2(D), 1)
-
-
-def _on_device(device: torch.device):
-    """Launch on the tensors' GPU; entering a device context costs more than the small launches it guards."""
-    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
-
-
-def _rows_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()  # x and dy: rows are read contiguously
 
 
 def adaln_forward(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6,
                   config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward kernel: (y [B, N, D] in x.dtype, mean [B, N] fp32, rstd [B, N] fp32)."""
     _check(x, scale, shift)
-    x = _rows_last(x)
+    x = rows_last(x)
     B, N, D = x.shape
     y = torch.empty((B, N, D), dtype=x.dtype, device=x.device)
     mean = torch.empty((B, N), dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
-    s_tok, ssb, ssn, ssd = _mod_layout(scale, B, N)
-    h_tok, shb, shn, shd = _mod_layout(shift, B, N)
+    s_tok, ssb, ssn, ssd = mod_layout(scale, B, N)
+    h_tok, shb, shn, shd = mod_layout(shift, B, N)
     cfg = config or default_config("fwd", D, x.device, s_tok or h_tok)
-    P, tiles_per_prog = _span(_cdiv(N, cfg.rows), B, cfg, x.device)
+    P, tiles_per_prog = span(cdiv(N, cfg.rows), B, cfg, x.device)
     if P * B == 0 or D == 0:
         return y, mean, rstd
-    fwd, _, _ = _kernels(_interpreting())
-    with _on_device(x.device):
-        block_a, block_b = _segments(D, cfg, x.element_size())
+    fwd, _, _ = _kernels(interpreting())
+    with on_device(x.device):
+        block_a, block_b = segments(D, cfg, x.element_size())
         fwd[(P, B)](x, scale, shift, y, mean, rstd, N, tiles_per_prog, eps,
                     x.stride(0), x.stride(1), ssb, ssn, ssd, shb, shn, shd,
                     D=D, BLOCK_A=block_a, BLOCK_B=block_b, ROWS=cfg.rows, SCALE_PER_TOKEN=s_tok,
@@ -443,17 +318,17 @@ def adaln_backward(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean:
     dres: a gradient of x's shape added to dx in the same pass (a residual around the norm), one rounding."""
     if dmod not in DMOD_SCHEMES:
         raise ValueError(f"adaln: dmod must be one of {DMOD_SCHEMES}, got {dmod!r}")
-    x, dy = _rows_last(x), _rows_last(dy)
+    x, dy = rows_last(x), rows_last(dy)
     B, N, D = x.shape
     if dres is not None:
         if tuple(dres.shape) != (B, N, D):
             raise ValueError(f"adaln: dres must have x's shape {(B, N, D)}, got {tuple(dres.shape)}")
         dres = dres.contiguous()
     dev = x.device
-    s_tok, ssb, ssn, ssd = _mod_layout(scale, B, N)
+    s_tok, ssb, ssn, ssd = mod_layout(scale, B, N)
     h_tok = shift_shape[1] == N and N > 1
     cfg = config or default_config("bwd", D, dev, s_tok or h_tok)
-    P, tiles_per_prog = _span(_cdiv(N, cfg.rows), B, cfg, dev)
+    P, tiles_per_prog = span(cdiv(N, cfg.rows), B, cfg, dev)
     acc = dmod == "fused"
 
     def grad_buffer(per_token, shape, dtype):  # per token: final layout unless B must still be summed; else partials
@@ -473,9 +348,9 @@ def adaln_backward(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean:
         ds_buf, ds_final = grad_buffer(s_tok, scale.shape, scale.dtype)
         dh_buf, dh_final = grad_buffer(h_tok, shift_shape, shift_dtype)
     if P * B > 0 and D > 0:
-        _, bwd, dtile = _kernels(_interpreting())
-        with _on_device(dev):
-            block_a, block_b = _segments(D, cfg, x.element_size())
+        _, bwd, dtile = _kernels(interpreting())
+        with on_device(dev):
+            block_a, block_b = segments(D, cfg, x.element_size())
             bwd[(P, B)](dy, x, scale, mean, rstd, dx, ds_buf, dh_buf, dres if dres is not None else dx,
                         N, tiles_per_prog, P,
                         dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), ssb, ssn, ssd,
@@ -485,9 +360,9 @@ def adaln_backward(dy: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, mean:
                         num_warps=cfg.num_warps)
             if not acc and not (s_tok and h_tok):
                 dcfg = dtile_config or default_config("dtile", D, dev)
-                block_dt = dcfg.block_d or _next_pow2(D)
-                n_dtiles = _cdiv(D, block_dt)
-                S, tiles_per_split = _span(_cdiv(N, dcfg.rows), B * n_dtiles, dcfg, dev)
+                block_dt = dcfg.block_d or next_pow2(D)
+                n_dtiles = cdiv(D, block_dt)
+                S, tiles_per_split = span(cdiv(N, dcfg.rows), B * n_dtiles, dcfg, dev)
                 part_s = torch.empty((B, S, D), dtype=torch.float32, device=dev)
                 part_h = torch.empty_like(part_s)
                 dtile[(S * n_dtiles, B)](dy, x, mean, rstd, part_s, part_h, N, tiles_per_split, S, n_dtiles,
@@ -576,8 +451,8 @@ class _AdaLNFunction(torch.autograd.Function):
 # ------------------------------------------------------------------------------------------------------ functional
 def triton_supported(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> bool:
     """Whether backend="auto" takes the Triton path for these inputs."""
-    return (x.is_cuda and _HAS_TRITON and x.dim() == 3 and x.dtype in _DTYPES
-            and scale.dtype in _DTYPES and shift.dtype in _DTYPES and 0 < x.shape[-1] <= MAX_D)
+    return (x.is_cuda and HAS_TRITON and x.dim() == 3 and x.dtype in DTYPES
+            and scale.dtype in DTYPES and shift.dtype in DTYPES and 0 < x.shape[-1] <= MAX_D)
 
 
 def adaln_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6,

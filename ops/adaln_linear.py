@@ -24,16 +24,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ops.adaln import BACKENDS, adaln_backward, adaln_forward, adaln_modulate, triton_supported
-from ops.gelu_ffn import _once, autocast_args, ffn_backward, ffn_forward, gelu_ffn_reference
+from ops.adaln import adaln_backward, adaln_forward, adaln_modulate, triton_supported
+from ops.gelu_ffn import autocast_args, ffn_backward, ffn_forward, gelu_ffn_reference, single_backward
+from ops.triton_setup import BACKENDS
 
 
 def bias_grad(d2: torch.Tensor) -> torch.Tensor:
     """Σ_rows d2 of a [rows, D] gradient, in d2's dtype. On CUDA a product with a row of ones (one cuBLAS matmul,
     M = 1; like every half-precision matmul under torch's default allow_bf16/fp16_reduced_precision_reduction, it may
-    reduce split-K partials in half precision): at 32760 × 1536 in bf16 on an H200 0.035 ms against 0.051 ms for
-    aten's column sum, with the same relative error against fp64 (results/step_h200/run23_probe_projections.json;
-    tests/test_adaln_linear.py checks it on the GPU)."""
+    reduce split-K partials in half precision): faster than aten's column sum at Wan's shapes on the H200, with the
+    same relative error against fp64 (timings: results/step_h200.md; tests/test_adaln_linear.py checks the error on
+    the GPU)."""
     if d2.is_cuda and d2.dtype in (torch.bfloat16, torch.float16) and d2.shape[0] > 0:
         return d2.new_ones(d2.shape[0]) @ d2
     return d2.sum(0)
@@ -74,7 +75,7 @@ class _GeluFFN:
         return (out,), (w1, w2, h)
 
     def backward(self, ctx, y, saved, douts, needs):
-        _once(ctx, "adaln_gelu_ffn")
+        single_backward(ctx, "adaln_gelu_ffn")
         w1, w2, h = saved
         dy, dw1, db1, dw2, db2 = ffn_backward(douts[0], y, w1, w2, h, self.R, (True, *needs),
                                               ctx.has_bias[0], ctx.has_bias[1])

@@ -15,78 +15,42 @@ what that op's backward reads, and this backward never reads z:
     dh    = (dz · W2) ⊙ GELU_tanh'(h) with a = GELU(h) in h's place and db1 (ops.gelu_ffn.gelu_act_grad_, one pass),
     dW1   = dhᵀ · y,   dy = dh · W1   → ops.adaln's backward → dx, with dout (the residual) added in that kernel
 
-so the recompute stops after W1·y (torch.utils.checkpoint's early stop, or our offloaded recompute): no down
+so the recompute stops after W1·y (torch.utils.checkpoint's early stop, or the offloaded recompute): no down
 projection, no GELU, no residual. The forward, whose saved tensors are dropped, makes a = GELU(W1·y + b1) in the
 matmul's epilogue (cuBLASLt through torch._addmm_activation; GELU applied to the fp32 accumulator) and never h.
-On the H200 at S = 32760 (Wan 1.3B, scripts/probe_mlp_tail.py, results/step_h200.md): per block the down
-projection is 1.13 ms, the GELU pass 0.34 ms, W1·y + GELU 1.50 ms against 1.36 ms in one epilogue call.
+What each part costs on the H200 at Wan 1.3B's widths: results/step_h200.md (scripts/probe_mlp_tail.py).
 
-Which pass is running is told by `checkpoint_pass` (models.layers.run_block and models.offload set it around a
-checkpointed block's two calls). Outside it every call is a plain autograd op: z computed, h saved, the same backward.
+Which pass is running is the caller's to say (`checkpoint_pass`: None | "forward" | "recompute"; the activation
+checkpointing in models/checkpointing.py marks a checkpointed block's two calls and the fused Wan block hands the mark
+over). A plain call (None) is an ordinary autograd op: z computed, h saved, the same backward.
 Per-sample G costs one [D, F] fp32 buffer and one more pass over it a sample (gate_w2_: dW2 and dgate together),
 worth it from a few thousand tokens a sample (GATED_TAIL_MIN_TOKENS); per-token gates (Wan 2.2) keep the separate
 residual. dW1 accumulates in fp32 over every chunk of every sample as well (one [F, D] buffer), rounded once.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
 
 import torch
 import torch.nn.functional as F
 
-from ops.adaln import (BACKENDS, _cdiv, _interpreting, adaln_backward, adaln_forward, adaln_reference, import_triton,
-                       store_cast)
+from ops.adaln import adaln_backward, adaln_forward, adaln_reference
 from ops.adaln_linear import fuses_adaln
 from ops.gated_residual import gated_residual_backward, gated_residual_forward, gated_residual_reference
-from ops.gelu_ffn import (_HAS_TRITON, ColumnSums, _once, autocast_args, chunk_rows, ffn_forward, gelu_act_grad_,
-                          gelu_ffn_reference)
+from ops.gelu_ffn import (ColumnSums, autocast_args, chunk_rows, ffn_forward, gelu_act_grad_, gelu_ffn_reference,
+                          single_backward)
+from ops.triton_setup import BACKENDS, HAS_TRITON, cdiv, import_triton, interpreting, store_cast
 
-triton = tl = _cast = None  # set on first use by _kernel() (the tests set TRITON_INTERPRET first)
+triton = tl = _cast = None  # set on first use by _kernel() (ops/triton_setup.py: the interpreter is chosen first)
 
 # Below this many tokens a sample, the per-sample [D, F] passes cost about what skipping the down projection saves
 # (Wan 1.3B: ~0.09 ms a sample against 2·S·D·F flops at ~700 TFLOP/s, even near S ≈ 2000).
 GATED_TAIL_MIN_TOKENS = 4096
 
-_PASS = threading.local()
+# The passes of an activation-checkpointed block this op tells apart: a plain call, the forward (its output is used,
+# what it saves for backward is not: torch.utils.checkpoint's first call, or a forward without autograd) and the
+# recompute (what it saves is used, its output is not).
 PASSES = (None, "forward", "recompute")
-
-
-@contextlib.contextmanager
-def checkpoint_pass(kind: str | None):
-    """Marks the code inside as one pass of an activation-checkpointed block: "forward" (its output is used, what it
-    saves for backward is not: torch.utils.checkpoint's first call, or a forward without autograd), "recompute" (what
-    it saves is used, its output is not), None (a plain call). Thread-local: backward may run on another thread."""
-    if kind not in PASSES:
-        raise ValueError(f"checkpoint_pass must be one of {PASSES}, got {kind!r}")
-    prev = getattr(_PASS, "kind", None)
-    _PASS.kind = kind
-    try:
-        yield
-    finally:
-        _PASS.kind = prev
-
-
-def current_pass() -> str | None:
-    return getattr(_PASS, "kind", None)
-
-
-def passes(fn):
-    """fn with its calls marked for torch.utils.checkpoint (non-reentrant): the first the forward, later ones
-    recomputes. One wrapper per checkpoint call, around one block whose tail op's output is what fn returns: nothing
-    inside the checkpointed region may read that output (in the recompute it is NaN — a forward hook on the block
-    computing with it, or two tails in one region, would see NaN gradients, not silently wrong ones). Selective
-    policies may save attention (models.layers.keep_attention_context), not matmuls: on CUDA the forward pass calls
-    the up projection as _addmm_activation and the recompute as addmm, so a saved addmm would be handed to the wrong
-    call (torch.utils.checkpoint raises on the mismatch)."""
-    calls = [0]
-
-    def run(*args, **kwargs):
-        calls[0] += 1
-        with checkpoint_pass("forward" if calls[0] == 1 else "recompute"):
-            return fn(*args, **kwargs)
-    return run
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,7 +122,7 @@ def _gate_w2_kernel(G, W2, GATE, DW2, DGATE, D, F, BLOCK_D: tl.constexpr, BLOCK_
 @functools.lru_cache(maxsize=None)
 def _kernel(interpret: bool):
     global triton, tl, _cast
-    triton, tl = import_triton("adaln_gelu_ffn_gated", interpret, _HAS_TRITON)
+    triton, tl = import_triton("adaln_gelu_ffn_gated", interpret, HAS_TRITON)
     _cast = store_cast(interpret)
     return triton.jit(_gate_w2_kernel)
 
@@ -171,8 +135,7 @@ def gate_w2_(G: torch.Tensor, w2: torch.Tensor, gate_row: torch.Tensor, dw2: tor
              dgate_row: torch.Tensor | None, accumulate: bool) -> None:
     """One pass over a sample's G [D, F] (fp32): dw2 ← G ⊙ gate_row[:, None] rounded to dw2's dtype (accumulate:
     dw2 += that, dw2 fp32) and dgate_row ← Σ_k G ⊙ W2 (fp32 [D]) — where eager runs four passes (G·g, its cast,
-    G·W2, the row sum). Wan 1.3B's [1536, 8960] on an H200: 0.035 ms against 0.136 ms (device time,
-    results/step_h200/run26_probe_projections.json)."""
+    G·W2, the row sum); device times at Wan 1.3B's [1536, 8960]: results/step_h200.md."""
     D, F_ = G.shape
     for name, t, shape in (("G", G, (D, F_)), ("w2", w2, (D, F_)), ("gate_row", gate_row, (D,)),
                            ("dw2", dw2, (D, F_)), ("dgate_row", dgate_row, (D,))):
@@ -185,7 +148,7 @@ def gate_w2_(G: torch.Tensor, w2: torch.Tensor, gate_row: torch.Tensor, dw2: tor
         if dgate_row is not None:
             dgate_row.zero_()
         return
-    interpret = _interpreting()
+    interpret = interpreting()
     kernel = _kernel(interpret)
     block_d, block_f, warps = GATE_W2_CONFIG["interpret" if interpret else "cuda"]
     kernel[(triton.cdiv(D, block_d),)](G, w2, gate_row, dw2 if dw2 is not None else G,
@@ -204,7 +167,7 @@ def _tail_backward(dz, do2, y, w1, w2, h, gate, R, needs):
     dy = torch.empty_like(y2)
     dw1 = None  # fp32, accumulated over every chunk of every sample, rounded once
     # db1's partial rows for every chunk (at S = 32760, F = 8960: ≈ 19 MB held through the chunks), reduced once
-    db1 = ColumnSums(B * N, B * _cdiv(N, max(R, 1)), F_, y.device) if need_b1 else None
+    db1 = ColumnSums(B * N, B * cdiv(N, max(R, 1)), F_, y.device) if need_b1 else None
     # B > 1: fp32, accumulated over the samples, rounded once; B = 1: written once, in w2's dtype, made after the
     # chunks (not held through them: the block's peak is there)
     dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=y.device) if need_w2 and B > 1 else None
@@ -252,8 +215,9 @@ class _AdaLNFFNGated(torch.autograd.Function):
             h = x.new_full((1,), float("nan"), dtype=dtype).expand(h_shape)
         elif kind == "recompute":  # what is saved is used, not the output: no down projection, no residual
             h = F.linear(y, w1, b1)
-            # never read (passes()); if it were, NaN says so. new_full as the forward's placeholder (a selective
-            # checkpoint's recompute may call only ops its forward called), stride 0: nothing written
+            # never read (the caller's promise for a recompute); if it were, NaN says so. new_full as the forward's
+            # placeholder (a selective checkpoint's recompute may call only ops its forward called), stride 0: nothing
+            # written
             out = x.new_full((1,), float("nan")).expand(x.shape)
         else:
             z, h, _ = ffn_forward(y, w1, b1, w2, b2, R)
@@ -271,11 +235,11 @@ class _AdaLNFFNGated(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dout):
-        _once(ctx, "adaln_gelu_ffn_gated")
+        single_backward(ctx, "adaln_gelu_ffn_gated")
         x, scale, shift, gate, mean, rstd, w1, w2, b2, h = ctx.saved_tensors
         if h.numel() > 1 and h.stride(-1) == 0:
             raise RuntimeError("adaln_gelu_ffn_gated: backward reached a forward pass's placeholders — "
-                               "checkpoint_pass('forward') was set around a call whose saved tensors are used")
+                               "checkpoint_pass='forward' was given for a call whose saved tensors are used")
         need = ctx.needs_input_grad
         B, N, D = x.shape
         dout = dout.contiguous()
@@ -309,13 +273,21 @@ def adaln_gelu_ffn_gated_reference(x: torch.Tensor, scale: torch.Tensor, shift: 
 
 def adaln_gelu_ffn_gated(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float, w1: torch.Tensor,
                          b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None, gate: torch.Tensor,
-                         backend: str = "auto", rows_per_chunk: int | None = None) -> torch.Tensor:
+                         backend: str = "auto", rows_per_chunk: int | None = None,
+                         checkpoint_pass: str | None = None) -> torch.Tensor:
     """x + gate · (W2·GELU_tanh(W1·AdaLN(x; scale, shift) + b1) + b2), summed in fp32, in x.dtype (see the module
     docstring). backend: "torch" the reference; "triton" (CUDA, or CPU under TRITON_INTERPRET=1) and "auto" (where
     ops.adaln's kernel takes x, else the reference) the op, for the shapes gated_tail_applies accepts (raises on
-    others). Compiled graphs take the reference (Inductor plans their saves)."""
+    others). Compiled graphs take the reference (Inductor plans their saves).
+
+    checkpoint_pass (PASSES): which pass of an activation-checkpointed block this call is. "forward": the output is
+    used and nothing saved is (the up projection's epilogue makes a, h is never made); "recompute": what is saved is
+    used and the output never read (it is NaN: nothing after this op in the checkpointed region may read it); None:
+    a plain call. Without autograd every call is a "forward"."""
     if backend not in BACKENDS:
         raise ValueError(f"adaln_gelu_ffn_gated backend must be one of {BACKENDS}, got {backend!r}")
+    if checkpoint_pass not in PASSES:
+        raise ValueError(f"adaln_gelu_ffn_gated: checkpoint_pass must be one of {PASSES}, got {checkpoint_pass!r}")
     if not fuses_adaln(x, scale, shift, backend):
         return adaln_gelu_ffn_gated_reference(x, scale, shift, eps, w1, b1, w2, b2, gate)
     if not gated_tail_applies(x, gate):
@@ -325,6 +297,6 @@ def adaln_gelu_ffn_gated(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tens
         dtype, (w1, b1, w2, b2) = autocast_args(x, w1, b1, w2, b2)
     except ValueError as e:
         raise ValueError(f"adaln_gelu_ffn_gated: {e}") from None
-    kind = current_pass() if torch.is_grad_enabled() else "forward"  # no autograd: nothing saved is used
+    kind = checkpoint_pass if torch.is_grad_enabled() else "forward"  # no autograd: nothing saved is used
     with torch.autocast(x.device.type, enabled=False):
         return _AdaLNFFNGated.apply(kind, dtype, rows_per_chunk, x, scale, shift, gate, float(eps), w1, b1, w2, b2)

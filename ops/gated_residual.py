@@ -38,20 +38,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 
 import torch
 
-from ops.adaln import (BACKENDS, _cdiv, _DTYPES, import_triton, _interpreting, KernelConfig, _mod_layout, nearest_tuned,
-                       _next_pow2, _on_device, require_triton, _rows_last, _span, store_cast)
+from ops.triton_setup import (BACKENDS, DTYPES, HAS_TRITON, KernelConfig, cdiv, import_triton, interpreting, mod_layout,
+                              nearest_tuned, next_pow2, on_device, require_triton, rows_last, span, store_cast)
 
-# Imported on first use by _kernels(), as in ops/adaln.py: triton.language must see TRITON_INTERPRET as the tests
-# set it, after they find no CUDA.
+# Imported on first use by _kernels() (ops/triton_setup.py: the tests choose the interpreter before that).
 triton = None
 tl = None
 _cast = None  # jitted by _kernels()
-_HAS_TRITON = importlib.util.find_spec("triton") is not None  # a module constant: torch.compile traces the checks
-
 
 
 def gated_residual_reference(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -130,22 +126,22 @@ def _bwd_kernel(DOUT, Y, GATE, DY, DGATE,
 
 
 def _require_triton() -> None:
-    require_triton("gated_residual", _HAS_TRITON)
+    require_triton("gated_residual", HAS_TRITON)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels(interpret: bool):
     global triton, tl, _cast
-    triton, tl = import_triton("gated_residual", interpret, _HAS_TRITON)
-    _cast = store_cast(interpret)  # round-to-nearest-even bf16 stores under the interpreter too (ops.adaln)
+    triton, tl = import_triton("gated_residual", interpret, HAS_TRITON)
+    _cast = store_cast(interpret)  # round-to-nearest-even bf16 stores under the interpreter too (triton_setup)
     return triton.jit(_fwd_kernel), triton.jit(_bwd_kernel)
 
 
 # ---------------------------------------------------------------------------------------------------------- launchers
-# Launch shapes (ops.adaln.KernelConfig; `split` is unused here), keyed by (kernel, per-token gate, D). The per-sample
-# forward at D = 1536 is the H200 sweep's best at N = 32760 (results/step_h200/run15_gated_fwd_sweep.json: one
-# 4 × 256 tile per program, 0.0763 ms, 93 % of copy bandwidth, against 0.0811 ms for the persistent grid before it).
-# The rest are first guesses from the AdaLN sweeps (results/adaln_notes.md) — a persistent grid with a pipelined loop
+# Launch shapes (ops.triton_setup.KernelConfig; `split` is unused here), keyed by (kernel, per-token gate, D). The
+# per-sample forward at D = 1536 is the H200 sweep's best at N = 32760, one 4 × 256 tile per program (the sweep:
+# results/step_h200.md).
+# The rest are first guesses from the AdaLN sweeps (results/adaln_h200.md) — a persistent grid with a pipelined loop
 # over ~2048-element tiles for the per-sample gate, one tile per program for the per-token one, whose rows carry
 # more bytes. `python scripts/bench_gated_residual.py --sweep` measures them. Another D takes the nearest entry with
 # rows scaled to keep the tile's size. block_d 0: the widest power of two dividing D (no masked lanes), ≤ 1024.
@@ -166,13 +162,13 @@ def _block_d(D: int, cfg: KernelConfig) -> int:
     if cfg.block_d:
         return cfg.block_d
     divisor = D & -D  # model widths (1536 = 3·512, 5120 = 5·1024) tile exactly; odd D takes one masked tile
-    return min(divisor if divisor >= 128 else _next_pow2(D), MAX_BLOCK_D)
+    return min(divisor if divisor >= 128 else next_pow2(D), MAX_BLOCK_D)
 
 
 def default_config(kind: str, D: int, device: torch.device, per_token: bool = False) -> KernelConfig:
     """Launch shape for a kernel ("fwd", "bwd") at width D."""
     if device.type != "cuda":  # the interpreter pays ~1 ms per program and per loop step: few, wide programs
-        return KernelConfig(rows=4, num_warps=4, programs_per_sm=2, block_d=_next_pow2(D))
+        return KernelConfig(rows=4, num_warps=4, programs_per_sm=2, block_d=next_pow2(D))
     D0, cfg = nearest_tuned(TUNED, (kind, per_token), D)
     if D0 == D:
         return cfg
@@ -192,7 +188,7 @@ def _unsupported(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> str | 
         return f"gate must be [B, 1, D], [B, N, D] or [1, 1, D] with x [B, N, D] = {tuple(x.shape)}, got " \
                f"{tuple(gate.shape)}"
     for name, t in (("x", x), ("y", y), ("gate", gate)):
-        if t.dtype not in _DTYPES or t.device != x.device:
+        if t.dtype not in DTYPES or t.device != x.device:
             return f"{name} must be fp32/fp16/bf16 on {x.device}, got {t.dtype} on {t.device}"
     return None
 
@@ -201,7 +197,7 @@ def _check(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> None:
     err = _unsupported(x, y, gate)
     if err is not None:
         raise ValueError(f"gated_residual: {err}; backend='torch' takes any broadcastable shapes and dtypes")
-    if x.device.type != "cuda" and not _interpreting():
+    if x.device.type != "cuda" and not interpreting():
         raise RuntimeError("gated_residual: backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before "
                            "first use")
 
@@ -209,10 +205,10 @@ def _check(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> None:
 def _grid(N: int, B: int, D: int, cfg: KernelConfig, device: torch.device) -> tuple[int, int, int, int]:
     """(block_d, feature tiles, spans per sample, tiles per span)."""
     block_d = _block_d(D, cfg)
-    n_dtiles = _cdiv(D, block_d)
+    n_dtiles = cdiv(D, block_d)
     if B * n_dtiles == 0:
         return block_d, n_dtiles, 0, 1
-    P, tiles_per_prog = _span(_cdiv(N, cfg.rows), B * n_dtiles, cfg, device)
+    P, tiles_per_prog = span(cdiv(N, cfg.rows), B * n_dtiles, cfg, device)
     return block_d, n_dtiles, P, tiles_per_prog
 
 
@@ -220,16 +216,16 @@ def gated_residual_forward(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor,
                            config: KernelConfig | None = None) -> torch.Tensor:
     """Launch the forward kernel: out [B, N, D] in x.dtype."""
     _check(x, y, gate)
-    x, y = _rows_last(x), _rows_last(y)
+    x, y = rows_last(x), rows_last(y)
     B, N, D = x.shape
     out = torch.empty((B, N, D), dtype=x.dtype, device=x.device)
-    per_token, sgb, sgn, sgd = _mod_layout(gate, B, N)
+    per_token, sgb, sgn, sgd = mod_layout(gate, B, N)
     cfg = config or default_config("fwd", D, x.device, per_token)
     block_d, n_dtiles, P, tiles_per_prog = _grid(N, B, D, cfg, x.device)
     if P * B == 0 or D == 0:
         return out
-    fwd, _ = _kernels(_interpreting())
-    with _on_device(x.device):
+    fwd, _ = _kernels(interpreting())
+    with on_device(x.device):
         fwd[(P * n_dtiles, B)](x, y, gate, out, N, tiles_per_prog, n_dtiles,
                                x.stride(0), x.stride(1), y.stride(0), y.stride(1), sgb, sgn, sgd,
                                D=D, BLOCK_D=block_d, ROWS=cfg.rows, GATE_PER_TOKEN=per_token,
@@ -243,10 +239,10 @@ def gated_residual_backward(dout: torch.Tensor, y: torch.Tensor, gate: torch.Ten
                             ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Launch the backward kernel: (dy in y's dtype, dgate in gate's dtype and shape), None where not needed.
     dx is dout itself (out is in x.dtype): nothing to launch for it."""
-    dout, y = _rows_last(dout), _rows_last(y)
+    dout, y = rows_last(dout), rows_last(y)
     B, N, D = y.shape
     dev = y.device
-    per_token, sgb, sgn, sgd = _mod_layout(gate, B, N)
+    per_token, sgb, sgn, sgd = mod_layout(gate, B, N)
     cfg = config or default_config("bwd", D, dev, per_token)
     block_d, n_dtiles, P, tiles_per_prog = _grid(N, B, D, cfg, dev)
     dy = torch.empty((B, N, D), dtype=y.dtype, device=dev) if need_dy else None
@@ -259,8 +255,8 @@ def gated_residual_backward(dout: torch.Tensor, y: torch.Tensor, gate: torch.Ten
         alloc = torch.empty if P * B > 0 else torch.zeros  # nothing to launch: the sums are zero
         dgate = alloc((B, max(P, 1), D), dtype=torch.float32, device=dev)
     if P * B > 0 and D > 0 and (need_dy or need_dgate):
-        _, bwd = _kernels(_interpreting())
-        with _on_device(dev):
+        _, bwd = _kernels(interpreting())
+        with on_device(dev):
             bwd[(P * n_dtiles, B)](dout, y, gate, dy, dgate, N, tiles_per_prog, n_dtiles, P,
                                    dout.stride(0), dout.stride(1), y.stride(0), y.stride(1), sgb, sgn, sgd,
                                    N * D if per_token else 0,
@@ -346,7 +342,7 @@ class _GatedResidualFunction(torch.autograd.Function):
 # ------------------------------------------------------------------------------------------------------ functional
 def triton_supported(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> bool:
     """Whether backend="auto" takes the Triton path for these inputs."""
-    return x.is_cuda and _HAS_TRITON and _unsupported(x, y, gate) is None and x.shape[-1] > 0
+    return x.is_cuda and HAS_TRITON and _unsupported(x, y, gate) is None and x.shape[-1] > 0
 
 
 def gated_residual(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, backend: str = "auto") -> torch.Tensor:

@@ -22,15 +22,13 @@ the autocast dtype there, so their fp32 master copies receive fp32 gradients thr
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 import torch.nn.functional as F
 
-from ops.adaln import BACKENDS, _cdiv, _interpreting, import_triton, require_triton, store_cast
+from ops.triton_setup import BACKENDS, HAS_TRITON, cdiv, import_triton, interpreting, require_triton, store_cast
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-triton = tl = _cast = None  # set on first use by _kernel() (the tests set TRITON_INTERPRET first)
+triton = tl = _cast = None  # set on first use by _kernel() (ops/triton_setup.py: the interpreter is chosen first)
 
 
 def gelu_ffn_reference(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
@@ -80,16 +78,15 @@ def _gelu_act_grad_kernel(DA, H, PART, R, F, BLOCK_R: tl.constexpr, BLOCK_F: tl.
 @functools.lru_cache(maxsize=None)
 def _kernel(interpret: bool):
     global triton, tl, _cast
-    triton, tl = import_triton("gelu_ffn", interpret, _HAS_TRITON)
+    triton, tl = import_triton("gelu_ffn", interpret, HAS_TRITON)
     _cast = store_cast(interpret)
     return triton.jit(_gelu_act_grad_kernel)
 
 
 # (rows per iteration, features per program, iterations per program, warps). CUDA: the best of 16 shapes on the H200
-# at Wan 1.3B's chunk (7488 × 8960, scripts/probe_mlp_tail.py --elementwise, results/step_h200.md run 21): 64 rows of
-# 128 features a program; the call 0.196 ms a chunk (its partial sums' reduction included) against 0.251 ms for
-# aten's three passes, the kernel alone 0.134 ms in the step's profile (≈ 4 TB/s). The interpreter's programs cost
-# ~1 ms each whatever their size, so they are made large.
+# at Wan 1.3B's chunk (7488 × 8960, `scripts/probe_mlp_tail.py --elementwise`; timings against aten's three passes in
+# results/step_h200.md): 64 rows of 128 features a program. The interpreter's programs cost ~1 ms each whatever their
+# size, so they are made large.
 GELU_GRAD_CONFIG = {"cuda": (16, 128, 4, 4), "interpret": (32, 128, 4, 4)}
 
 
@@ -102,7 +99,7 @@ class ColumnSums:
 
     def __init__(self, rows: int, chunks: int, features: int, device: torch.device,
                  config: tuple[int, int, int, int] | None = None):
-        block_r, _, iters, _ = config or GELU_GRAD_CONFIG["interpret" if _interpreting() else "cuda"]
+        block_r, _, iters, _ = config or GELU_GRAD_CONFIG["interpret" if interpreting() else "cuda"]
         self.config = config
         self.buf = torch.empty((rows // (block_r * iters) + chunks, features), dtype=torch.float32, device=device)
         self.used = 0
@@ -139,7 +136,7 @@ def gelu_act_grad_(da: torch.Tensor, h: torch.Tensor, db: torch.Tensor | ColumnS
         raise ValueError(f"gelu_act_grad_: db must be fp32 of shape ({F_},), got {db.dtype} {tuple(db.shape)}")
     if R == 0 or F_ == 0:
         return h, da
-    interpret = _interpreting()
+    interpret = interpreting()
     kernel = _kernel(interpret)
     block_r, block_f, iters, warps = config or GELU_GRAD_CONFIG["interpret" if interpret else "cuda"]
     n_r = triton.cdiv(R, block_r * iters)
@@ -194,7 +191,7 @@ def ffn_backward(dout, x, w1, w2, h, R, needs, has_b1, has_b2):
     dx2 = torch.empty_like(x2) if need_x else None
     dw1 = None if one or not need_w1 else torch.zeros_like(w1)
     dw2 = None if one or not need_w2 else torch.zeros_like(w2)
-    db1 = ColumnSums(M, _cdiv(M, max(R, 1)), w1.shape[0], w1.device) if need_b1 else None
+    db1 = ColumnSums(M, cdiv(M, max(R, 1)), w1.shape[0], w1.device) if need_b1 else None
     db2 = torch.zeros(w2.shape[0], dtype=torch.float32, device=w2.device) if need_b2 else None
     # chunks of rows: one chunk's da/dh at a time (a takes h's place); weight gradients accumulate in place (addmm:
     # fp32 inside the matmul, one rounding to the weight's dtype per chunk), bias gradients in fp32
@@ -217,8 +214,10 @@ def ffn_backward(dout, x, w1, w2, h, R, needs, has_b1, has_b2):
             db2.to(w2.dtype) if need_b2 else None)
 
 
-def _once(ctx, op: str) -> None:
-    """Backward overwrites the saved pre-activation: a second backward through one forward would read a for h."""
+def single_backward(ctx, op: str) -> None:
+    """Marks ctx's one backward: ffn_backward overwrites the saved pre-activation, so a second backward through one
+    forward would read a for h (every op built on ffn_backward calls this first: gelu_ffn, adaln_linear's
+    adaln_gelu_ffn, gated_ffn)."""
     if getattr(ctx, "h_consumed", False):
         raise RuntimeError(f"{op}: a second backward through the same forward (retain_graph=True) is not supported "
                            "(the first overwrote the saved pre-activation)")
@@ -237,7 +236,7 @@ class _GeluFFN(torch.autograd.Function):
     def backward(ctx, dout):
         need = ctx.needs_input_grad
         if need[0] or need[1] or (need[2] and ctx.has_b1):  # dh is made: h is overwritten
-            _once(ctx, "gelu_ffn")
+            single_backward(ctx, "gelu_ffn")
         x, w1, w2, h = ctx.saved_tensors
         return (*ffn_backward(dout, x, w1, w2, h, ctx.R, ctx.needs_input_grad[:5], ctx.has_b1, ctx.has_b2), None)
 
@@ -263,11 +262,11 @@ def gelu_ffn(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: tor
     if backend not in BACKENDS:
         raise ValueError(f"gelu_ffn backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        backend = "triton" if x.is_cuda and _HAS_TRITON else "torch"
+        backend = "triton" if x.is_cuda and HAS_TRITON else "torch"
     if backend == "torch" or torch.compiler.is_compiling():  # compiled graphs: Inductor plans the saves itself
         return gelu_ffn_reference(x, w1, b1, w2, b2)
-    require_triton("gelu_ffn", _HAS_TRITON)
-    if x.device.type != "cuda" and not _interpreting():
+    require_triton("gelu_ffn", HAS_TRITON)
+    if x.device.type != "cuda" and not interpreting():
         raise RuntimeError("gelu_ffn: backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before first use")
     try:
         dtype, (w1, b1, w2, b2) = autocast_args(x, w1, b1, w2, b2)

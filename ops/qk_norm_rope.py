@@ -38,20 +38,17 @@ autograd.Function over the same launchers.
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 import torch.nn.functional as F
 
-from ops.adaln import (BACKENDS, _cdiv, _DTYPES, import_triton, _interpreting, KernelConfig, MAX_D, nearest_tuned,
-                       _next_pow2, _on_device, require_triton, _rows_last, _segments, _span)
+from ops.triton_setup import (BACKENDS, DTYPES, HAS_TRITON, MAX_D, KernelConfig, cdiv, import_triton, interpreting,
+                              nearest_tuned, next_pow2, on_device, require_triton, rows_last, segments, span)
 
-# Imported on first use by _kernels(), as in ops.adaln: the tests set TRITON_INTERPRET only after finding no CUDA.
+# Imported on first use by _kernels() (ops/triton_setup.py: the tests choose the interpreter before that).
 triton = None
 tl = None
 _rne_bf16 = _load_angles = _rotate = None  # helpers of the kernels, jitted by _kernels()
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-
 
 
 def qk_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -68,10 +65,10 @@ def qk_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Ten
 #
 # Rows are loaded and stored as contiguous [ROWS, 2·PAIRS] tiles (16-byte vectors) and viewed as [ROWS, PAIRS, 2]
 # only to rotate: tl.split/tl.join take the two members of each pair (x_2i, x_2i+1) from one thread's registers.
-# Loading [ROWS, PAIRS, 2] tiles directly gave 2- and 4-byte accesses instead (PTX for sm_90). The D/2 pairs
-# are held in two power-of-two segments as in ops.adaln, [0, BLOCK_A) and [BLOCK_A, BLOCK_A + BLOCK_B): at D = 1536
-# that is 512 + 256 pairs and no masked lane. Pair p of the row rotates by angle p mod HALF_DH of its token (every
-# head reads the same cos/sin row; the repeats hit L1).
+# Loading [ROWS, PAIRS, 2] tiles directly gave 2- and 4-byte accesses instead (PTX for sm_90). The D/2 pairs are held
+# in two power-of-two segments (ops.triton_setup.segments), [0, BLOCK_A) and [BLOCK_A, BLOCK_A + BLOCK_B): at
+# D = 1536 that is 512 + 256 pairs and no masked lane. Pair p of the row rotates by angle p mod HALF_DH of its token
+# (every head reads the same cos/sin row; the repeats hit L1).
 
 def _load_angles_impl(COS, SIN, n, rmask, p, scn, sck, ssn, ssk, D: tl.constexpr, HALF_DH: tl.constexpr):
     # [ROWS, PAIRS] cos and sin of pairs p of rows n: pair p rotates by angle p mod HALF_DH of its token
@@ -195,22 +192,21 @@ def _bwd_kernel(DY, X, W, COS, SIN, RSTD, DX, DW_PART,
 
 
 def _require_triton() -> None:
-    require_triton("qk_norm_rope", _HAS_TRITON)
+    require_triton("qk_norm_rope", HAS_TRITON)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernels(interpret: bool):
     global triton, tl
-    triton, tl = import_triton("qk_norm_rope", interpret, _HAS_TRITON)
+    triton, tl = import_triton("qk_norm_rope", interpret, HAS_TRITON)
     global _rne_bf16, _load_angles, _rotate  # the kernels call these module-level names, resolved at compile time
     _rne_bf16, _load_angles, _rotate = (triton.jit(f) for f in (_rne_bf16_impl, _load_angles_impl, _rotate_impl))
     return triton.jit(_fwd_kernel), triton.jit(_bwd_kernel)
 
 
 # ---------------------------------------------------------------------------------------------------------- launchers
-# Launch shapes on CUDA, keyed by (kernel, D). The D = 1536 forward is the H200 sweep's best at N = 32760
-# (results/step_h200/run15_qk_fwd_sweep.json: 0.0684 ms, 75 % of copy bandwidth, against 0.0765 ms for the shape
-# before it, KernelConfig(2, 4, 4, num_stages=3)). The rest are not measured yet: ops.adaln's H200 best at the same D
+# Launch shapes on CUDA, keyed by (kernel, D). The D = 1536 forward is the H200 sweep's best at N = 32760 (the sweep:
+# results/step_h200.md). The rest are not measured yet: ops.adaln's H200 best at the same D
 # (the same row in registers, one reduction per row), both kernels in two segments (D = 1536: 512 + 256 pairs, no
 # masked lane, 16-byte loads) and the D = 5120 backward 8 warps (ptxas: 255 registers at 4, no spills at 8).
 # `python scripts/bench_qk_norm_rope.py --sweep` on the H200 measures them.
@@ -229,7 +225,7 @@ def default_config(kind: str, D: int, device: torch.device) -> KernelConfig:
     D0, cfg = nearest_tuned(TUNED, (kind,), D)
     if D0 == D:
         return cfg
-    rows = max(1, min(64, cfg.rows * _next_pow2(D0) // _next_pow2(D)))
+    rows = max(1, min(64, cfg.rows * next_pow2(D0) // next_pow2(D)))
     return KernelConfig(rows, cfg.num_warps, cfg.programs_per_sm, num_stages=cfg.num_stages)
 
 
@@ -248,39 +244,39 @@ def _check(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.
                              f"on {t.device}")
     if cos.shape != sin.shape:
         raise ValueError(f"qk_norm_rope: cos and sin differ in shape: {tuple(cos.shape)} vs {tuple(sin.shape)}")
-    if x.dtype not in _DTYPES or weight.dtype not in _DTYPES or weight.device != x.device:
+    if x.dtype not in DTYPES or weight.dtype not in DTYPES or weight.device != x.device:
         raise ValueError(f"qk_norm_rope: the Triton backend takes fp32/fp16/bf16 x and weight on one device, got "
                          f"{x.dtype}, {weight.dtype} on {x.device}, {weight.device}; use backend='torch'")
     if D > MAX_D:
         raise ValueError(f"qk_norm_rope: the Triton backend keeps a row in registers, D ≤ {MAX_D}, got {D}; "
                          "use backend='torch'")
-    if x.device.type != "cuda" and not _interpreting():
+    if x.device.type != "cuda" and not interpreting():
         raise RuntimeError("qk_norm_rope: backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before "
                            "first use")
 
 
 def _launch_args(x: torch.Tensor, cfg: KernelConfig) -> dict:
-    block_a, block_b = _segments(x.shape[-1] // 2, cfg, 2 * x.element_size())  # in pairs: a pair is two elements
+    block_a, block_b = segments(x.shape[-1] // 2, cfg, 2 * x.element_size())  # in pairs: a pair is two elements
     return dict(BLOCK_A=block_a, BLOCK_B=block_b, ROWS=cfg.rows, NUM_STAGES=cfg.num_stages,
-                EMULATE_RNE=_interpreting() and x.dtype == torch.bfloat16, num_warps=cfg.num_warps)
+                EMULATE_RNE=interpreting() and x.dtype == torch.bfloat16, num_warps=cfg.num_warps)
 
 
 def qk_norm_rope_forward(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          eps: float = 1e-6, config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel: (y [B, N, D] contiguous in x.dtype, rstd [B, N] fp32)."""
     _check(x, weight, cos, sin)
-    x, weight = _rows_last(x), weight.contiguous()
+    x, weight = rows_last(x), weight.contiguous()
     B, N, D = x.shape
     y = torch.empty((B, N, D), dtype=x.dtype, device=x.device)
     rstd = torch.empty((B, N), dtype=torch.float32, device=x.device)
     cfg = config or default_config("fwd", D, x.device)
-    P, tiles_per_prog = _span(_cdiv(N, cfg.rows), B, cfg, x.device)
+    P, tiles_per_prog = span(cdiv(N, cfg.rows), B, cfg, x.device)
     if P * B == 0 or D == 0:
         return y, rstd
-    fwd, _ = _kernels(_interpreting())
+    fwd, _ = _kernels(interpreting())
     # enable_fp_fusion=False: no FMA, every product rounded as the eager path's separate kernels round it, so the
     # output differs from the model's only where rstd's last bit (another summation order) flips a rounding
-    with _on_device(x.device):
+    with on_device(x.device):
         fwd[(P, B)](x, weight, cos, sin, y, rstd, N, tiles_per_prog, eps,
                     x.stride(0), x.stride(1), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
                     D=D, HALF_DH=cos.shape[1], enable_fp_fusion=False, **_launch_args(x, cfg))
@@ -291,16 +287,16 @@ def qk_norm_rope_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
                           sin: torch.Tensor, rstd: torch.Tensor,
                           config: KernelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward kernel: (dx [B, N, D] in x.dtype, dw [D] in weight.dtype)."""
-    x, dy, weight = _rows_last(x), _rows_last(dy), weight.contiguous()
+    x, dy, weight = rows_last(x), rows_last(dy), weight.contiguous()
     B, N, D = x.shape
     cfg = config or default_config("bwd", D, x.device)
-    P, tiles_per_prog = _span(_cdiv(N, cfg.rows), B, cfg, x.device)
+    P, tiles_per_prog = span(cdiv(N, cfg.rows), B, cfg, x.device)
     dx = torch.empty((B, N, D), dtype=x.dtype, device=x.device)
     alloc = torch.empty if P * B > 0 else torch.zeros  # nothing to launch: the sums are zero
     dw_part = alloc((B, max(P, 1), D), dtype=torch.float32, device=x.device)
     if P * B > 0 and D > 0:
-        _, bwd = _kernels(_interpreting())
-        with _on_device(x.device):
+        _, bwd = _kernels(interpreting())
+        with on_device(x.device):
             bwd[(P, B)](dy, x, weight, cos, sin, rstd, dx, dw_part, N, tiles_per_prog, P,
                         dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
                         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
@@ -366,7 +362,7 @@ class _QKNormRoPEFunction(torch.autograd.Function):
 # ------------------------------------------------------------------------------------------------------ functional
 def triton_supported(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether backend="auto" takes the Triton path for these inputs."""
-    return (x.is_cuda and _HAS_TRITON and x.dim() == 3 and x.dtype in _DTYPES and weight.dtype in _DTYPES
+    return (x.is_cuda and HAS_TRITON and x.dim() == 3 and x.dtype in DTYPES and weight.dtype in DTYPES
             and cos.dtype == sin.dtype == torch.float32 and cos.dim() == 2 and cos.shape == sin.shape
             and cos.shape[0] == x.shape[1] and 0 < x.shape[-1] <= MAX_D and cos.shape[1] > 0
             and x.shape[-1] % (2 * cos.shape[1]) == 0 and not (cos.requires_grad or sin.requires_grad))

@@ -13,7 +13,7 @@ self-attention, 96 MiB for the cross-attention's q (its k is text-sized), for tw
 The attention kernels are called through their aten ops (`_scaled_dot_product_{cudnn,flash,efficient}_attention`
 and their backward ops on CUDA, `_scaled_dot_product_flash_attention_for_cpu` on CPU), which is what
 F.scaled_dot_product_attention dispatches to: the forward output is the same kernel's, and selective checkpointing
-policies that name these ops (models.layers.keep_attention_context) see them. Where SDPA would pick the math
+policies that name these ops (models.checkpointing.keep_attention_context) see them. Where SDPA would pick the math
 fallback (or a kernel this file does not know), `rope_attention` runs the plain composition instead.
 
 backend: "torch" the reference (qk_norm_rope_reference then F.scaled_dot_product_attention), "triton" (CUDA, or CPU
@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ops.adaln import BACKENDS
 from ops.qk_norm_rope import (qk_norm_rope, qk_norm_rope_backward, qk_norm_rope_forward, qk_norm_rope_reference,
                               triton_supported)
+from ops.triton_setup import BACKENDS
 
 _MATH, _FLASH, _EFFICIENT, _CUDNN = 0, 1, 2, 3  # torch.nn.attention.SDPBackend's values
 

@@ -88,7 +88,7 @@ def main(argv=None) -> None:
             ["conf=wan21_1p3b", "data=wan_short", "logging.wandb=disabled", "train.progress=false"])
     # the AdaLN kernel is the only fused op the arms vary (issue 7); the rest of the glue stays the reference's in
     # the calibration and every arm, so arm 1 is the paper's starting point
-    base += [f"data.index={corpus}", "train.micro_batches=4", "model.glue_backend=torch"]
+    base += [f"data.index={corpus}", "train.micro_batches=4", "model.fused_ops=torch"]
     m_tokens = args.m_tokens or (120 if args.tiny else 14040)
     commands = {}
 

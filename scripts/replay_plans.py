@@ -293,7 +293,8 @@ class Runner:
 
         import torch
 
-        from models.build import build_model, model_inputs
+        from models.build import build_model
+        from training.inputs import model_inputs
         from models.flow_matching import FlowMatching
         from models.parallelize import parallelize
         from training.cuda_graphs import graph_blockers, graphs_for

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from ops import adaln
-from ops.adaln import KernelConfig, adaln_backward, adaln_forward, adaln_modulate, adaln_reference
+from ops.adaln import adaln_backward, adaln_forward, adaln_modulate, adaln_reference
+from ops.triton_setup import HAS_TRITON, KernelConfig, nearest_tuned, sm_count
 from tests.op_helpers import DEV, TOL, gpu, rel_err
 
 HALF = {torch.float32: torch.bfloat16, torch.float16: torch.float16, torch.bfloat16: torch.bfloat16}
 
-pytestmark = pytest.mark.skipif(not adaln._HAS_TRITON, reason="triton is not installed")
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 
 def ref64(x, scale, shift, eps=1e-6):
@@ -173,7 +174,7 @@ def test_dtile_variant_and_spans(kind):
     table, scale, shift = modulation(kind, B, N, D, torch.float32, gen)
     dy = torch.randn(B, N, D, generator=gen).to(DEV, torch.bfloat16)
     _, dx64, ds64, dh64, _ = reference_grads(x, table, kind, dy)
-    cfg = KernelConfig(rows=2, num_warps=4, programs_per_sm=9 * adaln._sm_count(DEV),  # 3 programs per sample
+    cfg = KernelConfig(rows=2, num_warps=4, programs_per_sm=9 * sm_count(DEV),  # 3 programs per sample
                        split=False, num_stages=2)
     y, mean, rstd = adaln_forward(x, scale, shift, config=KernelConfig(rows=2, num_warps=4, programs_per_sm=0,
                                                                        split=False))
@@ -280,7 +281,7 @@ def test_backends_and_errors(monkeypatch):
         adaln_backward(x, x, scale, x[..., 0], x[..., 0], shift.shape, shift.dtype, dmod="atomic")
     x64 = x.double()
     assert torch.equal(adaln_modulate(x64, scale, shift), adaln_reference(x64, scale, shift))  # auto: reference
-    monkeypatch.setattr(adaln, "_HAS_TRITON", False)
+    monkeypatch.setattr(adaln, "HAS_TRITON", False)
     with pytest.raises(RuntimeError, match="triton"):
         adaln_modulate(x, scale, shift, backend="triton")
     assert torch.equal(adaln_modulate(x, scale, shift, backend="torch"), adaln_reference(x, scale, shift))
@@ -327,8 +328,8 @@ def test_launch_config_from_the_nearest_tuned_width():
     import ops.qk_norm_rope as qk
 
     cuda = torch.device("cuda")
-    assert adaln.nearest_tuned({("a", 1): 1, ("a", 8): 2, ("b", 2): 3}, ("a",), 2) == (1, 1)  # |log2 2/1| < |log2 2/8|
-    assert adaln.nearest_tuned({("a", 1): 1, ("a", 8): 2, ("b", 2): 3}, ("a",), 5) == (8, 2)
+    assert nearest_tuned({("a", 1): 1, ("a", 8): 2, ("b", 2): 3}, ("a",), 2) == (1, 1)  # |log2 2/1| < |log2 2/8|
+    assert nearest_tuned({("a", 1): 1, ("a", 8): 2, ("b", 2): 3}, ("a",), 5) == (8, 2)
     for (kind, per_token, D), cfg in adaln.TUNED.items():
         assert adaln.default_config(kind, D, cuda, per_token) == cfg
     fwd = adaln.TUNED["fwd", False, 1536]

@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ops import adaln as adaln_op
 from ops.adaln import adaln_modulate, adaln_reference
 from ops.adaln_linear import adaln_gelu_ffn, adaln_linear
 from ops.gelu_ffn import gelu_ffn, gelu_ffn_reference
+from ops.triton_setup import HAS_TRITON
 from tests.op_helpers import DEV, fp64_leaves, grads_of, rel_err
 
-pytestmark = pytest.mark.skipif(not adaln_op._HAS_TRITON, reason="triton is not installed")
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 
 def _t(g, *shape, dtype=torch.float32, scale=1.0):

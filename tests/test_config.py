@@ -82,10 +82,12 @@ def test_short_clip_data_group_for_the_strategy_comparison():
     assert tokens == {1560, 3600, 7800, 14040} and set(cfg.data.synthetic.mix) == {"i480", "i720", "v480_17f", "v480_33f"}
 
 
-def test_mmdit_refuses_the_wan_only_glue_and_offload():
-    with pytest.raises(ValueError, match="model.glue_backend=triton"):
+def test_mmdit_refuses_the_wan_only_fused_ops_and_offload():
+    with pytest.raises(ValueError, match="model.fused_ops=triton"):
+        compose_config(["conf=mmdit_tiny", "model.fused_ops=triton"])
+    with pytest.raises(ValueError, match="model.glue_backend=triton"):  # the deprecated name is the one named
         compose_config(["conf=mmdit_tiny", "model.glue_backend=triton"])
-    assert compose_config(["conf=mmdit_tiny"]).model.glue_backend == "auto"
+    assert compose_config(["conf=mmdit_tiny"]).model.fused_ops == "auto"
     with pytest.raises(ValueError, match="offload_checkpoints"):
         compose_config(["conf=mmdit_tiny", "model.checkpointing=full", "+model.offload_checkpoints=true"])
     with pytest.raises(ValueError, match="train.sample_every"):  # Wan's sampler lacks MMDiT's mask and pooled text

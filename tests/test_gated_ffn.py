@@ -1,6 +1,7 @@
 """ops/gated_ffn.py: the block's tail x + gate · MLP(AdaLN(x)) — output and every gradient against fp64 (one chunk
 and chunks within each sample), the same output as the composition it replaces, the recompute skipping the down
-projection under torch.utils.checkpoint, placeholders never reaching backward, autocast, and refused inputs.
+projection under torch.utils.checkpoint (the pass told by models/checkpointing.py, as the fused Wan block tells it),
+placeholders never reaching backward, autocast, and refused inputs.
 
 On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py); shapes are small and odd."""
 import pytest
@@ -9,16 +10,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ops import adaln as adaln_op
+from models.checkpointing import checkpoint_pass, current_pass, passes
 from ops import gated_ffn
 from ops.adaln import adaln_reference
 from ops.adaln_linear import adaln_gelu_ffn
-from ops.gated_ffn import adaln_gelu_ffn_gated, adaln_gelu_ffn_gated_reference, checkpoint_pass, passes
+from ops.gated_ffn import adaln_gelu_ffn_gated, adaln_gelu_ffn_gated_reference
 from ops.gated_residual import gated_residual
 from ops.gelu_ffn import gelu_ffn_reference
+from ops.triton_setup import HAS_TRITON
 from tests.op_helpers import DEV, fp64_leaves, grads_of, rel_err
 
-pytestmark = pytest.mark.skipif(not adaln_op._HAS_TRITON, reason="triton is not installed")
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 
 @pytest.fixture(autouse=True)
@@ -48,8 +50,9 @@ def _reference(x, scale, shift, gate, w1, b1, w2, b2):  # the formula, written o
 CLOSE = dict(atol=1e-6, rtol=1e-6) if DEV.type == "cpu" else dict(atol=5e-5, rtol=1e-4)
 
 
-def _tail(x, scale, shift, gate, w1, b1, w2, b2, rows=None):
-    return adaln_gelu_ffn_gated(x, scale, shift, 1e-6, w1, b1, w2, b2, gate, backend="triton", rows_per_chunk=rows)
+def _tail(x, scale, shift, gate, w1, b1, w2, b2, rows=None):  # told the pass it runs in, as FusedWanBlock does
+    return adaln_gelu_ffn_gated(x, scale, shift, 1e-6, w1, b1, w2, b2, gate, backend="triton", rows_per_chunk=rows,
+                                checkpoint_pass=current_pass())
 
 
 @pytest.mark.parametrize("biases,B", [((True, True), 2), ((False, False), 2), ((True, True), 1)])
@@ -231,6 +234,8 @@ def test_refuses_what_it_does_not_take(monkeypatch):
     torch.testing.assert_close(ref, _reference(x, scale, shift, gate, w1, b1, w2, b2), atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="backend must be one of"):
         adaln_gelu_ffn_gated(x, scale, shift, 1e-6, w1, b1, w2, b2, gate, backend="cuda")
+    with pytest.raises(ValueError, match="checkpoint_pass must be one of"):
+        adaln_gelu_ffn_gated(x, scale, shift, 1e-6, w1, b1, w2, b2, gate, backend="triton", checkpoint_pass="backward")
     with pytest.raises(ValueError, match="share a dtype"):
         adaln_gelu_ffn_gated(x, scale, shift, 1e-6, w1.detach().double(), b1, w2, b2, gate, backend="triton")
     monkeypatch.setattr(gated_ffn, "GATED_TAIL_MIN_TOKENS", 9)

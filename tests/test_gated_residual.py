@@ -5,7 +5,7 @@ On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py sets it when 
 pays ~1 ms per program and loop step, so the shapes are small but awkward: odd D, N not a multiple of the row tile,
 gates as strided chunk views of a modulation table, several spans and feature tiles per sample. The interpreter
 truncates fp32 → bf16 where the GPU rounds to nearest even; the kernels' stores round to nearest even there too
-(ops.adaln.store_cast), so bf16 results match the eager formula to the last bit on both. The tests marked gpu add
+(ops.triton_setup.store_cast), so bf16 results match the eager formula to the last bit on both. The tests marked gpu add
 model-sized rows, determinism and Inductor.
 """
 import zlib
@@ -14,20 +14,20 @@ import pytest
 import torch
 
 from ops import gated_residual as gr
-from ops.adaln import KernelConfig
 from ops.gated_residual import (gated_residual, gated_residual_backward, gated_residual_forward,
                                 gated_residual_reference)
+from ops.triton_setup import HAS_TRITON, KernelConfig
 from tests.op_helpers import DEV, TOL, gpu, rel_err
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
-pytestmark = pytest.mark.skipif(not gr._HAS_TRITON, reason="triton is not installed")
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 
 
 def assert_rounded_from(got, value_f32):
     """got is value_f32 (the fp32 result of the same arithmetic) rounded to got.dtype to nearest even, as eager
-    PyTorch and the GPU do — the kernels' bf16 stores emulate it under the interpreter (ops.adaln.store_cast)."""
+    PyTorch and the GPU do — the kernels' bf16 stores emulate it under the interpreter (ops.triton_setup.store_cast)."""
     assert got.shape == value_f32.shape
     assert torch.equal(got, value_f32.to(got.dtype))
 
@@ -251,7 +251,7 @@ def test_backends_and_errors(monkeypatch):
     for args in ((x.double(), y, gate), (x, y, gate[..., :1]), (x, y[:, :1], gate)):
         assert not gr.triton_supported(*args)
         assert torch.equal(gated_residual(*args), gated_residual_reference(*args))
-    monkeypatch.setattr(gr, "_HAS_TRITON", False)
+    monkeypatch.setattr(gr, "HAS_TRITON", False)
     with pytest.raises(RuntimeError, match="triton"):
         gated_residual(x, y, gate, backend="triton")
     assert torch.equal(gated_residual(x, y, gate, backend="torch"), gated_residual_reference(x, y, gate))

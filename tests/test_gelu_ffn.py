@@ -8,9 +8,10 @@ import torch
 
 from ops import gelu_ffn as op
 from ops.gelu_ffn import gelu_ffn, gelu_ffn_reference
+from ops.triton_setup import HAS_TRITON
 from tests.op_helpers import DEV, rel_err
 
-pytestmark = pytest.mark.skipif(not op._HAS_TRITON, reason="triton is not installed")
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 
 def params(D, Fh, dtype, seed=0, bias=True):

@@ -350,13 +350,13 @@ def test_tiny_preset_trains_and_its_val_loss_falls(tmp_path):
 def test_calibration_fits_joint_attention_and_balanced_plans_train(tmp_path, caplog):
     import json
 
-    from scripts.calibrate import calibrate_config
     from tests.helpers import compose_config, run_training, tiny_overrides
-    from training.metrics_log import read_metrics
+    from training.metrics import read_metrics
+    from training.shape_benchmark import calibrate_config
 
     cal = str(tmp_path / "cal.json")
-    cfg = compose_config(["conf=mmdit_tiny", f"scheduling.calibration={cal}"])
-    calibrate_config(cfg, {"max_points": 6, "repeats": 1}, command="test", log=lambda s: None)
+    cfg = compose_config(["conf=mmdit_tiny"])
+    calibrate_config(cfg, {"max_points": 6, "repeats": 1, "out": cal}, command="test", log=lambda s: None)
     rec = next(iter(json.load(open(cal))["modes"].values()))
     quad = rec["fits"]["quadratic"]
     assert quad["joint"] is True and quad["L"] == cfg.model.text_len  # (S + L)²: text joins the attention
@@ -365,7 +365,7 @@ def test_calibration_fits_joint_attention_and_balanced_plans_train(tmp_path, cap
         run_training(["conf=mmdit_tiny", "scheduling=balanced", f"scheduling.calibration={cal}",
                       *tiny_overrides(run_dir, str(tmp_path / "cache"), "train.steps=3", "train.val_every=3")])
     assert read_metrics(run_dir)[-1]["step"] == 3
-    sources = next(r.args[1] for r in caplog.records if r.msg.startswith("scheduling values"))
+    sources = next(r.args[-1] for r in caplog.records if r.msg.startswith("scheduling: strategy"))
     assert sources["cost"].startswith("calibration:") and sources["cost"].endswith(":" + rec["cost_model"]["form"])
 
 
@@ -444,11 +444,11 @@ def test_lora_targets_that_match_nothing_are_reported(caplog):
 
 
 def test_model_inputs_pool_the_valid_text_tokens_and_embed_the_guidance():
-    """models.build.model_inputs for a corpus without pooled text: the mean of each sample's valid text tokens
+    """training.inputs.model_inputs for a corpus without pooled text: the mean of each sample's valid text tokens
     (a sample with none pools to zeros, not NaN); the embedded guidance is 1000·guidance_scale for every sample;
     a stored pooled embedding is passed through, and Wan takes no extra inputs."""
     from data.batch import Batch
-    from models.build import model_inputs
+    from training.inputs import model_inputs
     from models.config import MMDiTConfig, ModelConfig
 
     cfg = MMDiTConfig(**{**TINY, "pooled_projection_dim": 16}, guidance_scale=3.5)

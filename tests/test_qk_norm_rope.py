@@ -13,14 +13,13 @@ import pytest
 import torch
 
 from models.layers import RMSNorm, RoPE3D, apply_rope
-from ops import adaln
 from ops import qk_norm_rope as op
-from ops.adaln import KernelConfig
 from ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_backward, qk_norm_rope_forward, qk_norm_rope_reference
+from ops.triton_setup import HAS_TRITON, KernelConfig, sm_count
 from tests.op_helpers import DEV, TOL, gpu, rel_err
 
 
-pytestmark = pytest.mark.skipif(not op._HAS_TRITON, reason="triton is not installed")
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 
 def wan_rope(head_dim, grid):
@@ -183,7 +182,7 @@ def test_strided_x_and_launch_shapes():
     dy = torch.randn(B, N, D, generator=gen).to(DEV, torch.bfloat16)
     y64, _, dx64, dw64 = reference_grads(x, w, cos, sin, dy)
     ref = model_path(x, w, cos, sin, heads)
-    cfg = KernelConfig(rows=2, num_warps=4, programs_per_sm=6 * adaln._sm_count(DEV), split=False, num_stages=2)
+    cfg = KernelConfig(rows=2, num_warps=4, programs_per_sm=6 * sm_count(DEV), split=False, num_stages=2)
     y, rstd = qk_norm_rope_forward(x, w, cos, sin, config=cfg)
     y2, rstd2 = qk_norm_rope_forward(x, w, cos, sin)
     assert_equal_to_rounding(y, ref, min_exact=0.99)
@@ -289,7 +288,7 @@ def test_backends_and_errors(monkeypatch):
         qk_norm_rope(x, w, cos.clone().requires_grad_(), sin, backend="triton")
     x64 = x.double()
     assert torch.equal(qk_norm_rope(x64, w, cos, sin), qk_norm_rope_reference(x64, w, cos, sin))  # auto: reference
-    monkeypatch.setattr(op, "_HAS_TRITON", False)
+    monkeypatch.setattr(op, "HAS_TRITON", False)
     with pytest.raises(RuntimeError, match="triton"):
         qk_norm_rope(x, w, cos, sin, backend="triton")
     assert torch.equal(qk_norm_rope(x, w, cos, sin, backend="torch"), qk_norm_rope_reference(x, w, cos, sin))

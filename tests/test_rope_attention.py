@@ -1,6 +1,6 @@
 """ops/rope_attention.py: attention over qk_norm_rope'd q/k that saves the projections only — output and every
 gradient against fp64, the same output bits as the unfused composition, the saved bytes, the math fallback, and
-selective checkpointing (models.layers.keep_attention_context) still skipping attention in the recompute.
+selective checkpointing (models.checkpointing.keep_attention_context) still skipping attention in the recompute.
 
 On CPU the norm kernels run under TRITON_INTERPRET=1 and attention through aten's CPU flash kernel; the GPU test
 runs each of SDPA's CUDA kernels (cuDNN, flash, memory-efficient) in bf16."""
@@ -11,13 +11,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from models.layers import RoPE3D, keep_attention_context
-from ops import qk_norm_rope as qk_op
+from models.checkpointing import keep_attention_context
+from models.layers import RoPE3D
 from ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from ops.rope_attention import rope_attention
+from ops.triton_setup import HAS_TRITON
 from tests.op_helpers import DEV, gpu, rel_err
 
-pytestmark = pytest.mark.skipif(not qk_op._HAS_TRITON, reason="triton is not installed")
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 HEADS, DH = 2, 16  # head_dim a multiple of 8: SDPA's CUDA kernel ops take no other (tests run on GPUs too)
 

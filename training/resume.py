@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 PLAN_PREFIXES = ("data.", "scheduling.", "model.")
 PLAN_KEYS = ("train.seed",)
 ALLOWED_UNDER_PLAN = ("data.num_workers", "data.caption_dropout")
-EXECUTION_KNOBS = ("adaln_backend", "glue_backend", "checkpointing", "offload_checkpoints", "keep_attention",
-                   "compile", "precision")
+EXECUTION_KNOBS = ("adaln_backend", "fused_ops", "glue_backend", "checkpointing", "offload_checkpoints",
+                   "keep_attention", "compile", "precision")
 
 
 def flatten(d, prefix: str = "") -> dict:

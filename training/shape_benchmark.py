@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from data.buckets import bucket_table
-from models.build import build_model, model_inputs
+from models.build import build_model
 from models.flow_matching import FlowMatching
 from models.parallelize import parallelize
 from scheduling.calibrate import (HBM_FRACTION, Calibration, Infeasible, Point, StepResult, fit_mode,
@@ -49,6 +49,7 @@ from scheduling.calibrate import (HBM_FRACTION, Calibration, Infeasible, Point, 
 from scheduling.fsdp_memory import slice_record
 from training.cuda_graphs import graph_blockers, graphs_for
 from training.dist import init_distributed
+from training.inputs import model_inputs
 from training.optim import build_optimizer
 from training.step import autocast_for
 
