@@ -65,14 +65,14 @@ class Schedule:
         rows = [f"{'bucket':<16}{'S':>8}{'B':>6}{'B·S':>10}{'pred ms':>10}"]
         for name, S in tokens.items():
             B = self.batch_sizes[name]
-            rows.append(f"{name:<16}{S:>8}{B:>6}{B * S:>10}{self.cost_fn(B, S):>10.2f}")
+            rows.append(f"{name:<16}{S:>8}{B:>6}{B * S:>10}{self.cost_fn(B, S):>10.3g}")
         return "\n".join(rows)
 
 
 @dataclass
 class PartialRecompute:
     """model.checkpointing=auto: recompute the fewest leading blocks whose saved activations must go for a
-    micro-batch to fit the memory budget (models/layers.py PolicyKnobs.set_activation_checkpointing(k)).
+    micro-batch to fit the memory budget (models/checkpointing.py CheckpointingMixin.set_activation_checkpointing(k)).
 
     With k of L blocks recomputed, the peak and the step time move linearly between the calibration's two measured
     modes (each block saves the same activations and costs the same):
