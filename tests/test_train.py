@@ -249,6 +249,19 @@ def test_multirun_gives_every_job_its_own_folder_and_one_wandb_group(tmp_path, c
         assert [r["step"] for r in read_metrics(str(folder))][-1] == 2
         text = (folder / "config.yaml").read_text()
         assert f"name: sweep-{job}" in text and f"lr: {lr}" in text and "group: sweep" in text
+    # one of them resumed alone with a new learning rate: the rate is used and logged, the wandb group kept
+    folder = str(tmp_path / "runs" / "sweep-0")
+    done = subprocess.run([sys.executable, "train.py", "resume=auto", "optim.lr=5e-4", "name=sweep-0",
+                           *tiny_overrides(folder, cache, "train.steps=3", "train.val_every=3")], cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"), capture_output=True,
+                          text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-2000:]
+    assert "resume: optim.lr 0.001 → 0.0005 (this run's value is used)" in out
+    assert "resume: logging.group 'sweep' kept" in out and "logging.group 'sweep' → None" not in out
+    rows = read_metrics(folder)
+    assert rows[-1]["step"] == 3  # in linear warm-up: step 3 at half the base rate is 3/2 · ½ of step 2's rate
+    assert rows[-1]["train/lr"] == pytest.approx(rows[2]["train/lr"] * 1.5 * 0.5, rel=1e-9)
 
 
 @pytest.mark.parametrize("preset", ["wan21_8gpu", "wan21_16gpu", "hunyuan_video", "wan21_1p3b", "wan21_1p3b_lora"])

@@ -87,12 +87,19 @@ def typed_plain(raw: dict) -> dict:
 
 
 def check_config(ckpt: str, now, force: bool, is_main: bool) -> None:
-    """Refuse (or, forced, warn about) plan changes; log every other change. `now` is this run's TrainConfig."""
+    """Refuse (or, forced, warn about) plan changes; log every other change. `now` is this run's TrainConfig.
+    A run resumed without a wandb group keeps the one it was started with (a Hydra multirun's sweep name): its wandb
+    run is the same run, so it stays with the runs it is compared to."""
     path = os.path.join(ckpt, "config.yaml")
     if not os.path.exists(path):
         return
     with open(path) as f:
         saved = yaml.safe_load(f) or {}
+    group = (saved.get("logging") or {}).get("group")
+    if now.logging.group is None and group is not None:
+        now.logging.group = group
+        if is_main:
+            log.info("resume: logging.group %r kept (the run's wandb group)", group)
     plan, other = config_changes(typed_plain(saved), dataclasses.asdict(now))
     if plan and not force:
         lines = "\n".join(f"  {k}: {a!r} → {b!r}" for k, (a, b) in plan.items())
