@@ -29,7 +29,6 @@ from models.lora import has_lora, save_lora
 from models.parallelize import FSDPOptions, checkpoint_policy
 from scheduling.planner import advance, plan_step
 from scheduling.policy import ModelShape, schedule_for
-from scripts.sample import ValidationSampler
 from training.checkpoint import LoopState, load_checkpoint, save_checkpoint
 from training.config import TrainConfig, load_config
 from training.dist import (check_devices, cpu_threads, fsdp_options_from_env, init_distributed, launcher,
@@ -37,6 +36,7 @@ from training.dist import (check_devices, cpu_threads, fsdp_options_from_env, in
 from training.optim import EMA, build_optimizer
 from training.resume import apply_optim_config, check_config, optim_hyperparameters, resume
 from training.run_folder import claim, multirun_job, run_files
+from training.sampling import ValidationSampler
 from training.shape_benchmark import calibration_for_run
 from training.busy import StepProfiler
 from training.cuda_graphs import graph_blockers, graphs_for
@@ -268,7 +268,7 @@ def _main(dcfg: DictConfig) -> None:
         os.environ["WANDB_MODE"] = raw["logging"]["wandb"]  # the command line beats the environment
     cfg = load_config(raw)  # every bad value is refused here, before any compute
     if cfg.show_buckets:
-        from scripts.show_buckets import print_buckets
+        from training.bucket_report import print_buckets
 
         print_buckets(cfg)
         return

@@ -68,8 +68,8 @@ from data.batch import Batch, collate
 from data.buckets import Bucket
 from data.decode import DecodeError
 from data.index import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, SampleIndex, index_path, load_npy, read_meta
+from data.keys import keyed_generator
 from data.raw import RawConfig, clip_start, common_dir, ensure_raw_index, expand_urls, load_raw, select_raw
-from models.flow_matching import keyed_generator
 from scheduling.planner import MicroBatch, SampleTable, StepPlan
 
 log = logging.getLogger(__name__)

@@ -5,14 +5,12 @@
     the model receives timestep = 1000·t (Wan's and diffusers' convention: FlowMatchEulerDiscreteScheduler's
     timesteps are sigmas·1000)
 
-Noise and t come from a generator keyed by (seed, epoch, sample key), so a resumed run, or the same sample on
-another rank, draws the same values (CONTRACTS §5).
+The caller hands `sample_t` the generator to draw from; training/step.py keys it by (seed, epoch, sample key), so a
+resumed run, or the same sample on another rank, draws the same t and noise (CONTRACTS §5).
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -35,12 +33,6 @@ class ObjectiveConfig:
             raise ValueError(f"objective.logit_std must be > 0, got {self.logit_std}")
 
 
-def keyed_generator(*parts) -> torch.Generator:
-    """A CPU generator seeded from a stable hash of `parts` (seed, epoch, sample key, ...)."""
-    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
-
-
 def shift_t(t: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * t / (1 + (shift - 1) * t)
 
@@ -49,18 +41,14 @@ class FlowMatching:
     def __init__(self, cfg: ObjectiveConfig):
         self.cfg = cfg
 
-    def draw(self, keys: Sequence[str], shape: Sequence[int], seed: int, epoch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(t [B], noise [B, *shape]) for these sample keys, on the CPU in fp32."""
-        ts, noise = [], []
-        for key in keys:
-            g = keyed_generator(seed, epoch, key)
-            if self.cfg.t_sampling == "uniform":
-                t = torch.rand((), generator=g)
-            else:
-                t = torch.sigmoid(self.cfg.logit_mean + self.cfg.logit_std * torch.randn((), generator=g))
-            ts.append(shift_t(t, self.cfg.shift))
-            noise.append(torch.randn(tuple(shape), generator=g))
-        return torch.stack(ts), torch.stack(noise)
+    def sample_t(self, generator: torch.Generator) -> torch.Tensor:
+        """One t (a 0-d fp32 tensor) from `generator`: U(0, 1) or σ(N(μ, s²)), then the shift. It takes exactly one
+        scalar draw from the generator, so whatever the caller draws next (the noise) does not depend on the mode."""
+        if self.cfg.t_sampling == "uniform":
+            t = torch.rand((), generator=generator)
+        else:
+            t = torch.sigmoid(self.cfg.logit_mean + self.cfg.logit_std * torch.randn((), generator=generator))
+        return shift_t(t, self.cfg.shift)
 
     @staticmethod
     def per_sample_loss(model, x0: torch.Tensor, text: torch.Tensor, t: torch.Tensor,

@@ -40,9 +40,9 @@ def _worker_init(root: str, bucket: str, fps: float):
     from data.buckets import bucket_table
     from data.index import SampleIndex
     from data.raw import RawConfig
-    from scripts.index_corpus import script_config
+    from training.config import compose_config
 
-    table = bucket_table(script_config(["data=wan"]).data.buckets)
+    table = bucket_table(compose_config(["data=wan"]).data.buckets)
     _CORPUS.update(index=SampleIndex.load(root), bucket=table[bucket], raw=RawConfig(fps=fps))
 
 
@@ -109,8 +109,8 @@ def _ensure(root: str, **kw) -> str:
     from data.buckets import bucket_table
     from data.index import SampleIndex
     from data.raw import RawConfig, index_corpus
-    from scripts.index_corpus import script_config
-    from scripts.make_corpus import write_raw_corpus
+    from training.config import compose_config
+    from data.synthetic_raw import write_raw_corpus
 
     try:
         SampleIndex.load(root)
@@ -119,7 +119,7 @@ def _ensure(root: str, **kw) -> str:
         pass
     t0 = time.time()
     shards = write_raw_corpus(root, **kw)
-    index_corpus(shards, root, bucket_table(script_config(["data=wan"]).data.buckets), RawConfig())
+    index_corpus(shards, root, bucket_table(compose_config(["data=wan"]).data.buckets), RawConfig())
     print(f"made {root} in {time.time() - t0:.0f} s", file=sys.stderr)
     return root
 

@@ -1,6 +1,6 @@
 """Compare runs offline: throughput, balance, val/loss against samples seen, memory — a PNG and a short table.
 
-    python scripts/compare_runs.py runs/equal_token runs/balanced [--out results/compare] [--labels a b]
+    python scripts/compare_runs.py runs/equal_token runs/balanced [--out runs/compare] [--labels a b]
 
 Reads each run's metrics.jsonl (CONTRACTS §9 keys). Throughput and balance are averaged over the steps after
 warm-up (rows that carry perf/tokens_per_s); the table is printed and written as compare.md beside compare.png.
@@ -8,95 +8,25 @@ warm-up (rows that carry perf/tokens_per_s); the table is printed and written as
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-SUMMARY = (("perf/tokens_per_s", "tokens/s", "last"), ("perf/samples_per_s", "samples/s", "last"),
-           ("perf/mfu", "MFU", "mean"), ("balance/compute_cv_pred", "compute CV (pred)", "mean"),
-           ("balance/idle_fraction_pred", "idle (pred)", "mean"), ("balance/busy_cv", "busy CV", "mean"),
-           ("balance/idle_fraction", "idle", "mean"), ("balance/step_time_cv", "step-time CV", "last"),
-           ("time/step_s_max", "step s", "mean"), ("memory/peak_gib", "peak GiB", "max"))
-
-
-def read_rows(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: is {run_dir} a run folder?")
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    by_step = {}
-    for r in rows:  # a resumed run may log a step twice: keep the last
-        by_step[r["step"]] = {**by_step.get(r["step"], {}), **r}
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def summarize(rows: list[dict]) -> dict:
-    out = {}
-    for key, _, how in SUMMARY:
-        vals = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-        if vals:
-            out[key] = {"last": vals[-1], "mean": sum(vals) / len(vals), "max": max(vals)}[how]
-    val = [(r["samples_seen"], r["val/loss"]) for r in rows if r.get("val/loss") is not None]
-    if val:
-        out["val/loss"] = val[-1][1]
-        out["samples_seen"] = val[-1][0]
-    return out
-
-
-def table(labels: list[str], sums: list[dict]) -> str:
-    cols = [(k, name) for k, name, _ in SUMMARY if any(k in s for s in sums)] + [("val/loss", "val/loss")]
-    head = "| run | " + " | ".join(name for _, name in cols) + " |"
-    lines = [head, "|" + "---|" * (len(cols) + 1)]
-    for label, s in zip(labels, sums):
-        cells = [f"{s[k]:.4g}" if k in s else "—" for k, _ in cols]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def plot(labels, runs, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = (("val/loss", "val/loss vs samples seen", "samples_seen"),
-              ("perf/tokens_per_s", "tokens/s", "step"),
-              ("balance/compute_cv_pred", "compute CV (predicted)", "step"),
-              ("memory/peak_gib", "peak memory (GiB)", "step"))
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for ax, (key, title, x) in zip(axes.flat, panels):
-        for label, rows in zip(labels, runs):
-            pts = [(r[x], r[key]) for r in rows if r.get(key) is not None and x in r]
-            if pts:
-                ax.plot(*zip(*pts), label=label, marker="o" if key == "val/loss" else None, ms=3)
-        ax.set_title(title)
-        ax.set_xlabel(x.replace("_", " "))
-        ax.grid(alpha=0.3)
-    axes.flat[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+from training.compare import compare  # noqa: E402
 
 
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", help="run folders holding metrics.jsonl")
     ap.add_argument("--labels", nargs="*", help="names for the runs (default: folder names)")
-    ap.add_argument("--out", default="results/compare", help="folder for compare.png and compare.md")
+    ap.add_argument("--out", default=os.path.join("runs", "compare"), help="folder for compare.png and compare.md "
+                    "(default runs/compare)")
     args = ap.parse_args(argv)
     labels = args.labels or [os.path.basename(os.path.normpath(r)) for r in args.runs]
     if len(labels) != len(args.runs):
         raise SystemExit(f"--labels gives {len(labels)} names for {len(args.runs)} runs")
-    runs = [read_rows(r) for r in args.runs]
-    md = table(labels, [summarize(r) for r in runs])
-    os.makedirs(args.out, exist_ok=True)
-    plot(labels, runs, os.path.join(args.out, "compare.png"))
-    with open(os.path.join(args.out, "compare.md"), "w") as f:
-        f.write(md + "\n")
+    md = compare(args.runs, labels, args.out)
     print(md)
     return md
 

@@ -27,7 +27,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, ROOT)  # the repo root
+
+from training.compare import compare, read_rows, summarize  # noqa: E402
 
 MIX = {"i480": 0.25, "i720": 0.10, "v480_17f": 0.15, "v480_33f": 0.15}
 TINY_MIX = {"img_64": 0.3, "img_64x96": 0.2, "vid_64_9f": 0.3, "vid_64x96_17f": 0.2}
@@ -51,7 +53,7 @@ def write_corpus(out: str, tiny: bool, samples: int) -> str:
     from data.buckets import bucket_table
     from data.index import SampleIndex
     from data.synthetic import write_synthetic_corpus
-    from scripts.sample import compose as compose_config
+    from training.config import compose_config
 
     root = os.path.join(out, "corpus")
     try:
@@ -135,17 +137,13 @@ def main(argv=None) -> None:
                "checkpoint.at_end=false", "metrics.busy_every=5"]
         commands[name] = " ".join(cmd[1:])
         wall = run(cmd, os.path.join(out, f"{name}.log"), args.minutes_per_arm * 60 + 300)
-        from scripts.compare_runs import read_rows, summarize
-
         rows = read_rows(run_dir)
         s = summarize(rows)
         s.update(arm=name, wall_s=round(wall, 1), predicted_tokens_per_s=predicted.get(sim_key))
         summary.append(s)
 
     # 5. the report
-    from scripts.compare_runs import main as compare
-
-    compare([os.path.join(out, a[0]) for a in arms] + ["--labels", *[a[0] for a in arms], "--out", out])
+    compare([os.path.join(out, a[0]) for a in arms], [a[0] for a in arms], out)
     lines = ["| arm | tokens/s | simulated tokens/s | samples/s | busy CV | idle | step-time CV | peak GiB | val/loss |",
              "|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731

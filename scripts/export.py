@@ -3,7 +3,7 @@
     python scripts/export.py runs/NAME [--step N] [--ema] --out exported/NAME [--max-shard-size 5GB] [--adapter]
 
 Reads the checkpoint's own resolved config and loads the (possibly sharded, possibly adapter-only) DCP checkpoint
-into one full model in this process (scripts/sample.py's loader), optionally with the EMA weights. A LoRA model is
+into one full model in this process (training/load.py), optionally with the EMA weights. A LoRA model is
 merged (W + scale·B A) and written as a full model that diffusers' `WanTransformer3DModel.from_pretrained` and our
 `WanTransformer.from_pretrained` load; `--adapter` writes the adapter alone in diffusers' LoRA format instead
 (`WanPipeline.load_lora_weights(out)`).
@@ -14,25 +14,9 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-
-def export(checkpoint: str, out: str, ema: bool = False, max_shard_size: str | None = None,
-           adapter: bool = False) -> str:
-    from models.lora import has_lora, merge_lora, save_lora
-    from scripts.sample import checkpoint_config, find_checkpoint, load_checkpoint_model
-
-    path = find_checkpoint(checkpoint)
-    if path is None:
-        raise FileNotFoundError(f"{checkpoint} is neither a checkpoint (step_N/) nor a run folder holding one")
-    model = load_checkpoint_model(path, checkpoint_config(path), ema)
-    if adapter:
-        if not has_lora(model):
-            raise ValueError(f"{path} was not trained with a LoRA adapter (model.lora.rank is 0): export it whole")
-        save_lora(model, out)
-        return out
-    merge_lora(model).save_pretrained(out, max_shard_size=max_shard_size)
-    return out
+from training.export import export  # noqa: E402
 
 
 def main(argv=None) -> None:

@@ -20,23 +20,9 @@ import sys
 import time
 from collections import Counter
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-
-
-def script_config(overrides=()):
-    """The typed run config composed as train.py composes it (scripts share the conf/ tree and its overrides)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from training.config import load_config
-
-    with initialize_config_dir(config_dir=CONF, version_base=None):
-        raw = OmegaConf.to_container(compose(config_name="train", overrides=list(overrides)), resolve=True)
-    raw.pop("hydra", None)
-    return load_config(raw)
-
+from training.config import compose_config  # noqa: E402
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -52,7 +38,7 @@ def main(argv=None) -> int:
     from data.buckets import bucket_table
     from data.raw import bucket_records, common_dir, expand_urls, index_corpus
 
-    cfg = script_config(overrides)
+    cfg = compose_config(overrides)
     try:
         shards = expand_urls(urls, "urls")
     except ValueError as e:

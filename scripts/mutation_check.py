@@ -6,6 +6,7 @@
     python scripts/mutation_check.py --files ops/adaln.py --list     the mutants it would run, without running them
     python scripts/mutation_check.py --only ops/adaln.py#41 scheduling/planner.py#7   re-run given mutants
     python scripts/mutation_check.py --recheck results/mutation.csv --out results   re-run an earlier run's survivors
+    python scripts/mutation_check.py --recheck old/mutation.csv --recheck-rev 08e2774   ... whose sources have moved
 
 Mutations (Python's ast; each replaces one node's source text, the rest of the file is left byte for byte):
     compare     <  ↔ <=,  > ↔ >=,  == ↔ !=,  is ↔ is not,  in ↔ not in
@@ -25,18 +26,21 @@ import) plus the few in COVERED_BY, fastest first (timed once on the unmutated c
 left out and reported). A mutant is killed when pytest fails, survives when it passes, and times out past
 --timeout-factor × the tests' clean time + --timeout-pad seconds (counted as killed: the bug hangs the tests).
 Prints a table (file, line, mutation, status) and the kill rate per package; --out DIR writes mutation.csv and
-mutation.json. Not a test (slow by nature): run it by hand before merging a change to the core.
+mutation.json. The csv's `source` column is the line mutated, its replaced text in ⟦⟧, then ⇒ and the text that
+replaces it: --recheck finds each
+survivor again by it (and its mutation), wherever the line has moved since; a csv without it (older runs) needs
+--recheck-rev, the revision whose sources that run mutated. A survivor whose text is no longer in the file is
+reported `gone` (the code was rewritten: run a fresh pass on it) and, like `no tests`, is not counted.
+Not a test (slow by nature): run it by hand before merging a change to the core.
 """
 from __future__ import annotations
 
 import argparse
-import ast
 import concurrent.futures
 import csv
 import json
 import os
 import queue
-import random
 import re
 import shutil
 import signal
@@ -45,279 +49,13 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("scheduling", "training", "ops", "data", "models")
-# Tests that reach a module without importing it (through train.py or a subprocess); keys are repo paths.
-COVERED_BY = {
-    "training/step.py": ["tests/test_train.py"],
-    "training/checkpoint.py": ["tests/test_train.py"],
-    "training/metrics.py": ["tests/test_train.py"],
-    "training/metrics.py": ["tests/test_train.py"],
-    "training/optim.py": ["tests/test_train.py"],
-    "training/config.py": ["tests/test_train.py"],
-    "training/busy.py": ["tests/test_distributed.py"],
-    "training/dist.py": ["tests/test_distributed.py"],
-    "models/build.py": ["tests/test_train.py"],
-    "models/parallelize.py": ["tests/test_distributed.py"],
-    "data/batch.py": ["tests/test_data.py"],
-    "data/loader.py": ["tests/test_train.py"],
-    "scheduling/efficiency.py": ["tests/test_simulate.py"],
-}
-CMP_SWAP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
-            ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In}
-BIN_SWAP = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Div,
-            ast.Pow: ast.Mult}
-NAME_SWAP = {"min": "max", "max": "min", "minimum": "maximum", "maximum": "minimum", "amin": "amax", "amax": "amin",
-             "argmin": "argmax", "argmax": "argmin", "clamp_min": "clamp_max", "clamp_max": "clamp_min"}
-SYMBOL = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!=", ast.Is: "is",
-          ast.IsNot: "is not", ast.In: "in", ast.NotIn: "not in", ast.Add: "+", ast.Sub: "-", ast.Mult: "*",
-          ast.Div: "/", ast.FloorDiv: "//", ast.Pow: "**", ast.And: "and", ast.Or: "or"}
-QUIET_CALLS = re.compile(r"^(print|log|warn|debug|info|warning|error|exception|log_metrics|set_description|write)$")
+sys.path.insert(0, ROOT)  # the repo root
 
-
-# ----------------------------------------------------------------------------------------------------- the mutator
-@dataclass
-class Mutant:
-    file: str          # repo-relative path
-    index: int         # position among the file's candidates (the id is file#index)
-    line: int
-    col: int
-    kind: str
-    description: str
-    start: int = field(repr=False, default=0)  # character offsets of the replaced text in the source
-    end: int = field(repr=False, default=0)
-    new: str = field(repr=False, default="")
-
-    @property
-    def id(self) -> str:
-        return f"{self.file}#{self.index}"
-
-    def apply(self, source: str) -> str:
-        return source[:self.start] + self.new + source[self.end:]
-
-
-def _offsets(source: str) -> list[int]:
-    """Character offset of each line's start (ast positions are line + UTF-8 byte column)."""
-    out, pos = [0], 0
-    for line in source.splitlines(keepends=True):
-        pos += len(line)
-        out.append(pos)
-    return out
-
-
-class _Collector(ast.NodeVisitor):
-    def __init__(self, source: str, skip_functions: Optional[re.Pattern]):
-        self.source, self.lines = source, source.splitlines(keepends=True)
-        self.line_start = _offsets(source)
-        self.skip_functions = skip_functions
-        self.found: list[tuple[ast.AST, str, str, str]] = []  # (node, kind, description, replacement text)
-
-    # positions ------------------------------------------------------------------------------------------------
-    def _char(self, lineno: int, col_bytes: int) -> int:
-        line = self.lines[lineno - 1].encode()
-        return self.line_start[lineno - 1] + len(line[:col_bytes].decode(errors="replace"))
-
-    def span(self, node) -> tuple[int, int]:
-        return self._char(node.lineno, node.col_offset), self._char(node.end_lineno, node.end_col_offset)
-
-    def add(self, node, kind: str, description: str, new: str) -> None:
-        self.found.append((node, kind, description, new))
-
-    # what is never mutated --------------------------------------------------------------------------------------
-    def visit_JoinedStr(self, node):  # f-strings: messages
-        return
-
-    def visit_Assert(self, node):
-        return
-
-    def visit_Raise(self, node):
-        return
-
-    def _body_without_docstring(self, node):
-        body = node.body
-        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                and isinstance(body[0].value.value, str):
-            body = body[1:]
-        return body
-
-    def visit_Module(self, node):
-        for stmt in self._body_without_docstring(node):
-            if isinstance(stmt, ast.If) and ast.unparse(stmt.test).replace("'", '"') == '__name__ == "__main__"':
-                continue
-            self.visit(stmt)
-
-    def _visit_function(self, node):
-        if self.skip_functions and self.skip_functions.search(node.name):
-            return
-        for d in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
-            self.visit(d)
-        for stmt in self._body_without_docstring(node):
-            self.visit(stmt)
-
-    visit_FunctionDef = visit_AsyncFunctionDef = _visit_function
-
-    def visit_ClassDef(self, node):
-        for stmt in self._body_without_docstring(node):
-            self.visit(stmt)
-
-    def visit_AnnAssign(self, node):  # the annotation is a type, the value may be mutated
-        if node.value is not None:
-            self.visit(node.value)
-
-    def visit_Expr(self, node):
-        if isinstance(node.value, ast.Constant):  # a bare string (a comment in code)
-            return
-        if isinstance(node.value, ast.Call):
-            name = _call_name(node.value)
-            if name and QUIET_CALLS.match(name):
-                return
-            self.add(node, "drop", f"drop `{_short(ast.unparse(node))}`", "pass")
-        self.generic_visit(node)
-
-    # mutations -------------------------------------------------------------------------------------------------
-    def visit_Compare(self, node):
-        for i, op in enumerate(node.ops):
-            swap = CMP_SWAP.get(type(op))
-            if swap is None:
-                continue
-            ops = list(node.ops)
-            ops[i] = swap()
-            new = ast.Compare(left=node.left, ops=ops, comparators=node.comparators)
-            self.add(node, "compare", f"`{SYMBOL[type(op)]}` → `{SYMBOL[swap]}`", f"({ast.unparse(new)})")
-        self.generic_visit(node)
-
-    def visit_BinOp(self, node):
-        swap = BIN_SWAP.get(type(node.op))
-        if swap is not None and not _is_string(node):
-            new = ast.BinOp(left=node.left, op=swap(), right=node.right)
-            self.add(node, "arith", f"`{SYMBOL[type(node.op)]}` → `{SYMBOL[swap]}`", f"({ast.unparse(new)})")
-        self.generic_visit(node)
-
-    def visit_AugAssign(self, node):
-        swap = BIN_SWAP.get(type(node.op))
-        if swap is not None:
-            new = ast.AugAssign(target=node.target, op=swap(), value=node.value)
-            self.add(node, "arith", f"`{SYMBOL[type(node.op)]}=` → `{SYMBOL[swap]}=`", ast.unparse(new))
-        self.add(node, "drop", f"drop `{_short(ast.unparse(node))}`", "pass")
-        self.generic_visit(node)
-
-    def visit_BoolOp(self, node):
-        swap = ast.Or if isinstance(node.op, ast.And) else ast.And
-        new = ast.BoolOp(op=swap(), values=node.values)
-        self.add(node, "boolop", f"`{SYMBOL[type(node.op)]}` → `{SYMBOL[swap]}`", f"({ast.unparse(new)})")
-        self.generic_visit(node)
-
-    def visit_UnaryOp(self, node):
-        if isinstance(node.op, ast.Not):
-            self.add(node, "negate", "drop `not`", f"({ast.unparse(node.operand)})")
-        elif isinstance(node.op, ast.USub) and not isinstance(node.operand, ast.Constant):
-            self.add(node, "negate", "drop unary `-`", f"({ast.unparse(node.operand)})")
-        self.generic_visit(node)
-
-    def _negate_test(self, node):  # if / while / conditional expression
-        t = node.test
-        if not (isinstance(t, ast.Constant) or isinstance(t, ast.UnaryOp) and isinstance(t.op, ast.Not)):
-            self.add(t, "negate", f"`{_short(ast.unparse(t))}` → `not (…)`", f"(not ({ast.unparse(t)}))")
-        self.generic_visit(node)
-
-    visit_If = visit_While = visit_IfExp = _negate_test
-
-    def visit_Constant(self, node):
-        v = node.value
-        if isinstance(v, bool):
-            self.add(node, "const", f"`{v}` → `{not v}`", repr(not v))
-        elif isinstance(v, int):
-            w = 0 if v == 1 else v + 1
-            self.add(node, "const", f"`{v}` → `{w}`", repr(w))
-        elif isinstance(v, float) and v == v and abs(v) != float("inf"):
-            w = 1.0 if v == 0 else 0.0 if v == 1 else 2 * v
-            self.add(node, "const", f"`{v!r}` → `{w!r}`", repr(w))
-
-    def visit_Call(self, node):
-        if isinstance(node.func, ast.Name) and node.func.id in ("min", "max"):
-            self.add(node.func, "minmax", f"`{node.func.id}` → `{NAME_SWAP[node.func.id]}`", NAME_SWAP[node.func.id])
-        elif isinstance(node.func, ast.Attribute) and node.func.attr in NAME_SWAP:
-            # only the attribute's name: `a.b.max` → `a.b.min`
-            self.add(node.func, "minmax", f"`.{node.func.attr}` → `.{NAME_SWAP[node.func.attr]}`",
-                     f"{ast.unparse(node.func.value)}.{NAME_SWAP[node.func.attr]}"
-                     if not isinstance(node.func.value, (ast.BinOp, ast.BoolOp, ast.Compare, ast.UnaryOp,
-                                                         ast.IfExp, ast.Lambda))
-                     else f"({ast.unparse(node.func.value)}).{NAME_SWAP[node.func.attr]}")
-        self.generic_visit(node)
-
-    def visit_keyword(self, node):  # keyword values are mutated; keyword names are not nodes
-        self.visit(node.value)
-
-    def visit_arg(self, node):  # annotations of arguments
-        return
-
-    def visit_Subscript(self, node):
-        if isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name) and node.value.id in (
-                "Optional", "Union", "list", "dict", "tuple", "Sequence", "Callable", "Iterable", "type"):
-            return  # a type expression
-        self.generic_visit(node)
-
-
-def _call_name(call: ast.Call) -> Optional[str]:
-    f = call.func
-    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
-
-
-def _is_string(node: ast.BinOp) -> bool:
-    return any(isinstance(x, (ast.JoinedStr,)) or isinstance(x, ast.Constant) and isinstance(x.value, str)
-               for x in (node.left, node.right))
-
-
-def _short(text: str, n: int = 50) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= n else text[:n - 1] + "…"
-
-
-def candidates(source: str, file: str = "<string>", skip_functions: Optional[str] = None) -> list[Mutant]:
-    """Every mutant of `source`, in source order; each one's mutated text parses and differs from the original."""
-    tree = ast.parse(source)
-    col = _Collector(source, re.compile(skip_functions) if skip_functions else None)
-    col.visit(tree)
-    original = ast.dump(tree)
-    out: list[Mutant] = []
-    seen = set()
-    found = sorted(((col.span(node), node, kind, description, new) for node, kind, description, new in col.found),
-                   key=lambda x: x[0])
-    for (start, end), node, kind, description, new in found:
-        if (start, end, new) in seen:
-            continue
-        seen.add((start, end, new))
-        m = Mutant(file, len(out), node.lineno, node.col_offset, kind, description, start, end, new)
-        try:
-            changed = ast.dump(ast.parse(m.apply(source))) != original
-        except SyntaxError:
-            continue
-        if changed:
-            out.append(m)
-    for i, m in enumerate(out):
-        m.index = i
-    return out
-
-
-def draw(mutants: list[Mutant], n: int, seed: int, file: str) -> list[Mutant]:
-    """Up to n mutants of one file, the same for the same (seed, file) whatever else is drawn: the kinds in turn
-    (a seeded order), a seeded choice within each, so that constants, which outnumber the rest, do not crowd out
-    comparisons and arithmetic."""
-    if n <= 0 or len(mutants) <= n:
-        return list(mutants)
-    rng = random.Random(f"{seed}:{file}")
-    kinds = sorted({m.kind for m in mutants})
-    rng.shuffle(kinds)
-    pools = {k: rng.sample([m for m in mutants if m.kind == k], sum(m.kind == k for m in mutants)) for k in kinds}
-    chosen: list[Mutant] = []
-    while len(chosen) < n:
-        for k in kinds:
-            if pools[k] and len(chosen) < n:
-                chosen.append(pools[k].pop())
-    return sorted(chosen, key=lambda m: m.index)
+from training.mutation import PACKAGES, Mutant, candidates, covering_tests, draw, in_packages  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------ files and tests
@@ -331,56 +69,10 @@ def repo_files(root: str) -> list[str]:
     return sorted(f for f in out.split("\0") if f and os.path.isfile(os.path.join(root, f)))
 
 
-def in_packages(path: str) -> bool:
-    return path.endswith(".py") and path.split("/")[0] in PACKAGES and not path.endswith("__init__.py")
-
-
 def changed_files(root: str, base: str) -> list[str]:
     changed = git("diff", "--name-only", base, "--", *PACKAGES, cwd=root).split()
     untracked = git("ls-files", "-o", "--exclude-standard", "--", *PACKAGES, cwd=root).split()
     return sorted({f for f in changed + untracked if in_packages(f) and os.path.exists(os.path.join(root, f))})
-
-
-def _imported_paths(path: str, root: str) -> set[str]:
-    """Repo files a Python file imports anywhere in it (module level or inside functions)."""
-    try:
-        tree = ast.parse(open(path, encoding="utf-8").read())
-    except (SyntaxError, UnicodeDecodeError):
-        return set()
-    mods = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            mods.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            mods.add(node.module)
-            mods.update(f"{node.module}.{a.name}" for a in node.names)  # `from ops import adaln`
-    out = set()
-    for m in mods:
-        rel = m.replace(".", "/")
-        for cand in (rel + ".py", rel + "/__init__.py"):
-            if os.path.isfile(os.path.join(root, cand)):
-                out.add(cand)
-    return out
-
-
-def covering_tests(root: str) -> dict[str, list[str]]:
-    """Repo file → the test files that cover it (import it, directly or through a tests/ helper; COVERED_BY)."""
-    tests = sorted(f"tests/{f}" for f in os.listdir(os.path.join(root, "tests"))
-                   if f.startswith("test_") and f.endswith(".py"))
-    helpers = {f"tests/{f}" for f in os.listdir(os.path.join(root, "tests"))
-               if f.endswith(".py") and not f.startswith("test_")}
-    cover: dict[str, set[str]] = {}
-    for t in tests:
-        reached = _imported_paths(os.path.join(root, t), root)
-        text = open(os.path.join(root, t), encoding="utf-8").read()
-        for h in helpers:  # helpers imported, or run as a script (dist_worker.py)
-            if h in reached or re.search(rf"\b{os.path.basename(h)[:-3]}\b", text):
-                reached |= _imported_paths(os.path.join(root, h), root)
-        for f in reached:
-            cover.setdefault(f, set()).add(t)
-    for f, ts in COVERED_BY.items():
-        cover.setdefault(f, set()).update(t for t in ts if os.path.isfile(os.path.join(root, t)))
-    return {f: sorted(ts) for f, ts in cover.items()}
 
 
 # --------------------------------------------------------------------------------------------------------- running
@@ -422,11 +114,29 @@ class Result:
     line: int
     kind: str
     mutation: str
-    status: str        # killed | survived | timeout | no tests
+    status: str        # killed | survived | timeout | no tests | gone (--recheck: its text is no longer in the file)
     seconds: float
     killed_by: str
     tests: int
     round: int = 1     # 1: its first run; n: re-run n − 1 times by --recheck (after tests were added)
+    source: str = ""   # _source(m): the line mutated, what replaces the text in ⟦⟧: --recheck finds it by this
+
+
+def _source(m: Mutant) -> str:
+    """The line mutated (Mutant.context: its replaced text in ⟦⟧), then ` ⇒ ` and the text that replaces it."""
+    return f"{m.context} ⇒ {' '.join(m.new.split())}"
+
+
+def relocate(e: Result, cands: list[Mutant], ordinal: Optional[tuple[int, int]] = None) -> Optional[Mutant]:
+    """The mutant of `cands` (a file's candidates now) that is the earlier run's `e`: the same mutation of the same
+    text (e.source), wherever its line has moved. Where the text occurs more than once, the same occurrence
+    (ordinal: (k, of n) in the earlier source) or else the nearest to e's old line; None when it is gone."""
+    same = [m for m in cands if m.description == e.mutation and _source(m) == e.source]
+    if not same:
+        return None
+    if ordinal and len(same) == ordinal[1]:
+        return same[ordinal[0]]
+    return min(same, key=lambda m: abs(m.line - e.line))
 
 
 def main(argv=None) -> int:
@@ -439,6 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", help="run just these mutant ids (FILE#INDEX, as the table prints them)")
     ap.add_argument("--recheck", metavar="CSV", help="re-run the survivors of an earlier run's mutation.csv (same "
                     "sources, new tests; with --only, those of them) and report the merged table")
+    ap.add_argument("--recheck-rev", metavar="REV", help="with --recheck of a csv that has no `source` column: the "
+                    "git revision whose sources that run mutated (each survivor is found again by its text there)")
     ap.add_argument("--per-file", type=int, default=8, help="mutants drawn per file (0: all; default 8)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="directory for mutation.csv and mutation.json")
@@ -456,12 +168,14 @@ def main(argv=None) -> int:
     if args.recheck:
         with open(args.recheck, newline="") as f:
             earlier = [Result(r["id"], r["file"], int(r["line"]), r["kind"], r["mutation"], r["status"],
-                              float(r["seconds"]), r["killed_by"], int(r["tests"]), int(r.get("round") or 1))
+                              float(r["seconds"]), r["killed_by"], int(r["tests"]), int(r.get("round") or 1),
+                              r.get("source") or "")
                        for r in csv.DictReader(f)]
         args.only = [r.id for r in earlier if r.status == "survived" and (not args.only or r.id in args.only)]
         if not args.only:
             print(f"no survivors in {args.recheck}")
             return 0
+        ordinals = _earlier_sources(earlier, root, args) if args.recheck_rev else {}
     if args.only:
         files = sorted({i.split("#")[0] for i in args.only})
     elif args.files:
@@ -475,22 +189,38 @@ def main(argv=None) -> int:
         return 0
     cover = covering_tests(root)
     plan: list[tuple[Mutant, list[str]]] = []
+    moved: dict[str, str] = {}  # --recheck: a mutant's id now → its id in the earlier run
+    gone: list[Result] = []     # --recheck: survivors whose text is no longer in their file
     for f in files:
-        source = open(os.path.join(root, f), encoding="utf-8").read()
-        cands = candidates(source, f, args.skip_functions)
-        chosen = ([m for m in cands if m.id in args.only] if args.only
-                  else draw(cands, args.per_file, args.seed, f))
-        if earlier:  # an id names the same mutant only in the same source: refuse to recheck an edited file
-            was = {r.id: (r.line, r.mutation) for r in earlier}
-            stale = [m.id for m in chosen if was[m.id] != (m.line, m.description)]
-            stale += sorted({i for i in args.only if i.split("#")[0] == f} - {m.id for m in chosen})
-            if stale:
-                raise SystemExit(f"{f} changed since {args.recheck} (mutants {stale[:3]} differ): recheck on the "
-                                 "sources that run used, or run a fresh pass")
+        if earlier and not os.path.isfile(os.path.join(root, f)):
+            cands = []  # the file is gone: so are its survivors
+        else:
+            cands = candidates(open(os.path.join(root, f), encoding="utf-8").read(), f, args.skip_functions)
+        if earlier:  # each survivor found again by its text, wherever its line has moved
+            chosen = []
+            for e in (r for r in earlier if r.id in args.only and r.file == f):
+                if not e.source:
+                    m = next((m for m in cands if m.id == e.id), None)
+                    if m is None or (m.line, m.description) != (e.line, e.mutation):
+                        raise SystemExit(f"{f} changed since {args.recheck} ({e.id} differs) and the csv has no "
+                                         "source column: give --recheck-rev, the revision that run mutated")
+                else:
+                    m = relocate(e, cands, ordinals.get(e.id))
+                if m is None:
+                    gone.append(Result(e.id, e.file, e.line, e.kind, e.mutation, "gone", 0.0, "", 0, e.round,
+                                       e.source))
+                    print(f"gone     {e.id:30s} l.{e.line:<4d} {e.mutation}: `{e.source}` is no longer in {f}")
+                    continue
+                moved[m.id] = e.id
+                chosen.append(m)
+        else:
+            chosen = ([m for m in cands if m.id in args.only] if args.only
+                      else draw(cands, args.per_file, args.seed, f))
         plan += [(m, cover.get(f, [])) for m in chosen]
     if args.list:
         for m, tests in plan:
-            print(f"{m.id:32s} {m.line:5d}  {m.kind:8s} {m.description:60s} {len(tests)} test files")
+            was = f"  (was {moved[m.id]})" if moved.get(m.id, m.id) != m.id else ""
+            print(f"{m.id:32s} {m.line:5d}  {m.kind:8s} {m.description:60s} {len(tests)} test files{was}")
         return 0
 
     work = tempfile.mkdtemp(prefix="mutation_")
@@ -522,7 +252,7 @@ def main(argv=None) -> int:
         def run_one(k: int, m: Mutant, tests: list[str]) -> Result:
             tests = sorted((t for t in tests if t in clean), key=lambda t: clean[t])
             if not tests:
-                return Result(m.id, m.file, m.line, m.kind, m.description, "no tests", 0.0, "", 0)
+                return Result(m.id, m.file, m.line, m.kind, m.description, "no tests", 0.0, "", 0, 1, _source(m))
             copy = copies.get()
             path = os.path.join(copy, m.file)
             original = open(path, "rb").read()
@@ -536,10 +266,12 @@ def main(argv=None) -> int:
                     fh.write(original)
                 copies.put(copy)
             status = {"failed": "killed", "passed": "survived"}.get(status, status)
-            r = Result(m.id, m.file, m.line, m.kind, m.description, status, round(secs, 1), by, len(tests))
+            r = Result(m.id, m.file, m.line, m.kind, m.description, status, round(secs, 1), by, len(tests), 1,
+                       _source(m))
+            was = f" (was {moved[m.id]})" if moved.get(m.id, m.id) != m.id else ""
             with lock:
                 print(f"[{k + 1}/{len(plan)} {time.perf_counter() - t_start:6.0f}s] {r.status:8s} {m.id:30s} "
-                      f"l.{m.line:<4d} {m.description}" + (f"  ({by})" if by else ""), flush=True)
+                      f"l.{m.line:<4d} {m.description}{was}" + (f"  ({by})" if by else ""), flush=True)
             return r
 
         with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
@@ -547,18 +279,40 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    if earlier:  # the earlier table, its survivors replaced by this run's verdicts
-        new = {r.id: r for r in results}
-        for r in new.values():
-            r.round = next(e.round for e in earlier if e.id == r.id) + 1
+    if earlier:  # the earlier table, its survivors replaced by this run's verdicts (ids and lines of today's source)
+        new = {moved.get(r.id, r.id): r for r in results}
+        new.update({r.id: r for r in gone})
+        for old, r in new.items():
+            r.round = next(e.round for e in earlier if e.id == old) + 1
         results = [new.get(e.id, e) for e in earlier]
         files = sorted({r.file for r in results})
     report(results, broken, args, files)
     return 0
 
 
+def _earlier_sources(earlier: list[Result], root: str, args) -> dict[str, tuple[int, int]]:
+    """--recheck-rev: fill each earlier row's `source` from the file at that revision (where it has none); returns,
+    per survivor, which occurrence of its (mutation, source) it was there: (k, of n)."""
+    ordinals: dict[str, tuple[int, int]] = {}
+    for f in sorted({e.file for e in earlier}):
+        try:
+            old = candidates(git("show", f"{args.recheck_rev}:{f}", cwd=root), f, args.skip_functions)
+        except subprocess.CalledProcessError:
+            raise SystemExit(f"{f} is not in {args.recheck_rev}")
+        for e in (e for e in earlier if e.file == f):
+            idx = int(e.id.split("#")[1])
+            m = old[idx] if idx < len(old) else None
+            if m is None or (m.line, m.description) != (e.line, e.mutation):
+                raise SystemExit(f"{e.id} is not line {e.line}, {e.mutation} in {args.recheck_rev}: not the "
+                                 "revision that run mutated")
+            e.source = e.source or _source(m)
+            same = [o for o in old if (o.description, _source(o)) == (m.description, _source(m))]
+            ordinals[e.id] = (same.index(m), len(same))
+    return ordinals
+
+
 def kill_rate(rs: list[Result]) -> tuple[int, int]:
-    counted = [r for r in rs if r.status != "no tests"]
+    counted = [r for r in rs if r.status not in ("no tests", "gone")]
     return sum(r.status in ("killed", "timeout") for r in counted), len(counted)
 
 
@@ -574,8 +328,10 @@ def report(results: list[Result], broken: list[str], args, files: list[str]) -> 
             print(f"{pkg + '/':14s} {k:4d} / {n:<4d} killed ({100 * k / n:.0f} %)")
     k, n = kill_rate(results)
     no_tests = sum(r.status == "no tests" for r in results)
+    n_gone = sum(r.status == "gone" for r in results)
     print(f"{'all':14s} {k:4d} / {n:<4d} killed ({100 * k / max(1, n):.0f} %); timeouts count as killed"
-          + (f"; {no_tests} mutants in files no test covers" if no_tests else ""))
+          + (f"; {no_tests} mutants in files no test covers" if no_tests else "")
+          + (f"; {n_gone} survivors gone (their code was rewritten), not counted" if n_gone else ""))
     if broken:
         print(f"left out (failing without a mutant): {', '.join(broken)}")
     survivors = [r.id for r in results if r.status == "survived"]

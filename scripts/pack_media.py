@@ -26,7 +26,7 @@ import sys
 import time
 from collections import Counter
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 
 def urls_override(out: str) -> str:
@@ -66,10 +66,10 @@ def index_shards(shards, out: str, overrides, workers: int) -> int:
     """Index the shards into `out` for the configured bucket table; prints what fits; the number of usable samples."""
     from data.buckets import bucket_table
     from data.raw import index_corpus
-    from scripts.index_corpus import script_config
+    from training.config import compose_config
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg = script_config(overrides)
+    cfg = compose_config(overrides)
     index = index_corpus(shards, out, bucket_table(cfg.data.buckets), cfg.data.raw, workers)
     usable = Counter(r["bucket"] for r in index.records if r["bucket"] is not None)
     no_bucket = Counter(r["kind"] for r in index.records if r["bucket"] is None)

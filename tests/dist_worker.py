@@ -22,7 +22,7 @@ from models.flow_matching import FlowMatching, ObjectiveConfig  # noqa: E402
 from scheduling.efficiency import compute_cv, idle_fraction  # noqa: E402
 from training.busy import StepProfiler  # noqa: E402
 from training.dist import init_distributed, shutdown  # noqa: E402
-from training.step import TrainParts, train_step  # noqa: E402
+from training.step import TrainParts, draw_t_noise, train_step  # noqa: E402
 
 CFG = ModelConfig(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=16,
                   freq_dim=16, ffn_dim=64, num_layers=2, text_len=8)
@@ -86,7 +86,7 @@ def main(out_path, glue="torch"):
         total = 0.0
         for batches in PLAN.values():
             for b in batches:
-                t, noise = objective.draw(b.keys, b.latents.shape[1:], 0, 0)
+                t, noise = draw_t_noise(objective, b.keys, b.latents.shape[1:], 0, 0)
                 total = total + (objective.per_sample_loss(ref, b.latents, b.text, t, noise) * b.loss_weight).sum()
         (total / NUM_REAL).backward()
         diffs = {n: float((opt.grads[n] - p.grad).abs().max() / (p.grad.abs().max() + 1e-12))

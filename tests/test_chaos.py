@@ -54,7 +54,7 @@ def bad_corpora(root: str) -> list[dict]:
     from data.buckets import bucket_table
     from data.index import SampleIndex, load_npy, npy_bytes
     from data.synthetic import write_synthetic_corpus
-    from scripts.make_corpus import BAD_KINDS, encode_jpg, write_raw_corpus
+    from data.synthetic_raw import BAD_KINDS, encode_jpg, write_raw_corpus
     from tests.helpers import compose_config
 
     raw = os.path.join(root, "raw")

@@ -22,7 +22,7 @@ from data.loader import Loader, open_corpus
 from data.raw import RawConfig, index_corpus, select_raw
 from data.synthetic import write_synthetic_corpus
 from scheduling.balance import plan_step
-from scripts.make_corpus import encode_jpg, encode_mp4
+from data.synthetic_raw import encode_jpg, encode_mp4
 from tests.helpers import png_claiming, rewrite_members, write_tar
 
 LAT = bucket_table({"img": {"frames": 1, "height": 32, "width": 32}, "vid": {"frames": 5, "height": 32, "width": 32}})

@@ -112,7 +112,7 @@ def test_export_of_a_sharded_checkpoint_loads_in_diffusers(two_rank_run, tmp_pat
     from diffusers import WanTransformer3DModel
 
     from models.wan import WanTransformer
-    from scripts.export import export
+    from training.export import export
 
     _, run_dir, _ = two_rank_run
     for ema in (False, True):
@@ -129,12 +129,12 @@ def test_export_of_a_sharded_checkpoint_loads_in_diffusers(two_rank_run, tmp_pat
 
 
 def test_compare_runs_reports_both_runs(two_rank_run, tmp_path):
-    from scripts.compare_runs import main, read_rows, summarize
+    from training.compare import compare, read_rows, summarize
 
     base, run_dir, _ = two_rank_run
     rows = read_rows(run_dir)
     s = summarize(rows)
     assert s["val/loss"] == rows[-1]["val/loss"] and s["samples_seen"] == rows[-1]["samples_seen"]
     assert s["memory/peak_gib"] == max(r["memory/peak_gib"] for r in rows if "memory/peak_gib" in r)
-    md = main([run_dir, str(base / "one"), "--labels", "two", "one", "--out", str(tmp_path)])
+    md = compare([run_dir, str(base / "one")], ["two", "one"], str(tmp_path))
     assert md.count("\n| ") == 2 and os.path.getsize(tmp_path / "compare.png") > 10_000

@@ -5,6 +5,8 @@ Everything runs on tiny models on the CPU in fp32; numbers are compared against 
 """
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from models.sampler import SampleConfig, decode_latents, sample_latents, samplin
 from models.wan import WanTransformer
 from tests.helpers import compose_config, compose_raw, tiny_overrides
 from training.optim import EMA, OptimConfig, build_optimizer
+from training.step import draw_t_noise
 
 TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
             text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2)
@@ -59,7 +62,7 @@ def train_steps(model, optim_cfg=OptimConfig(lr=1e-2), steps=2):
     fm = FlowMatching(ObjectiveConfig())
     x0, _, ctx = inputs(seed=3)
     for s in range(steps):
-        t, noise = fm.draw(["a", "b"], x0.shape[1:], seed=0, epoch=s)
+        t, noise = draw_t_noise(fm, ["a", "b"], x0.shape[1:], seed=0, epoch=s)
         fm.per_sample_loss(model, x0, ctx, t, noise).mean().backward()
         opt.step()
         opt.zero_grad()
@@ -192,7 +195,7 @@ def tiny_vae():
 
 
 def test_sampler_and_tiny_vae_write_a_playable_mp4(tmp_path):
-    from scripts.sample import render
+    from training.sampling import render
 
     model = WanTransformer(**TINY)
     text, empty = torch.randn(2, 5, 16), torch.zeros(5, 16)
@@ -217,7 +220,7 @@ def test_validation_sampler_and_cli_sample_a_lora_checkpoint(tmp_path):
     from data.buckets import bucket_table
     from data.loader import Loader, open_corpus
     from models.build import build_model
-    from scripts.sample import ValidationSampler, load_source, main
+    from training.sampling import ValidationSampler, load_source
     from training.checkpoint import save_checkpoint
     from training.dist import DistContext
 
@@ -250,8 +253,11 @@ def test_validation_sampler_and_cli_sample_a_lora_checkpoint(tmp_path):
     with_ema = dict(load_source(cfg.run_dir, ema=True)[0].named_parameters())
     assert all(torch.equal(with_ema[n], ema.shadow[n] if n in ema.shadow else p) for n, p in model.named_parameters())
     # the command line, from the run folder, with a caption through the tiny text encoder
-    main([cfg.run_dir, "--out", str(tmp_path / "cli"), "--steps", "2", "--seeds", "3", "--prompt", "a red fox",
-          "--device", "cpu"])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cli = subprocess.run([sys.executable, "scripts/sample.py", cfg.run_dir, "--out", str(tmp_path / "cli"), "--steps",
+                          "2", "--seeds", "3", "--prompt", "a red fox", "--device", "cpu"], cwd=root,
+                         capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr[-3000:]
     assert read_mp4(str(tmp_path / "cli" / "p0_s3.mp4"))[0].shape == (9, 64, 64, 3)
 
 
@@ -282,7 +288,7 @@ def original_layout(dim=24, heads=2, ffn=32, layers=2, text_dim=16, freq_dim=16,
 def test_convert_wan_round_trips_and_loads(tmp_path):
     from safetensors.torch import save_file
 
-    from scripts.convert_wan import convert, diffusers_to_original, original_to_diffusers
+    from models.convert_wan import convert, diffusers_to_original, original_to_diffusers
 
     orig = original_layout()
     conv = original_to_diffusers({"model.diffusion_model." + k: v for k, v in orig.items()})  # ComfyUI prefix
@@ -318,8 +324,8 @@ def _train_py_has_the_hooks() -> bool:
 def test_lora_run_through_train_py_resumes_samples_and_exports(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from scripts.export import export
-    from scripts.sample import load_source
+    from training.export import export
+    from training.sampling import load_source
     from tests.helpers import run_training
     from training.metrics import read_metrics
 

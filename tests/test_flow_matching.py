@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from models.flow_matching import FlowMatching, ObjectiveConfig, keyed_generator, shift_t
+from data.keys import keyed_generator
+from models.flow_matching import FlowMatching, ObjectiveConfig, shift_t
+from training.step import draw_t_noise
 
 
 def test_interpolation_and_timestep_match_diffusers_scheduler():
@@ -30,17 +32,17 @@ def test_interpolation_and_timestep_match_diffusers_scheduler():
 
 def test_draws_are_keyed_by_seed_epoch_and_sample():
     fm = FlowMatching(ObjectiveConfig(t_sampling="uniform", shift=1.0))
-    t1, n1 = fm.draw(["a", "b"], (2, 3), seed=0, epoch=1)
-    t2, n2 = fm.draw(["b", "a"], (2, 3), seed=0, epoch=1)
+    t1, n1 = draw_t_noise(fm, ["a", "b"], (2, 3), seed=0, epoch=1)
+    t2, n2 = draw_t_noise(fm, ["b", "a"], (2, 3), seed=0, epoch=1)
     assert torch.equal(t1, t2.flip(0)) and torch.equal(n1, n2.flip(0))  # order and batch mates do not matter
-    t3, _ = fm.draw(["a"], (2, 3), seed=0, epoch=2)
+    t3, _ = draw_t_noise(fm, ["a"], (2, 3), seed=0, epoch=2)
     assert t3[0] != t1[0]
     assert torch.equal(torch.rand(3, generator=keyed_generator(1, "x")), torch.rand(3, generator=keyed_generator(1, "x")))
 
 
 def test_logit_normal_with_shift_moves_t_up():
     fm = FlowMatching(ObjectiveConfig(t_sampling="logit_normal", shift=5.0))
-    t, _ = fm.draw([str(i) for i in range(400)], (1,), seed=0, epoch=0)
+    t, _ = draw_t_noise(fm, [str(i) for i in range(400)], (1,), seed=0, epoch=0)
     assert 0 < t.min() and t.max() < 1 and t.median() > 0.7  # shift 5 maps the median 0.5 to 5/6
 
 
@@ -154,3 +156,12 @@ def test_sample_config_refuses_what_cannot_sample():
         with pytest.raises(ValueError, match=f"sample.{field}"):
             SampleConfig(**bad)
     assert SampleConfig(fps=0.5, guidance=1.0, steps=1).fps == 0.5
+
+
+def test_the_keyed_draw_takes_t_then_the_noise_from_one_generator_per_sample():
+    """The stream every run's losses depend on: per key, generator (seed, epoch, key) → one scalar for t → noise."""
+    fm = FlowMatching(ObjectiveConfig(t_sampling="logit_normal", logit_mean=0.2, logit_std=1.5, shift=3.0))
+    t, noise = draw_t_noise(fm, ["k7"], (2, 3), seed=4, epoch=1)
+    g = keyed_generator(4, 1, "k7")
+    want_t = shift_t(torch.sigmoid(0.2 + 1.5 * torch.randn((), generator=g)), 3.0)
+    assert torch.equal(t[0], want_t) and torch.equal(noise[0], torch.randn(2, 3, generator=g))

@@ -333,7 +333,7 @@ def test_tiny_preset_trains_and_its_val_loss_falls(tmp_path):
     assert len(val) == 3 and val[-1] <= 0.8 * val[0], val
 
     # the trained checkpoint exports to a folder diffusers' HunyuanVideo transformer loads, with our output
-    from scripts.export import export
+    from training.export import export
 
     out = export(run_dir, str(tmp_path / "export"))
     ours, theirs = MMDiT.from_pretrained(out), HunyuanVideoTransformer3DModel.from_pretrained(out)
@@ -374,7 +374,7 @@ def test_llama_clip_text_side_feeds_pooled_text_to_the_mmdit_from_raw_shards(tmp
     micro-batch reaches the model with its encoder's pooled embedding, and training runs."""
     import train
     from data.encoders import TEXT_ENCODERS, EncoderConfig
-    from scripts.make_corpus import write_raw_corpus
+    from data.synthetic_raw import write_raw_corpus
     from tests.helpers import run_training, tiny_overrides
     from training.metrics_log import read_metrics
 

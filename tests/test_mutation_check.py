@@ -1,9 +1,9 @@
-"""scripts/mutation_check.py's mutator on a small source: which mutants it makes, that each changes exactly one spot
+"""The mutator of scripts/mutation_check.py (training/mutation.py) on a small source: which mutants it makes, that each changes exactly one spot
 and still parses, what it leaves alone, and that its draw is reproducible. (The checker itself is run by hand.)"""
 import ast
 import os
 
-from scripts.mutation_check import candidates, covering_tests, draw
+from training.mutation import candidates, covering_tests, draw
 
 SOURCE = '''"""Docstring: x < 1 and y + 2."""
 import math

@@ -20,8 +20,8 @@ from data.index import SampleIndex, load_npy, npy_bytes
 from data.loader import Loader, open_corpus
 from data.raw import RawConfig, assign_bucket, expand_urls, index_corpus
 from scheduling.planner import advance, plan_step
-from scripts.make_corpus import BAD_AT_INDEX, BAD_KINDS, encode_jpg, encode_mp4, write_raw_corpus
-from scripts.precompute_latents import precompute
+from data.synthetic_raw import BAD_AT_INDEX, BAD_KINDS, encode_jpg, encode_mp4, write_raw_corpus
+from data.precompute import precompute
 
 TINY = bucket_table({"img_64": {"frames": 1, "height": 64, "width": 64},
                      "img_64x96": {"frames": 1, "height": 64, "width": 96},

@@ -3,6 +3,8 @@ planner's own prediction evaluated by replay equal to the simulator's, and a tin
 exactly the plans' micro-batches, each timed once."""
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from scheduling.cost_model import CostModel
 from scheduling.replay import (StepTimes, evaluate, execution_order, plan_steps, step_times, summarize,
                                to_grid)
 from scheduling.simulate import DEFAULT_MIX, Mix, samples_per_step, simulate
+from tests.helpers import ROOT
 
 QUAD = CostModel("quadratic", {"a": 15.7, "b1": 0.0238, "b2": 1.44e-6})
 
@@ -100,8 +103,6 @@ def test_replay_of_the_prediction_equals_the_simulator(strategy, R, window):
 
 
 def test_tiny_replay_times_every_planned_micro_batch_once(tmp_path):
-    from scripts.replay_plans import main
-
     settings = tmp_path / "settings.json"
     settings.write_text(json.dumps({"settings": [
         {"strategy": "equal_token", "m_tokens": 120},
@@ -109,11 +110,13 @@ def test_tiny_replay_times_every_planned_micro_batch_once(tmp_path):
                                                                  "vid_64x96_17f": 1}, "M": 3}]}))
     out = tmp_path / "out"
     # 30 samples: one of the 4 planned steps reaches the epoch's end and pads
-    res = main(["--out", str(out), "--settings", str(settings), "--ranks", "2", "--steps", "3", "--warmup", "1",
-                "--micro-batches", "2", "--samples", "30", "--calibration", "results/calibration_cpu_tiny.json",
-                "train.gc_every=0"])
+    cli = subprocess.run([sys.executable, "scripts/replay_plans.py", "--out", str(out), "--settings", str(settings),
+                          "--ranks", "2", "--steps", "3", "--warmup", "1", "--micro-batches", "2", "--samples", "30",
+                          "--calibration", "results/calibration_cpu_tiny.json", "train.gc_every=0"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr[-3000:]
     doc = json.loads((out / "replay.json").read_text())
-    assert (out / "replay.md").exists() and len(doc["settings"]) == 2 == len(res["settings"])
+    assert (out / "replay.md").exists() and len(doc["settings"]) == 2
     mix = Mix.of([(m["bucket"], m["S"], m["share"]) for m in doc["meta"]["mix"]])
     names = list(mix.names)
     assert names == ["img_64", "img_64x96", "vid_64_9f", "vid_64x96_17f"]  # the config's data.synthetic.mix
@@ -158,7 +161,7 @@ def test_tiny_replay_times_every_planned_micro_batch_once(tmp_path):
 def test_padding_micro_batches_carry_loss_weight_zero():
     from types import SimpleNamespace
 
-    from scripts.replay_plans import SyntheticInputs
+    from training.replay import SyntheticInputs
 
     inputs = SyntheticInputs(SimpleNamespace(text_len=4, text_dim=3), pin=False)
     real = inputs.batch(MicroBatch(0, (5, 6), (1.0, 1.0), 16, 1.0), "img_64", (4, 1, 8, 8))

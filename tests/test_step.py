@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from data.batch import collate
-from models.flow_matching import FlowMatching, ObjectiveConfig, keyed_generator
+from data.keys import keyed_generator
+from models.flow_matching import FlowMatching, ObjectiveConfig
 from training.dist import DistContext
 from training.optim import EMA
-from training.step import TrainParts, autocast_for, train_step, validation_loss
+from training.step import TrainParts, autocast_for, draw_t_noise, train_step, validation_loss
 
 C, TEXT_LEN, TEXT_DIM = 3, 4, 2
 SEED, EPOCH = 11, 2
@@ -117,14 +118,14 @@ def test_gradient_is_world_size_times_the_weighted_per_sample_mean_over_the_whol
     ref = copy.deepcopy(model)
     total, sums = 0.0, []
     for mb in mbs:
-        t, noise = OBJ.draw(mb.keys, mb.latents.shape[1:], SEED, EPOCH)
+        t, noise = draw_t_noise(OBJ, mb.keys, mb.latents.shape[1:], SEED, EPOCH)
         per = hand_loss(ref, mb.latents, mb.text, t, noise)
         sums.append(float((per * mb.loss_weight).sum().detach()))
         total = total + (per * mb.loss_weight).sum()
     (2 * total / num_samples).backward()
     want = [ref.w.grad, ref.b.grad, ref.u.grad]
     # the padding sample's loss is not zero: dropping its weight would change both numbers
-    t, noise = OBJ.draw(mbs[1].keys, mbs[1].latents.shape[1:], SEED, EPOCH)
+    t, noise = draw_t_noise(OBJ, mbs[1].keys, mbs[1].latents.shape[1:], SEED, EPOCH)
     assert hand_loss(ref, mbs[1].latents, mbs[1].text, t, noise)[1] > 0.1
 
     opt = Recording(model.parameters(), lr=0.0)

@@ -163,11 +163,9 @@ def test_cli_help_and_dry_run():
     assert json.loads(out.stdout) == panel_definitions("ent", project, GROUP, x="tokens_seen")
 
 
-def test_cli_refuses_offline_mode_with_the_fix_not_a_traceback(monkeypatch):
-    from scripts.wandb_report import main
-
+def test_offline_mode_is_refused_with_the_fix(monkeypatch):
     pytest.importorskip("wandb_workspaces.reports.v2")
     monkeypatch.setenv("WANDB_MODE", "offline")
-    with pytest.raises(SystemExit) as exit_:
-        main(["--entity", "ent", "--group", GROUP])
-    assert str(exit_.value.code).startswith("error: WANDB_MODE=offline") and "wandb sync" in str(exit_.value.code)
+    with pytest.raises(RuntimeError) as e:
+        wandb_report.check_ready()  # the script prints this message as `error: ...` (exit 1), not a traceback
+    assert str(e.value).startswith("WANDB_MODE=offline") and "wandb sync" in str(e.value)

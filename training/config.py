@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -239,3 +240,18 @@ def _check_cross_fields(cfg: TrainConfig) -> None:
     if sc.strategy in ("cost", "balanced") and sc.calibration is None:
         raise ValueError(f"scheduling.strategy={sc.strategy} predicts step times from a cost model: set "
                          "scheduling.calibration (scripts/calibrate.py writes one)")
+
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def compose_config(overrides=()) -> TrainConfig:
+    """The typed run config from conf/ and Hydra-style overrides (`conf=NAME` picks a preset), composed as train.py
+    composes it: what every script that takes KEY=VALUE overrides reads."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        raw = OmegaConf.to_container(compose(config_name="train", overrides=list(overrides)), resolve=True)
+    raw.pop("hydra", None)
+    return load_config(raw)

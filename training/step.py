@@ -11,12 +11,13 @@ import gc
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 
 from data.batch import Batch
-from models.flow_matching import VAL_TIMES, FlowMatching, keyed_generator
+from data.keys import keyed_generator
+from models.flow_matching import VAL_TIMES, FlowMatching
 from training.dist import DistContext
 
 
@@ -100,6 +101,18 @@ class _Clock:
         return fwd, bwd
 
 
+def draw_t_noise(objective: FlowMatching, keys: Sequence[str], shape: Sequence[int], seed: int,
+                 epoch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t [B], noise [B, *shape]) for these sample keys, on the CPU in fp32: per key, one generator keyed by
+    (seed, epoch, key) draws t (the objective's distribution), then the noise (CONTRACTS §5)."""
+    ts, noise = [], []
+    for key in keys:
+        g = keyed_generator(seed, epoch, key)
+        ts.append(objective.sample_t(g))
+        noise.append(torch.randn(tuple(shape), generator=g))
+    return torch.stack(ts), torch.stack(noise)
+
+
 def train_step(parts: TrainParts, batches: Iterable[Batch], num_samples: int, epoch: int) -> StepStats:
     """One optimizer step over this rank's micro-batches; num_samples: real samples in the whole step (all ranks).
     With parts.graphs each (bucket shape, B, recompute decision) is replayed after its first eager run; parameter
@@ -122,7 +135,7 @@ def train_step(parts: TrainParts, batches: Iterable[Batch], num_samples: int, ep
         with torch.profiler.record_function(f"slot{k}"):  # busy time per slot is read from these ranges
             st.data_wait_s += batch.data_wait_s
             st.S.append(batch.S), st.B.append(batch.B), st.buckets.append(batch.bucket)
-            t, noise = objective.draw(batch.keys, batch.latents.shape[1:], seed, epoch)
+            t, noise = draw_t_noise(objective, batch.keys, batch.latents.shape[1:], seed, epoch)
             decision = checkpoint_policy(batch.B, batch.S)  # k, or (k, blocks keeping attention)
             model.set_activation_checkpointing(*(decision if isinstance(decision, tuple) else (decision,)))
             inputs = {"latents": batch.latents, "text": batch.text, "loss_weight": batch.loss_weight, "t": t,
