@@ -143,7 +143,7 @@ def _kernels(interpret: bool):
 # results/step_h200.md).
 # The rest are first guesses from the AdaLN sweeps (results/adaln_h200.md) — a persistent grid with a pipelined loop
 # over ~2048-element tiles for the per-sample gate, one tile per program for the per-token one, whose rows carry
-# more bytes. `python scripts/bench_gated_residual.py --sweep` measures them. Another D takes the nearest entry with
+# more bytes. `python scripts/bench/gated_residual.py --sweep` measures them. Another D takes the nearest entry with
 # rows scaled to keep the tile's size. block_d 0: the widest power of two dividing D (no masked lanes), ≤ 1024.
 TUNED = {
     ("fwd", False, 1536): KernelConfig(4, 4, 0, block_d=256),

@@ -21,7 +21,7 @@ Saved for backward: x (the caller's tensor) and the fp32 rstd [B, N] — 2 bytes
 row, against 8 bytes per element for the eager path on CPU (x.float() and x.float() · rstd; RMSNorm is composite
 there). Bytes moved per element of bf16 x at D = 1536, 12 heads: forward 4.33 (x, y, the token's cos/sin row),
 backward 6.33 (x, dy, dx, cos/sin) plus the dw partials; the eager path, counted op by op on CPU, moves 79 and 153
-in 15 and 29 ops (scripts/bench_qk_norm_rope.py counts it on the device it runs on).
+in 15 and 29 ops (scripts/bench/qk_norm_rope.py counts it on the device it runs on).
 
 q and k are two calls (one launch each): the self-attention's k has the same N and cos/sin, but one launch for both
 would save a launch, not bytes.
@@ -209,7 +209,7 @@ def _kernels(interpret: bool):
 # results/step_h200.md). The rest are not measured yet: ops.adaln's H200 best at the same D
 # (the same row in registers, one reduction per row), both kernels in two segments (D = 1536: 512 + 256 pairs, no
 # masked lane, 16-byte loads) and the D = 5120 backward 8 warps (ptxas: 255 registers at 4, no spills at 8).
-# `python scripts/bench_qk_norm_rope.py --sweep` on the H200 measures them.
+# `python scripts/bench/qk_norm_rope.py --sweep` on the H200 measures them.
 TUNED = {
     ("fwd", 1536): KernelConfig(1, 4, 8, split=False, num_stages=3),
     ("fwd", 5120): KernelConfig(2, 4, 8, num_stages=3),

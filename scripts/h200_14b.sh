@@ -19,7 +19,7 @@
 # this script's set-up ≈ 90 s. The time budgets (270 s for the scan, 100 s for the second depth) stop starting new
 # points if the device is 2× slower than that, within the call's 10 minutes; a file is written after each depth.
 #
-# Needs .whl/ (bash ../shared/device/make_wheels.sh): the GPU image lacks hydra and omegaconf.
+# Needs .whl/ (bash scripts/make_wheels.sh): the GPU image lacks hydra and omegaconf.
 set -uo pipefail
 source scripts/h200_env.sh h200_14b_out
 K=${K:-18}

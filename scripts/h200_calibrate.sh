@@ -3,7 +3,7 @@
 # does the planners' largest micro-batch fit, and is its time as predicted? CHECK=..., REPEATS=...), then a fresh
 # calibration of Wan 2.1 1.3B (conf=wan21_1p3b, full recompute, 12 timed points, the last one the memory probe at
 # the shortest bucket; SCAN=0 skips it). Everything lands in $OUT.
-# Needs .whl/ (bash ../shared/device/make_wheels.sh) on the GPU image, which lacks hydra/omegaconf/wandb/diffusers.
+# Needs .whl/ (bash scripts/make_wheels.sh) on the GPU image, which lacks hydra/omegaconf/wandb/diffusers.
 set -uo pipefail
 source scripts/h200_env.sh h200_out
 CHECK=${CHECK:-"[i480:464,i720:201]"}

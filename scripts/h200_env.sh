@@ -1,5 +1,5 @@
 # Sourced by the scripts/h200_*.sh device calls: $OUT (default $1), the .whl/ wheels the GPU image lacks (diffusers,
-# hydra, omegaconf, wandb; bash ../shared/device/make_wheels.sh fills .whl/), quiet logging, and the GPU and
+# hydra, omegaconf, wandb; bash scripts/make_wheels.sh fills .whl/), quiet logging, and the GPU and
 # versions in $OUT/gpu.txt.
 OUT=${OUT:-$1}; mkdir -p "$OUT"
 if [ -d .whl ]; then

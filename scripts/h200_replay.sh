@@ -38,7 +38,7 @@
 # only without the 14B calibration's memory model) bounds B·S for the 14B on 8 H200s (FSDP: 14.3 B parameters × 20 bytes / 8 = 36 GB a GPU; 40 kept block inputs and one
 # recompute, 0.6–1 MB a token, in the ≈ 80 GB left of the 90 % budget: 80k–130k tokens); at factor 2 it bounds
 # nothing.
-# Needs .whl/ (bash ../shared/device/make_wheels.sh; carry it): the GPU image lacks hydra and omegaconf.
+# Needs .whl/ (bash scripts/make_wheels.sh; carry it): the GPU image lacks hydra and omegaconf.
 set -uo pipefail
 source scripts/h200_env.sh h200_replay_out
 PART=${PART:-a}

@@ -258,7 +258,7 @@ def test_cuda_autocast_bf16_checkpointing_and_block_compile():
 @pytest.mark.parametrize("fused_ops", ["torch", "triton", "triton+offload", "triton+offload+keep"])
 def test_cuda_bf16_parity_with_diffusers_at_wan_1p3b_width(fused_ops):
     """Parity at Wan 2.1 1.3B widths (12 heads × 128, ffn 8960, text 4096), two blocks, bf16 parameters on both
-    sides (as scripts/bench_step.py runs them), checkpointed, one 480p frame (S = 1560), the reference path and the
+    sides (as scripts/bench/step.py runs them), checkpointed, one 480p frame (S = 1560), the reference path and the
     fused ops (models/fused_wan.py): output and every gradient within bf16 tolerance of diffusers' — measured
     against diffusers' own distance from fp32. "+keep": every block keeps its self-attention, here through SDPA's
     CUDA kernel ops."""

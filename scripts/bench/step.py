@@ -1,15 +1,15 @@
 """Wan 2.1 training step, ours against diffusers' WanTransformer3DModel, at the shapes of issue 9 (a script, not a test).
 
-    python scripts/bench_step.py --out results/step_h200            (one H200: 1.3B config, ~6 minutes)
-    python scripts/bench_step.py --tiny --out /tmp/step_cpu          (a tiny config on the CPU: checks the script)
+    python scripts/bench/step.py --out DIR                    (one H200: 1.3B config, ~6 minutes; default runs/bench/step)
+    python scripts/bench/step.py --tiny --out /tmp/step_cpu   (a tiny config on the CPU: checks the script)
 
 Side by side in one run, forward + backward, no optimizer, random weights (the same in both models):
   diffusers@default   diffusers' model, bf16 parameters and gradients, gradient checkpointing, its default attention
   diffusers@fast      the same at the fastest attention backend found (`set_attention_backend`)
   ours@fast           our model, bf16 parameters and gradients (the fp32 modules of diffusers' list kept fp32), full
                       checkpointing, the same attention backend (torch's sdpa_kernel)
-  ours@glue           the same with model.glue_backend=triton (fused gated residual, q/k RMSNorm-RoPE)
-  ours@saved          ours@glue saving AdaLN's outputs and the rotated q/k for backward (WanBlock.recompute_glue off)
+  ours@glue           the same with model.fused_ops=triton (fused gated residual, q/k RMSNorm-RoPE)
+  ours@saved          ours@glue saving AdaLN's outputs and the rotated q/k for backward (FusedWanBlock.recompute_norms off)
   ours@notail         ours@glue with the MLP and its gated residual as two ops (ops/gated_ffn.py off): the recompute
                       runs the down projection again
   ours@compile        ours@fast with block.compile() (inductor fuses the torch glue instead of our kernels)
@@ -30,7 +30,7 @@ raised until the --longest column's peak exceeds diffusers@fast's peak at S = 32
 from __future__ import annotations
 
 import argparse
-import gc
+import contextlib
 import json
 import math
 import os
@@ -38,9 +38,11 @@ import sys
 import time
 from unittest.mock import patch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
 import torch  # noqa: E402
+
+import harness  # noqa: E402
 
 import ops.gelu_ffn as gelu_ffn  # noqa: E402 - CHUNK_BYTES is a column's knob
 import ops.gated_ffn as gated_ffn  # noqa: E402 - GATED_TAIL_MIN_TOKENS is a column's knob
@@ -56,6 +58,23 @@ TINY_SHAPES = ((4, 1, 8, 8), (2, 3, 8, 8), (1, 5, 8, 12))
 SDPA = {"native": None, "_native_flash": "FLASH_ATTENTION", "_native_efficient": "EFFICIENT_ATTENTION",
         "_native_cudnn": "CUDNN_ATTENTION", "_native_math": "MATH"}
 TEXT_LEN = 512
+# The columns that are one setting of our model, timed as they come: ours_run's options ("fused": the fused ops on
+# the GPU) and the module knobs patched around the measurement. The first four run before ours@compile, the rest
+# after the profile (the order of a run is the order here).
+OURS_COLUMNS = {
+    "ours@fast": ({}, {}),
+    "ours@saved": ({"fused": True, "recompute_norms": False}, {}),  # AdaLN's outputs and the rotated q/k saved
+    "ours@glue": ({"fused": True}, {}),  # + fused gated residual, q/k RMSNorm-RoPE
+    "ours@notail": ({"fused": True}, {"GATED_TAIL_MIN_TOKENS": 1 << 62}),  # the block's tail as two ops
+}
+OURS_COLUMNS_LATE = {
+    "ours@offload": ({"fused": True, "offload": True}, {}),  # + the recomputed blocks' inputs in pinned host memory
+}
+KNOB_MODULES = {"GATED_TAIL_MIN_TOKENS": gated_ffn, "CHUNK_BYTES": gelu_ffn}
+# the table's column order
+TABLE_COLUMNS = ("diffusers@default", "diffusers@fast", "ours@fast", "ours@saved", "ours@notail", "ours@glue",
+                 "ours@compile", "ours@offload", "ours@unchunked", "ours@policy", "ours@keep", "ours@keep+unchunked",
+                 "ours@trainer", "diffusers@again")
 
 
 def sdpa_context(backend: str):
@@ -68,11 +87,6 @@ def sdpa_context(backend: str):
     return nullcontext() if name is None else sdpa_kernel([getattr(SDPBackend, name)])
 
 
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 LAST_TIMES: list = []  # every rep of the last time_step, in ms (recorded with each row: outliers show)
 LAST_ACTIVE: list = []  # the last time_step's peak of active bytes, GiB: allocated + freed blocks that still wait on
 # another stream's events (not reusable yet, not counted by max_memory_allocated)
@@ -83,28 +97,11 @@ GC_OFF = False  # --gc-off: Python's collector paused inside each timed step (co
 
 def time_step(run, dev, warmup: int, reps: int) -> tuple[float, float]:
     """(median ms, peak GiB) of run() = one forward + backward."""
-    for _ in range(warmup):
-        run()
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    times = []
-    for _ in range(reps):
-        if GC_OFF:
-            gc.collect()
-            gc.disable()
-        sync(dev)
-        t0 = time.perf_counter()
-        try:
-            run()
-            sync(dev)
-        finally:
-            gc.enable()
-        times.append((time.perf_counter() - t0) * 1e3)
-    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
+    times, peak = harness.time_reps(run, dev, warmup, reps, gc_off=GC_OFF)
     LAST_TIMES[:] = [round(t, 1) for t in times]
     LAST_ACTIVE[:] = [round(torch.cuda.memory_stats(dev)["active_bytes.all.peak"] / 2**30, 2)] if dev.type == "cuda" \
         else []
-    return sorted(times)[len(times) // 2], peak
+    return harness.median(times), peak
 
 
 def inputs(cfg, shape, dev, dtype, seed=0):
@@ -313,7 +310,7 @@ def keep_search(measure, layers: int, limit: float):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
+    harness.add_out(ap, "step")
     ap.add_argument("--tiny", action="store_true", help="tiny config and shapes (checks the script on a CPU)")
     ap.add_argument("--shapes", default=None, help="comma-separated indices into the shape list (default: all)")
     ap.add_argument("--impls", default="diffusers@default,diffusers@fast,ours@fast,ours@glue,ours@compile,"
@@ -379,10 +376,10 @@ def main(argv=None) -> None:
     with torch.no_grad():
         b = theirs(hidden_states=x, timestep=t, encoder_hidden_states=ctx, return_dict=False)[0].float()
         for glue in ("torch", "triton" if dev.type == "cuda" else "torch"):
-            ours.glue_backend = glue
+            ours.fused_ops = glue
             a = ours(x, t, ctx).float()
             meta[f"parity_rel_err_bf16_glue_{glue}"] = float((a - b).norm() / b.norm())
-        ours.glue_backend = "torch"
+        ours.fused_ops = "torch"
     print(f"parity: ours vs diffusers, bf16, relative error {meta}", flush=True)
 
     theirs.enable_gradient_checkpointing()
@@ -405,12 +402,12 @@ def main(argv=None) -> None:
     meta["fast_backend"] = best
     glue = "triton" if dev.type == "cuda" else "torch"
 
-    def ours_run(shape, recompute, glue_backend="torch", compiled=False, dtype=torch.bfloat16, autocast=False,
-                 offload=False, keep=0, recompute_glue=True):
+    def ours_run(shape, recompute, fused_ops="torch", compiled=False, dtype=torch.bfloat16, autocast=False,
+                 offload=False, keep=0, recompute_norms=True):
         ours.set_activation_checkpointing(recompute, keep_attention=keep)
-        ours.glue_backend = glue_backend
+        ours.fused_ops = fused_ops
         for block in ours.blocks:
-            block.recompute_glue = recompute_glue
+            block.recompute_norms = recompute_norms
         ours.offload_checkpoints = offload
         for block in ours.blocks:
             if compiled and getattr(block, "_compiled_call_impl", None) is None:
@@ -418,6 +415,15 @@ def main(argv=None) -> None:
             elif not compiled:
                 block._compiled_call_impl = None
         return step_fn(ours, *inputs(cfg, shape, dev, dtype), False, autocast, dev)
+
+    def column(impl, shape, timed, options, knobs):
+        """One OURS_COLUMNS entry at this shape: its setting, its knobs patched, one row."""
+        with contextlib.ExitStack() as stack:
+            for knob, value in knobs.items():
+                stack.enter_context(patch.object(KNOB_MODULES[knob], knob, value))
+            record(impl, shape, *timed(ours_run(shape, True, glue if options.get("fused") else "torch",
+                                                offload=options.get("offload", False),
+                                                recompute_norms=options.get("recompute_norms", True))))
 
     def park(model):  # the model not being timed leaves the GPU, so each peak is one model's own
         for p in model.parameters():
@@ -451,15 +457,9 @@ def main(argv=None) -> None:
         park(theirs)
         unpark(ours)
         with sdpa_context(best):
-            if "ours@fast" in impls:
-                record("ours@fast", shape, *timed(ours_run(shape, True)))
-            if "ours@saved" in impls:  # the fused glue saving AdaLN's outputs and the rotated q/k (as before)
-                record("ours@saved", shape, *timed(ours_run(shape, True, glue, recompute_glue=False)))
-            if "ours@glue" in impls:  # + fused gated residual, q/k RMSNorm-RoPE
-                record("ours@glue", shape, *timed(ours_run(shape, True, glue)))
-            if "ours@notail" in impls:  # the block's tail as two ops (before ops/gated_ffn.py)
-                with patch.object(gated_ffn, "GATED_TAIL_MIN_TOKENS", 1 << 62):
-                    record("ours@notail", shape, *timed(ours_run(shape, True, glue)))
+            for impl, (options, knobs) in OURS_COLUMNS.items():
+                if impl in impls:
+                    column(impl, shape, timed, options, knobs)
             if "ours@compile" in impls:  # block.compile() on the torch glue (inductor fuses it instead)
                 try:
                     t0 = time.perf_counter()
@@ -473,14 +473,15 @@ def main(argv=None) -> None:
             if args.profile and shape == shapes[0]:
                 meta.setdefault("profile", {})["ours@glue"] = profile(ours_run(shape, True, glue))
                 if "ours@saved" in impls:
-                    meta["profile"]["ours@saved"] = profile(ours_run(shape, True, glue, recompute_glue=False))
+                    meta["profile"]["ours@saved"] = profile(ours_run(shape, True, glue, recompute_norms=False))
             if args.memtrace and shape == shapes[0] and dev.type == "cuda":
                 # ours@offload only: under torch.utils.checkpoint (diffusers, ours@glue) torch 2.11's Python-stack
                 # recording failed with "SystemError: ... returned NULL without setting an exception"
                 meta.setdefault("memtrace", {})["ours@offload"] = memory_at_peak(ours_run(shape, True, glue,
                                                                                           offload=True))
-            if "ours@offload" in impls:  # + the recomputed blocks' inputs in pinned host memory
-                record("ours@offload", shape, *timed(ours_run(shape, True, glue, offload=True)))
+            for impl, (options, knobs) in OURS_COLUMNS_LATE.items():
+                if impl in impls:
+                    column(impl, shape, timed, options, knobs)
             if "ours@policy" in impls:  # (b): recompute the fewest leading blocks that fit diffusers' peak
                 off = "ours@offload" in impls
                 k, _, _ = peak_search(lambda k: time_step(ours_run(shape, k, glue, offload=off), dev, 0, 1), layers,
@@ -512,7 +513,7 @@ def main(argv=None) -> None:
             park(theirs)
     unpark(ours)
     ours.set_activation_checkpointing(True)
-    ours.glue_backend = "torch"
+    ours.fused_ops = "torch"
     if dev.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -530,12 +531,12 @@ def main(argv=None) -> None:
     # so two measured lengths predict the crossing, which is then checked frame by frame
     if args.longest and ref_shape in diff_peak and dev.type == "cuda":
         limit = diff_peak[ref_shape]
-        glue_backend = glue if args.longest in ("ours@glue", "ours@offload") else "torch"
+        fused_ops = glue if args.longest in ("ours@glue", "ours@offload") else "torch"
         offload = args.longest == "ours@offload"
 
         def measure(frames):
             with sdpa_context(best):
-                peak = time_step(ours_run((1, frames, ref_shape[2], ref_shape[3]), True, glue_backend,
+                peak = time_step(ours_run((1, frames, ref_shape[2], ref_shape[3]), True, fused_ops,
                                           offload=offload), dev, 0, 1)[1]
             print(f"longest: {frames} frames → {peak:.2f} GiB (limit {limit})", flush=True)
             return math.nan, peak
@@ -566,10 +567,7 @@ def table(rows) -> str:
     by = {}
     for r in rows:
         by.setdefault(r["S"], {})[r["impl"]] = r
-    impls = ["diffusers@default", "diffusers@fast", "ours@fast", "ours@saved", "ours@notail", "ours@glue",
-             "ours@compile",
-             "ours@offload", "ours@unchunked", "ours@policy", "ours@keep", "ours@keep+unchunked", "ours@trainer",
-             "diffusers@again"]
+    impls = list(TABLE_COLUMNS)
     chunks = sorted({i for d in by.values() for i in d if i.startswith("ours@chunk")}, key=lambda i: int(i[10:]))
     impls = impls[:9] + chunks + impls[9:]
     impls = [i for i in impls if any(i in d for d in by.values())]  # the columns this run measured

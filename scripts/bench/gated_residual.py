@@ -1,8 +1,8 @@
 """Benchmark the fused gated residual (ops/gated_residual.py) against the eager formula and torch.compile of it.
 
-    python scripts/bench_gated_residual.py --out results            # the table: prints it, writes CSV + JSON
-    python scripts/bench_gated_residual.py --out /tmp/s --sweep     # launch-shape sweep of the kernels (tuning)
-    python scripts/bench_gated_residual.py --out results --tuned /tmp/s/gated_residual_h200_sweep.json
+    python scripts/bench/gated_residual.py                         # the table: prints it, writes CSV + JSON
+    python scripts/bench/gated_residual.py --out /tmp/s --sweep    # launch-shape sweep of the kernels (tuning)
+    python scripts/bench/gated_residual.py --tuned /tmp/s/gated_residual_h200_sweep.json
 
 B=1, bf16 x and y, fp32 gate as a chunk view of a modulation table (per sample: [1, 6, D], stride 6·D; per token:
 [1, N, 6, D] squeezed). Implementations: `eager` = models.layers.gated_residual `(x.float() + y.float()·gate)`,
@@ -22,16 +22,17 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
-from scripts.bench_adaln import add_rates, fmt, rel_err, run_bench, saved_bytes_of  # noqa: E402
+import harness  # noqa: E402
+from harness import add_rates, fmt, rel_err, run_bench, saved_bytes_of  # noqa: E402
 
 FLOOR_BYTES = {("sample", "fwd"): 6, ("sample", "bwd"): 6, ("token", "fwd"): 10, ("token", "bwd"): 14}
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="directory for <name>.csv and <name>.json")
+    harness.add_out(p, "gated_residual")
     p.add_argument("--name", default="gated_residual_h200")
     p.add_argument("--n", type=int, nargs="+", default=[16384, 65536])
     p.add_argument("--d", type=int, nargs="+", default=[1536, 5120])
@@ -41,7 +42,7 @@ def parse_args():
     p.add_argument("--kernels", nargs="+", default=["fwd", "bwd"], help="--sweep: which kernels")
     p.add_argument("--tuned", help="a --sweep JSON: take its fastest launch shapes (ops.gated_residual.TUNED)")
     p.add_argument("--rep-ms", type=float, default=100.0)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def make_inputs(kind, N, D, device, seed=0):
@@ -187,8 +188,8 @@ def run_sweep(args, bench, device, copy_bw, save):
     return rows
 
 
-def main():
-    run_bench(parse_args(), "gated_residual", lambda op: {
+def main(argv=None):
+    run_bench(parse_args(argv), "gated_residual", lambda op: {
         "floor_bytes_per_elem": {f"{k}-{p}": v for (k, p), v in FLOOR_BYTES.items()},
         "launch_shapes": {f"{k}-{'token' if t else 'sample'}-{d}": repr(c) for (k, t, d), c in op.TUNED.items()}},
         run_table, run_sweep)

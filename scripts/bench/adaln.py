@@ -1,7 +1,7 @@
 """Benchmark the fused AdaLN op (ops/adaln.py) against the eager reference and torch.compile of it.
 
-    python scripts/bench_adaln.py --out results            # the issue's table: prints it, writes CSV + JSON
-    python scripts/bench_adaln.py --out /tmp/s --sweep     # launch-shape sweep of the kernels (tuning)
+    python scripts/bench/adaln.py                         # the table: prints it, writes CSV + JSON (runs/bench/adaln)
+    python scripts/bench/adaln.py --out /tmp/s --sweep     # launch-shape sweep of the kernels (tuning)
 
 B=1, bf16 x, fp32 modulation as chunk views of a modulation table (per sample: [1, 6, D]; per token: [1, N, 6, D]).
 Byte floors per element (each input read once, each output written once): per-sample forward 4 (x, y), backward 6
@@ -13,21 +13,20 @@ implementation is reported as a failure.
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
-import json
 import os
 import sys
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
+
+import harness  # noqa: E402
+from harness import add_rates, fmt, rel_err, run_bench, saved_bytes_of  # noqa: E402
 
 FLOOR_BYTES = {("sample", "fwd"): 4, ("sample", "bwd"): 6, ("token", "fwd"): 12, ("token", "bwd"): 18}
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="directory for <name>.csv and <name>.json")
+    harness.add_out(p, "adaln")
     p.add_argument("--name", default="adaln_h200")
     p.add_argument("--n", type=int, nargs="+", default=[4096, 16384, 65536])
     p.add_argument("--d", type=int, nargs="+", default=[1536, 5120])
@@ -37,35 +36,7 @@ def parse_args():
     p.add_argument("--kernels", nargs="+", default=["fwd", "bwd", "dtile"], help="--sweep: which kernels")
     p.add_argument("--tuned", help="a --sweep JSON: take its fastest launch shapes (ops.adaln.TUNED) for this run")
     p.add_argument("--rep-ms", type=float, default=100.0)
-    return p.parse_args()
-
-
-def timer(rep_ms):
-    import torch
-
-    if torch.cuda.is_available():
-        import triton.testing
-
-        def bench(fn):
-            fn()  # compile/autotune outside the timing
-            return triton.testing.do_bench(fn, warmup=max(5, rep_ms / 4), rep=rep_ms, return_mode="median")
-    else:  # a dry run on CPU (TRITON_INTERPRET=1) checks the script, its numbers mean nothing
-        def bench(fn):
-            fn()
-            t = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t) * 1e3
-    return bench
-
-
-def copy_bandwidth(bench, device):
-    """Bytes read + written per second by a large device-to-device copy."""
-    import torch
-
-    n = (1 << 30) if device.type == "cuda" else (1 << 20)
-    src = torch.randn(n // 4, device=device)
-    dst = torch.empty_like(src)
-    return 2 * n / (bench(lambda: dst.copy_(src)) * 1e-3)
+    return p.parse_args(argv)
 
 
 def make_inputs(kind, N, D, device, seed=0):
@@ -84,52 +55,9 @@ def make_inputs(kind, N, D, device, seed=0):
     return x, scale.detach(), shift.detach(), dy
 
 
-def add_rates(rec: dict, floor_of, elems: int, copy_bw: float) -> None:
-    """Per phase measured: GB/s of the phase's floor bytes (floor_of(phase)) and its share of the device-copy
-    bandwidth; saved bytes per element where measured."""
-    for phase in ("fwd", "bwd"):
-        ms = rec.get(f"{phase}_ms")
-        if ms is not None:
-            floor = floor_of(phase)
-            rec[f"{phase}_GBps"] = floor / (ms * 1e-3) / 1e9
-            rec[f"{phase}_pct_copy"] = 100 * floor / copy_bw / (ms * 1e-3)
-    if "saved_bytes" in rec:
-        rec["saved_B_per_elem"] = rec["saved_bytes"] / elems
-        rec["saved_new_B_per_elem"] = rec["saved_new_bytes"] / elems
-
-
-def saved_bytes_of(fn, args, kept=(), callers=()):
-    """(bytes of every tensor autograd saves while fn(*args) runs, bytes of those that are new allocations), unique
-    storages. kept: tensors whose storage is not counted (the model holds them anyway); callers: inputs counted but
-    not as new (saving them keeps alive what would otherwise be freed)."""
-    import torch
-
-    ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
-    skip, old = {ptr(t) for t in kept}, {ptr(t) for t in callers}
-    seen, total, new = set(), 0, 0
-
-    def pack(t):
-        nonlocal total, new
-        p = ptr(t)
-        if p not in seen and p not in skip:
-            seen.add(p)
-            total += t.untyped_storage().nbytes()
-            new += 0 if p in old else t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*args)
-    return total, new
-
-
 def saved_bytes(fn, x, scale, shift):
     """The modulation table is not counted (the model keeps it anyway), x is (the issue counts it: 2 bytes/element)."""
     return saved_bytes_of(fn, (x, scale, shift), kept=(scale, shift), callers=(x,))
-
-
-def rel_err(a, ref):
-    """‖a − ref‖ / ‖ref‖: a sanity figure beside the timings (the tests hold the real checks)."""
-    return ((a.float() - ref).norm() / ref.norm()).item()
 
 
 def impls(kind, compile_cache):
@@ -197,10 +125,6 @@ def run_table(args, bench, device, copy_bw, save):
     return rows
 
 
-def fmt(v, spec):
-    return format(v, spec) if isinstance(v, (int, float)) else "-"
-
-
 def print_row(r):
     err = r.get("fwd_error") or r.get("bwd_error")
     print(f"{r['kind']:6s} {r['N']:6d} {r['D']:5d} {r['impl']:24s} "
@@ -234,19 +158,6 @@ def sweep_phase2(best):
 
     return [dataclasses.replace(best, split=sp, num_stages=st) for sp in (True, False) for st in (1, 2, 3)
             if (sp, st) != (best.split, best.num_stages)]
-
-
-def load_tuned(path):
-    """{(kernel, per_token, D): KernelConfig} from a sweep's JSON: the fastest launch shape per kernel and shape."""
-    from ops.adaln import KernelConfig
-
-    best = {}
-    for r in json.load(open(path))["rows"]:
-        key = (r["kernel"], r["kind"] == "token", r["D"])
-        if key not in best or r["ms"] < best[key]["ms"]:
-            best[key] = r
-    return {k: KernelConfig(r["rows"], r["num_warps"], r["programs_per_sm"], r["block_d"], r["split"],
-                            r["num_stages"]) for k, r in best.items()}
 
 
 def run_sweep(args, bench, device, copy_bw, save):
@@ -304,51 +215,8 @@ def run_sweep(args, bench, device, copy_bw, save):
     return rows
 
 
-def run_bench(args, op_name: str, meta_of, run_table, run_sweep, cache_size: int = 256) -> None:
-    """The session every op benchmark shares: the interpreter on a CPU (a dry run), compile limits, the op's tuned
-    launch shapes (--tuned), the copy bandwidth measured in the same run, and rows saved as JSON + CSV after every
-    shape. meta_of(op module) → the op's own metadata (byte floors, launch shapes, ...)."""
-    import importlib
-
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    import triton
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if hasattr(torch, "_dynamo"):
-        torch._dynamo.config.cache_size_limit = cache_size  # one graph per shape: dynamic=False, fair to compile
-        if hasattr(torch._dynamo.config, "recompile_limit"):
-            torch._dynamo.config.recompile_limit = cache_size
-    op = importlib.import_module(f"ops.{op_name}")
-    if getattr(args, "tuned", None):
-        op.TUNED.update(load_tuned(args.tuned))
-    bench = timer(args.rep_ms)
-    copy_bw = copy_bandwidth(bench, device)
-    meta = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)",
-            "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
-            "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "copy_GBps": copy_bw / 1e9,
-            **meta_of(op)}
-    print(f"{meta['gpu']} torch {meta['torch']} triton {meta['triton']} copy {copy_bw / 1e9:.0f} GB/s", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    name = os.path.join(args.out, args.name + ("_sweep" if args.sweep else ""))
-
-    def save(rows):  # after every shape: a run cut short keeps what it measured
-        with open(name + ".json", "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        keys = list(dict.fromkeys(k for r in rows for k in r))
-        with open(name + ".csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            w.writerows(rows)
-
-    (run_sweep if args.sweep else run_table)(args, bench, device, copy_bw, save)
-    print(f"wrote {name}.csv/.json")
-
-
-def main():
-    run_bench(parse_args(), "adaln", lambda op: {
+def main(argv=None):
+    run_bench(parse_args(argv), "adaln", lambda op: {
         "floor_bytes_per_elem": {f"{k}-{p}": v for (k, p), v in FLOOR_BYTES.items()},
         "launch_shapes": {f"{k}-{'token' if t else 'sample'}-{d}": repr(c) for (k, t, d), c in op.TUNED.items()}},
         run_table, run_sweep)

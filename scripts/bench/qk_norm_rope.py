@@ -1,8 +1,8 @@
 """Benchmark the fused q/k RMSNorm + RoPE (ops/qk_norm_rope.py) against the eager reference and torch.compile of it.
 
-    python scripts/bench_qk_norm_rope.py --out results            # issue 9's shapes: prints the table, CSV + JSON
-    python scripts/bench_qk_norm_rope.py --out /tmp/s --sweep     # launch-shape sweep of the two kernels (tuning)
-    python scripts/bench_qk_norm_rope.py --out /tmp/s --frames 1 --hw 3 5 --no-compile   # CPU dry run
+    python scripts/bench/qk_norm_rope.py                          # the table at the long shapes: CSV + JSON
+    python scripts/bench/qk_norm_rope.py --out /tmp/s --sweep     # launch-shape sweep of the two kernels (tuning)
+    python scripts/bench/qk_norm_rope.py --out /tmp/s --frames 1 --hw 3 5 --no-compile   # CPU dry run
 
 Wan 2.1 1.3B's q (k is the same op): B=1, 12 heads × 128 (D = 1536), bf16 x, fp32 weight, cos/sin from RoPE3D for
 a 480p latent (30 × 52 tokens a frame) at 9 and 21 frames: N = 14040 and 32760, issue 9's long shapes.
@@ -21,15 +21,15 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
-# one timer and session for every op bench
-from scripts.bench_adaln import add_rates, fmt, rel_err, run_bench, saved_bytes_of  # noqa: E402
+import harness  # noqa: E402 - one timer and session for every op bench
+from harness import add_rates, fmt, rel_err, run_bench, saved_bytes_of  # noqa: E402
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="directory for <name>.csv and <name>.json")
+    harness.add_out(p, "qk_norm_rope")
     p.add_argument("--name", default="qk_norm_rope_h200")
     p.add_argument("--frames", type=int, nargs="+", default=[9, 21], help="latent frames: N = frames · h · w")
     p.add_argument("--hw", type=int, nargs=2, default=[30, 52], help="tokens a frame (480p latent 60×104, 2×2 patch)")
@@ -39,7 +39,7 @@ def parse_args():
     p.add_argument("--sweep", action="store_true", help="time the kernels over launch shapes instead")
     p.add_argument("--kernels", nargs="+", default=["fwd", "bwd"], help="--sweep: which kernels")
     p.add_argument("--rep-ms", type=float, default=100.0)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def make_inputs(frames, h, w, heads, head_dim, device, seed=0):
@@ -238,8 +238,8 @@ def run_sweep(args, bench, device, copy_bw, save):
     return rows
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
     run_bench(args, "qk_norm_rope", lambda op: {
         "heads": args.heads, "head_dim": args.head_dim, "hw": args.hw,
         "launch_shapes": {f"{k}-{d}": repr(c) for (k, d), c in op.TUNED.items()}}, run_table, run_sweep, cache_size=64)

@@ -1,13 +1,13 @@
 """Small micro-batches: where the host's time goes, and what CUDA graphs of whole micro-batches give (a script).
 
-    python scripts/bench_small_step.py --out DIR                 (one H200: Wan 1.3B, ~5 minutes)
-    python scripts/bench_small_step.py --tiny --out /tmp/small   (a tiny config on the CPU: checks the script)
-    python scripts/bench_small_step.py --model mmdit --out DIR   (the MMDiT at HunyuanVideo width, 2 + 4 blocks)
+    python scripts/bench/small_step.py --out DIR                 (one H200: Wan 1.3B, ~5 minutes)
+    python scripts/bench/small_step.py --tiny --out /tmp/small   (a tiny config on the CPU: checks the script)
+    python scripts/bench/small_step.py --model mmdit --out DIR   (the MMDiT at HunyuanVideo width, 2 + 4 blocks)
 
 Columns, side by side in one process (forward + backward, random weights, bf16 parameters and gradients, every
-block recomputed, as scripts/bench_step.py's like-for-like columns):
+block recomputed, as scripts/bench/step.py's like-for-like columns):
   diffusers      diffusers' WanTransformer3DModel with gradient checkpointing, its default attention
-  eager          our model with the fused ops (glue_backend=triton), eager
+  eager          our model with the fused ops (fused_ops=triton), eager
   graph          the same micro-batch captured once as a CUDA graph and replayed (training/cuda_graphs.py)
   compile        eager with every block compiled (block.compile(), inductor), where --compile asks for it
 Per shape and column: wall ms (CUDA events, median), device ms (the profiler's kernel time in one rep), GPU busy
@@ -28,9 +28,12 @@ import sys
 import time
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
 
 import torch  # noqa: E402
+
+import harness  # noqa: E402
+from harness import sync  # noqa: E402
 
 from training.cuda_graphs import FakeGraphs, MicroBatchGraphs  # noqa: E402
 
@@ -82,27 +85,10 @@ def inputs(cfg, shape, dev, dtype, seed=0):
     return {"x": x, "t": t, "ctx": ctx}
 
 
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def timed(run, dev, warmup, reps) -> dict:
-    for _ in range(warmup):
-        run()
-    sync(dev)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    times = []
-    for _ in range(reps):
-        sync(dev)
-        t0 = time.perf_counter()
-        run()
-        sync(dev)
-        times.append((time.perf_counter() - t0) * 1e3)
-    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
+    times, peak = harness.time_reps(run, dev, warmup, reps)
     reserved = torch.cuda.memory_reserved(dev) / 2**30 if dev.type == "cuda" else float("nan")
-    return {"ms": round(sorted(times)[len(times) // 2], 2), "reps_ms": [round(t, 1) for t in times],
+    return {"ms": round(harness.median(times), 2), "reps_ms": [round(t, 1) for t in times],
             "peak_gib": round(peak, 2), "reserved_gib": round(reserved, 2)}
 
 
@@ -233,7 +219,7 @@ def build_wan(tiny: bool, dev, diffusers: bool, trainer: bool = False):
     ours.to(dev)
     if not trainer:
         ours._cast_params(torch.bfloat16)
-    ours.glue_backend = "triton" if dev.type == "cuda" else "torch"
+    ours.fused_ops = "triton" if dev.type == "cuda" else "torch"
     ours.set_activation_checkpointing(True)
     cast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)) \
         if trainer and dev.type == "cuda" else contextlib.nullcontext
@@ -296,7 +282,7 @@ def build_mmdit(tiny: bool, dev, diffusers: bool):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
+    harness.add_out(ap, "small_step")
     ap.add_argument("--model", default="wan", choices=("wan", "mmdit", "wan-trainer"),
                     help="wan-trainer: our Wan in the trainer's precision (fp32 master weights, bf16 autocast)")
     ap.add_argument("--tiny", action="store_true", help="tiny config and shapes (checks the script on a CPU)")

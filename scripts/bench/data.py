@@ -1,7 +1,7 @@
 """Benchmark the raw-data path on this machine's CPU: clips decoded/s and samples/s per loader worker.
 
-    python scripts/bench_data.py                       (≈ 3 min on 2 cores; the corpora are cached in .cache/)
-    python scripts/bench_data.py --videos 24 --images 48 --seconds 10
+    python scripts/bench/data.py                       (≈ 3 min on 2 cores; the corpora are cached in .cache/)
+    python scripts/bench/data.py --videos 24 --images 48 --seconds 10 --out DIR
 
 Cases (what a loader worker does for one sample of the bucket):
     480p 33f clip   3 s 854×480 h264 (libx264 veryfast, crf 23, keyframe every 2 s) at 30 fps → bucket v480_33f:
@@ -12,8 +12,8 @@ Rows: `decode` = decode_video / decode_image from bytes in memory (uint8 out); `
 per sample: pread from the shard, caption, decode (the cast to float [−1, 1] happens on the encoder's device).
 Each is timed on 1 worker, then on N worker threads and N worker processes (processes pay for pickling frames back);
 each number is the best of five windows, since other work on a shared machine only slows a window down.
-Prints a table and writes results/data_loading.json; results/data_loading.md discusses the numbers against the
-H200 step times (how many workers keep one GPU fed per bucket).
+Prints a table and writes OUT/data_loading.json (--out, default runs/bench/data); results/data_loading.md discusses
+the numbers against the H200 step times (how many workers keep one GPU fed per bucket).
 """
 from __future__ import annotations
 
@@ -27,8 +27,10 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # the repo root, ahead of this folder: `data` is the package, not this file
+
+import harness  # noqa: E402
 
 # Wan 2.1 1.3B on one H200 (fwd + bwd, the scheduling calibration): (B, S) → ms
 H200_STEPS = {"i480": (16, 1560, 848.0), "v480_33f": (2, 14040, 1459.0)}
@@ -109,8 +111,8 @@ def _ensure(root: str, **kw) -> str:
     from data.buckets import bucket_table
     from data.index import SampleIndex
     from data.raw import RawConfig, index_corpus
-    from training.config import compose_config
     from data.synthetic_raw import write_raw_corpus
+    from training.config import compose_config
 
     try:
         SampleIndex.load(root)
@@ -131,7 +133,7 @@ def main(argv=None) -> None:
     p.add_argument("--images", type=int, default=24)
     p.add_argument("--seconds", type=float, default=2.0, help="length of each of the 5 timing windows per row")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--out", default=os.path.join(ROOT, "results", "data_loading.json"))
+    harness.add_out(p, "data")
     a = p.parse_args(argv)
     vid = _ensure(os.path.join(a.cache, "v480"), images=0, videos=a.videos, size=(480, 480), seconds=(3.0, 3.0),
                   fps=(30,), samples_per_shard=8, seed=1, preset="veryfast", aspects=((16, 9),))
@@ -194,10 +196,11 @@ def main(argv=None) -> None:
     info = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
             f"{platform.processor() or _cpu_name()}", "python": platform.python_version(),
             "av": __import__("av").__version__, "pillow": __import__("PIL").__version__, "rows": rows, "feed": feed}
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "data_loading.json")
+    with open(path, "w") as f:
         json.dump(info, f, indent=1)
-    print(f"\nwrote {a.out}")
+    print(f"\nwrote {path}")
 
 
 def _cpu_name() -> str:
