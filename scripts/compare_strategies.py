@@ -1,4 +1,4 @@
-"""The strategy comparison on one multi-GPU machine (issue 7): calibrate, simulate, then train four arms.
+"""The strategy comparison on one multi-GPU machine: calibrate, simulate, then train four arms.
 
     python scripts/compare_strategies.py --out results/compare_8gpu                 (8 GPUs, Wan 2.1 1.3B, ~25 min)
     python scripts/compare_strategies.py --tiny --procs 2 --out /tmp/cmp_cpu         (checks the script on a CPU)
@@ -88,7 +88,7 @@ def main(argv=None) -> None:
     cal = os.path.join(out, "calibration.json")
     base = (["logging.wandb=disabled", "train.progress=false"] if args.tiny else
             ["conf=wan21_1p3b", "data=wan_short", "logging.wandb=disabled", "train.progress=false"])
-    # the AdaLN kernel is the only fused op the arms vary (issue 7); the rest of the glue stays the reference's in
+    # the AdaLN kernel is the only fused op the arms vary; the rest of the glue stays the reference's in
     # the calibration and every arm, so arm 1 is the paper's starting point
     base += [f"data.index={corpus}", "train.micro_batches=4", "model.fused_ops=torch"]
     m_tokens = args.m_tokens or (120 if args.tiny else 14040)

@@ -4,7 +4,7 @@
 #   t. the GPU tests of the micro-batch graphs (replay against eager) and of the fused ops' small-variance rows;
 #   b. scripts/bench/small_step.py: diffusers, our eager step and its CUDA-graph replay at B·S = 1×1560, 4×1560,
 #      1×7800 (SHAPES to change), the host profile of one eager micro-batch, the optimizer step;
-#   l. issue 9's five shapes, diffusers against our eager and graph columns;
+#   l. scripts/bench/step.py's five shapes, diffusers against our eager and graph columns;
 #   m. the MMDiT at HunyuanVideo width (2 dual + 4 single blocks) at the three small shapes;
 #   r. the whole training step through train.py (conf=wan21_1p3b, one 480p image per micro-batch, M = 1, the
 #      optimizer and EMA included) with train.cuda_graphs=off and auto: time/step_s over steps 11-40.
@@ -20,7 +20,7 @@ if [[ $PART == *b* ]]; then
   timeout 330 python3 scripts/bench/small_step.py --out "$OUT" --shapes "${SHAPES:-1x1560,4x1560,1x7800}" \
     --columns "${COLUMNS:-diffusers,eager,graph}" 2>&1 | tee "$OUT/bench.log" | grep -vE '^\{' | cut -c1-900
 fi
-if [[ $PART == *l* ]]; then  # issue-9's shapes: no lower than before, the graph where it is captured too
+if [[ $PART == *l* ]]; then  # the step benchmark's shapes: no lower than before, the graph where it is captured too
   timeout 330 python3 scripts/bench/small_step.py --out "$OUT/long" --no-profile --kernels '' \
     --shapes 16x1560,4x7800,2x14040,1x32760,1x75600 --columns diffusers,eager,graph 2>&1 \
     | tee "$OUT/bench_long.log" | grep -vE '^\{' | cut -c1-600

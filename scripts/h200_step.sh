@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 9 on the H200 (results/step_h200.md), one device call per part (PART=a, s, b; default all three, ~16 min):
+# The training step against diffusers on the H200 (results/step_h200.md), one device call per part (PART=a, s, b; default all three, ~16 min):
 #   a  the GPU tests of the fused ops and of Wan's parity with diffusers, then scripts/bench/step.py at S = 32760 and
 #      14040 (the targets' shapes) with Python's collector paused inside timed steps (--gc-off), diffusers measured
 #      in the same process: ours@glue, offload, the (b) column (every block keeping its self-attention), a profile;

@@ -182,8 +182,8 @@ def test_check_runs_given_micro_batches_against_a_calibration(tmp_path):
 def test_the_launch_floor_prices_every_point_of_the_h200_eager_scan(monkeypatch):
     """On the H200 scan of eager steps i480 and v480_17f at B = 1 took 464 and 491 ms where their kernels take ~80
     and ~300 (the GPU waited on the host): the cost model's floor prices them, and every point — those two
-    included — is within 3 %, where the form without a floor misses them by 27 % and 9 %. Issue 4's points (4
-    blocks, all compute-bound) get no floor."""
+    included — is within 3 %, where the form without a floor misses them by 27 % and 9 %. The four-block H200 points
+    (H200_FOUR_BLOCK_POINTS, all compute-bound) get no floor."""
     from scheduling.simulate import H200_FOUR_BLOCK_POINTS
     from tests.helpers import ROOT
 
@@ -196,8 +196,8 @@ def test_the_launch_floor_prices_every_point_of_the_h200_eager_scan(monkeypatch)
     assert cost.predict(1, 1560) == cost.params["floor"] and cost.predict(1, 32760) > 2000
     plain = fit_cost_model([p.B for p in pts], [p.S for p in pts], [p.ms for p in pts], form="quadratic")
     assert max(abs(r) for r in plain.residuals) > 0.2
-    issue4 = [Point("b", S, B, True, ms, [ms], 0.0) for B, S, ms in H200_FOUR_BLOCK_POINTS]
-    assert "floor" not in fit_mode(issue4)["cost_model"]["params"]
+    four_block = [Point("b", S, B, True, ms, [ms], 0.0) for B, S, ms in H200_FOUR_BLOCK_POINTS]
+    assert "floor" not in fit_mode(four_block)["cost_model"]["params"]
 
 
 def test_launch_floor_on_a_synthetic_scan():

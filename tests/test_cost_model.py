@@ -1,4 +1,4 @@
-"""scheduling/cost_model.py: both forms recover planted parameters; issue 4's H200 data; memory model; files."""
+"""scheduling/cost_model.py: both forms recover planted parameters; the four-block H200 points (scheduling/simulate.py); memory model; files."""
 import numpy as np
 import pytest
 
@@ -55,7 +55,7 @@ def test_joint_attention_enters_as_S_plus_L_squared():
     assert m.joint and m.predict(2, 1000, L=100) == pytest.approx(1.5 + 2 * 1100 * (2e-3 + 3e-7 * 1100))
 
 
-def test_issue4_h200_points_power_misses_about_15_percent_quadratic_under_1():
+def test_four_block_h200_points_power_misses_about_15_percent_quadratic_under_1():
     B, S, t = map(np.array, zip(*H200_FOUR_BLOCK_POINTS))
     fits = fit_both(B, S, t)
     assert 0.12 < fits["power"].rel_rmse < 0.18, fits["power"].describe()

@@ -1,4 +1,4 @@
-"""Fine-tuning (issue 10): pretrained start, LoRA (zero start, adapter-only training, diffusers' loaders), merged
+"""Fine-tuning: pretrained start, LoRA (zero start, adapter-only training, diffusers' loaders), merged
 export, frozen parameters and LR groups, the Euler sampler, mp4 samples, checkpoint sampling, Wan key conversion.
 
 Everything runs on tiny models on the CPU in fp32; numbers are compared against diffusers where diffusers has them.

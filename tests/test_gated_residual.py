@@ -270,7 +270,7 @@ def test_empty_inputs(kind, B, N, D):
 
 def test_cuda_launch_shapes_for_an_empty_width():
     """The CUDA launch-shape lookup (the nearest tuned width, on a log scale) takes D = 0 — an empty tensor launches
-    nothing but still asks (it divided by zero on the H200, run 16); no GPU needed to ask."""
+    nothing but still asks (it once divided by zero on the H200); no GPU needed to ask."""
     from ops import adaln, qk_norm_rope
 
     cuda = torch.device("cuda")

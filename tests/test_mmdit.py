@@ -16,7 +16,7 @@ from diffusers import HunyuanVideoTransformer3DModel  # slow import (~3 s): once
 from models.mmdit import MMDiT
 from ops import adaln
 
-# The config: one block of each kind, guidance on.
+# A tiny config: one block of each kind, guidance on.
 TINY = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12, num_layers=1,
             num_single_layers=1, num_refiner_layers=1, mlp_ratio=2, patch_size=2, patch_size_t=1,
             rope_axes_dim=(4, 4, 4), text_embed_dim=16, pooled_projection_dim=8, guidance_embeds=True)

@@ -56,7 +56,7 @@ def make_inputs(kind, N, D, device, seed=0):
 
 
 def saved_bytes(fn, x, scale, shift):
-    """The modulation table is not counted (the model keeps it anyway), x is (the issue counts it: 2 bytes/element)."""
+    """The modulation table is not counted (the model keeps it anyway), x is (2 bytes/element)."""
     return saved_bytes_of(fn, (x, scale, shift), kept=(scale, shift), callers=(x,))
 
 

@@ -5,7 +5,7 @@
     python scripts/bench/qk_norm_rope.py --out /tmp/s --frames 1 --hw 3 5 --no-compile   # CPU dry run
 
 Wan 2.1 1.3B's q (k is the same op): B=1, 12 heads × 128 (D = 1536), bf16 x, fp32 weight, cos/sin from RoPE3D for
-a 480p latent (30 × 52 tokens a frame) at 9 and 21 frames: N = 14040 and 32760, issue 9's long shapes.
+a 480p latent (30 × 52 tokens a frame) at 9 and 21 frames: N = 14040 and 32760, scripts/bench/step.py's long shapes.
 
 Bytes per element of x:
   floor (each tensor moved once, what the fused kernels move): forward x + y = 2·e, backward x + dy + dx = 3·e, each
