@@ -20,7 +20,7 @@ first use with scheduling.calibration=auto.
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 if any(a in ("-h", "--help") for a in sys.argv[1:]):
     print(__doc__)

@@ -1,7 +1,14 @@
 """The strategy comparison on one multi-GPU machine: calibrate, simulate, then train four arms.
 
-    python scripts/compare_strategies.py --out results/compare_8gpu                 (8 GPUs, Wan 2.1 1.3B, ~25 min)
-    python scripts/compare_strategies.py --tiny --procs 2 --out /tmp/cmp_cpu         (checks the script on a CPU)
+    python scripts/compare_strategies.py --out runs/compare_8gpu                    (8 GPUs, Wan 2.1 1.3B, ~25 min)
+    python scripts/compare_strategies.py --tiny --procs 2 --out /tmp/cmp_cpu         (the tiny model on a CPU)
+    python scripts/compare_strategies.py --quick                                     (the same in about a minute)
+    python scripts/compare_strategies.py --tiny --procs 2 --plan                     (the estimate only)
+
+Every mode prints its estimated run time first. --quick (implies --tiny, 2 processes) checks the whole path on a
+CPU: it skips step 2 (the committed CPU calibration, results/calibration_cpu_tiny.json, is copied into OUT and
+used, so the simulated column comes from that file, not this machine), runs the simulator on fewer micro-batches,
+and times 4 steps after 1 warm-up per arm.
 
 1. one synthetic latent corpus in the short-clip mix (conf/data/wan_short.yaml: 480p image 25 %, 720p image 10 %,
    480p 17 f 15 %, 480p 33 f 15 %), written once to OUT/corpus and read by every run;
@@ -22,6 +29,7 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -31,6 +39,13 @@ sys.path.insert(0, ROOT)  # the repo root
 
 from training.compare import compare, read_rows, summarize  # noqa: E402
 
+QUICK_MBS = 512  # the simulator's micro-batches per candidate run under --quick (its default: 4096)
+CPU_CALIBRATION = os.path.join(ROOT, "results", "calibration_cpu_tiny.json")  # --quick's, copied into OUT
+# Run-time model of the estimate printed up front (seconds; on a 2-core CPU for --tiny, 8 H200s otherwise):
+# (fixed, per step) of one arm, the calibration and the simulation; the tiny numbers were measured on this repo's
+# 2-core development machine with nothing else running, the GPU ones from the run times in the module docstring.
+COSTS = {"tiny": {"arm": (12.0, 0.3), "calibration": 480 + 60, "simulation": 110, "simulation_quick": 15},
+         "gpu": {"arm": (90.0, 3.0), "calibration": 480 + 120, "simulation": 120, "simulation_quick": 30}}
 MIX = {"i480": 0.25, "i720": 0.10, "v480_17f": 0.15, "v480_33f": 0.15}
 TINY_MIX = {"img_64": 0.3, "img_64x96": 0.2, "vid_64_9f": 0.3, "vid_64x96_17f": 0.2}
 
@@ -69,23 +84,59 @@ def write_corpus(out: str, tiny: bool, samples: int) -> str:
     return root
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--procs", type=int, default=8, help="processes (GPUs) per arm")
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--out", default=os.path.join("runs", "compare_strategies"),
+                    help="output folder (default runs/compare_strategies)")
+    ap.add_argument("--procs", type=int, default=None, help="processes (GPUs) per arm (default 8; --quick: 2)")
     ap.add_argument("--tiny", action="store_true", help="tiny model, tiny buckets, CPU-sized steps")
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=30, help="timed steps after the warm-up")
-    ap.add_argument("--samples", type=int, default=1024, help="synthetic corpus size (epochs repeat it)")
+    ap.add_argument("--quick", action="store_true", help="--tiny in about a minute on a 2-core CPU: the committed "
+                    "CPU calibration, a short simulation, 1 + 4 steps per arm (module docstring)")
+    ap.add_argument("--plan", action="store_true", help="print the estimated run time, run nothing")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per arm (default 5; --quick: 1)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps after the warm-up (default 30; --quick: 4)")
+    ap.add_argument("--samples", type=int, default=None,
+                    help="synthetic corpus size, epochs repeat it (default 1024; --quick: 256)")
     ap.add_argument("--minutes-per-arm", type=float, default=4.0, help="a run over this is stopped (timeout)")
     ap.add_argument("--m-tokens", type=int, default=None, help="equal_token's m_tokens (default: the mix's S_max)")
     ap.add_argument("--skip-calibration", action="store_true", help="reuse OUT/calibration.json")
     args = ap.parse_args(argv)
+    args.tiny = args.tiny or args.quick
+    for name, full, quick in (("procs", 8, 2), ("warmup", 5, 1), ("steps", 30, 4), ("samples", 1024, 256)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    return args
+
+
+def estimate(args) -> dict[str, float]:
+    """Seconds per phase by COSTS: what this run is expected to take, printed before anything runs."""
+    c = COSTS["tiny" if args.tiny else "gpu"]
+    fixed, per_step = c["arm"]
+    phases = {}
+    if not (args.quick or args.skip_calibration):
+        phases["calibration"] = c["calibration"]
+    phases["simulation"] = c["simulation_quick" if args.quick else "simulation"]
+    phases["4 arms"] = 4 * min(fixed + per_step * (args.warmup + args.steps), args.minutes_per_arm * 60 + 300)
+    return phases
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    phases = estimate(args)
+    total = sum(phases.values())
+    print(f"estimated run time: about {total / 60:.0f} min ({total:.0f} s: "
+          + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()) + f"; {args.procs} processes, "
+          f"{args.warmup} + {args.steps} steps per arm{', quick' if args.quick else ''})", flush=True)
+    if args.plan:
+        return
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     py = sys.executable
     corpus = write_corpus(out, args.tiny, args.samples)
     cal = os.path.join(out, "calibration.json")
+    if args.quick:  # the committed CPU calibration, copied: the simulator writes its choices into the copy
+        shutil.copyfile(CPU_CALIBRATION, cal)
     base = (["logging.wandb=disabled", "train.progress=false"] if args.tiny else
             ["conf=wan21_1p3b", "data=wan_short", "logging.wandb=disabled", "train.progress=false"])
     # the AdaLN kernel is the only fused op the arms vary; the rest of the glue stays the reference's in
@@ -95,7 +146,7 @@ def main(argv=None) -> None:
     commands = {}
 
     # 2. calibration, in the runs' parallel set-up
-    if not args.skip_calibration:
+    if not (args.skip_calibration or args.quick):
         buckets = list(TINY_MIX if args.tiny else MIX)
         cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.procs}",
                "scripts/calibrate.py", *base, f"scheduling.calibration={cal}",
@@ -107,6 +158,8 @@ def main(argv=None) -> None:
     sim_out = os.path.join(out, "simulation")
     cmd = [py, "scripts/simulate_cluster.py", f"--calibration={cal}", f"--corpus={corpus}", f"--ranks={args.procs}",
            "--g=2", "--unconstrained", "--M=4", f"--out={sim_out}", "--write-chosen", "--no-model-truth"]
+    if args.quick:
+        cmd.append(f"--mbs={QUICK_MBS}")
     commands["simulate"] = " ".join(cmd[1:])
     run(cmd, os.path.join(out, "simulate.log"), 900)
     predicted = {}  # (strategy, "best") → the sweep's best; ("equal_token", "at_m_tokens") → at the arms' m_tokens

@@ -1,11 +1,11 @@
 """Mutation check: small realistic bugs planted one at a time in the library; a test suite that misses one has a gap.
 
     python scripts/mutation_check.py                          files of the five packages changed since HEAD
-    python scripts/mutation_check.py --base main --per-file 8 --seed 0 --out results/mutation
+    python scripts/mutation_check.py --base main --per-file 8 --seed 0 --out runs/mutation
     python scripts/mutation_check.py --all --jobs 2           every file of scheduling/ training/ ops/ data/ models/
     python scripts/mutation_check.py --files ops/adaln.py --list     the mutants it would run, without running them
     python scripts/mutation_check.py --only ops/adaln.py#41 scheduling/planner.py#7   re-run given mutants
-    python scripts/mutation_check.py --recheck results/mutation.csv --out results   re-run an earlier run's survivors
+    python scripts/mutation_check.py --recheck results/mutation.csv --out DIR   re-run an earlier run's survivors
     python scripts/mutation_check.py --recheck old/mutation.csv --recheck-rev 08e2774   ... whose sources have moved
 
 Mutations (Python's ast; each replaces one node's source text, the rest of the file is left byte for byte):
@@ -25,12 +25,12 @@ its module (`from pkg.mod import …`, `import pkg.mod`, `from pkg import mod`, 
 import) plus the few in COVERED_BY, fastest first (timed once on the unmutated copy; a test file that fails there is
 left out and reported). A mutant is killed when pytest fails, survives when it passes, and times out past
 --timeout-factor × the tests' clean time + --timeout-pad seconds (counted as killed: the bug hangs the tests).
-Prints a table (file, line, mutation, status) and the kill rate per package; --out DIR writes mutation.csv and
-mutation.json. The csv's `source` column is the line mutated, its replaced text in ⟦⟧, then ⇒ and the text that
-replaces it: --recheck finds each
-survivor again by it (and its mutation), wherever the line has moved since; a csv without it (older runs) needs
---recheck-rev, the revision whose sources that run mutated. A survivor whose text is no longer in the file is
-reported `gone` (the code was rewritten: run a fresh pass on it) and, like `no tests`, is not counted.
+Prints a table (file, line, mutation, status) and the kill rate per package; --out DIR (default runs/mutation)
+gets mutation.csv and mutation.json. The csv's `source` column is the line mutated, its replaced text in ⟦⟧, then ⇒
+and the text that replaces it: --recheck finds each survivor again by it (and its mutation), wherever the line has
+moved since; a csv without it (older runs) needs --recheck-rev, the revision whose sources that run mutated. A
+survivor whose text is no longer in the file is reported `gone` (the code was rewritten: run a fresh pass on it)
+and, like `no tests`, is not counted.
 Not a test (slow by nature): run it by hand before merging a change to the core.
 """
 from __future__ import annotations
@@ -153,7 +153,8 @@ def main(argv=None) -> int:
                     "git revision whose sources that run mutated (each survivor is found again by its text there)")
     ap.add_argument("--per-file", type=int, default=8, help="mutants drawn per file (0: all; default 8)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", help="directory for mutation.csv and mutation.json")
+    ap.add_argument("--out", default=os.path.join("runs", "mutation"),
+                    help="folder for mutation.csv and mutation.json (default runs/mutation)")
     ap.add_argument("--jobs", type=int, default=1, help="mutants run in parallel, each in its own copy")
     ap.add_argument("--timeout-factor", type=float, default=3.0)
     ap.add_argument("--timeout-pad", type=float, default=30.0)

@@ -68,7 +68,7 @@ from training.replay import replay  # noqa: E402
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the training config (key=value)")
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--out", default=os.path.join("runs", "replay"), help="output folder (default runs/replay)")
     p.add_argument("--name", default="replay", help="file stem of the outputs (default replay)")
     p.add_argument("--settings", default=None, help="JSON settings file (module docstring)")
     p.add_argument("--strategies", default=None,

@@ -1,7 +1,7 @@
 """Simulate the four strategies on R ranks under a fixed global batch; write a report, CSV and plots.
 
     python scripts/simulate_cluster.py --calibration results/calibration_h200_graphs.json --out runs/simulation
-    python scripts/simulate_cluster.py --calibration FILE --quick          (R = 8, g = 2·S_max only: about a minute)
+    python scripts/simulate_cluster.py --calibration FILE --quick          (R = 8, g = 2·S_max only: under a minute)
     python scripts/simulate_cluster.py --calibration FILE --unconstrained  (also the earlier M = 4 protocol)
 
 The protocol (scheduling/protocol.py): every strategy holds the same expected real tokens per rank per optimizer
@@ -21,7 +21,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 from scheduling.calibrate import HBM_FRACTION, Calibration  # noqa: E402
 from scheduling.protocol import (STRATEGIES, describe_setting, inputs_from, record_chosen,  # noqa: E402
@@ -54,14 +54,32 @@ def parse_args(argv):
     ap.add_argument("--slow-rank", default=None, help="RANK:FACTOR, e.g. 0:1.1: one rank persistently slower")
     ap.add_argument("--replay", default=None, help="a replay's JSON (scripts/replay_plans.py): its measured "
                     "micro-batches join the truth")
-    ap.add_argument("--mbs", type=int, default=4096, help="micro-batches per candidate run (the final run: 4×)")
+    ap.add_argument("--mbs", type=int, default=None, help="micro-batches per candidate run (the final run: 4×; "
+                    "default 4096, --quick 2048)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="R = 8 and g = 2·S_max only, fewer candidates")
+    ap.add_argument("--quick", action="store_true", help="R = 8 and g = 2·S_max only, fewer candidates and "
+                    "micro-batches: under a minute on 2 CPU cores")
     ap.add_argument("--no-model-truth", action="store_true", help="skip the old mode's rows")
     ap.add_argument("--unconstrained", action="store_true", help="also the earlier protocol (M = 4, no batch bound)")
     ap.add_argument("--M", type=int, default=4, help="M of the unconstrained protocol")
     ap.add_argument("--write-chosen", action="store_true", help="record the best settings in the calibration file")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.mbs is None:
+        args.mbs = 2048 if args.quick else 4096
+    return args
+
+
+# Seconds one comparison of the four strategies (one R, one g, one truth) takes at 4096 micro-batches per candidate,
+# measured on a 2-core CPU (quick: 3 candidates per M, otherwise 6); the time scales with --mbs. The unconstrained
+# protocol adds about UNCONSTRAINED_S per rank count.
+COMPARISON_S = {"quick": 22.0, "full": 45.0}
+UNCONSTRAINED_S = 20.0
+
+
+def estimate_s(n_comparisons: int, n_ranks: int, args) -> float:
+    scale = args.mbs / 4096
+    return scale * (n_comparisons * COMPARISON_S["quick" if args.quick else "full"]
+                    + (n_ranks * UNCONSTRAINED_S if args.unconstrained else 0.0))
 
 
 def replay_points(path: str) -> dict:
@@ -172,7 +190,8 @@ def main(argv=None) -> None:
         slow = {int(r): float(f)}
     n_runs = len(ranks) * len(gs) * (3 if not args.no_model_truth else 2)
     print(f"input {args.calibration} ({cal.data.get('source')}); mode {mode}; {n_runs} comparisons of four "
-          f"strategies: about {n_runs * (15 if args.quick else 40)} s", flush=True)
+          f"strategies at {args.mbs} micro-batches a candidate: estimated run time about "
+          f"{estimate_s(n_runs, len(ranks), args):.0f} s on 2 CPU cores", flush=True)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     res = run_fixed_batch(inp, mix, ranks, gs, seed=args.seed, mbs=args.mbs, mbs_final=4 * args.mbs,

@@ -17,7 +17,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, ROOT)  # the repo root
 
 from training.wandb_report import (DEFAULT_METRICS, X_CHOICES, build_report, check_ready,  # noqa: E402
                                    panel_definitions, save_report)

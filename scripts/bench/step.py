@@ -1,6 +1,6 @@
-"""Wan 2.1 training step, ours against diffusers' WanTransformer3DModel, at Wan's 480p/720p shapes (a script, not a test).
+"""Wan 2.1 training step, ours against diffusers' WanTransformer3DModel, at 480p/720p shapes (a script, not a test).
 
-    python scripts/bench/step.py --out DIR                    (one H200: 1.3B config, ~6 minutes; default runs/bench/step)
+    python scripts/bench/step.py --out DIR                    (one H200: 1.3B config, ~6 min; default runs/bench/step)
     python scripts/bench/step.py --tiny --out /tmp/step_cpu   (a tiny config on the CPU: checks the script)
 
 Side by side in one run, forward + backward, no optimizer, random weights (the same in both models):

@@ -1,0 +1,63 @@
+"""The command-line tools as a user runs them (`python scripts/NAME.py` from the repo root, in a subprocess): every
+script answers --help, and the long ones' quick modes say up front how long they take and stay about a minute."""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+SCRIPTS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "scripts", "**", "*.py"), recursive=True)
+                 if "__main__" in open(p, encoding="utf-8").read())  # not scripts/bench/harness.py, a module
+
+
+def run(*args, timeout=120):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, WANDB_MODE="disabled"))
+
+
+def estimate_s(stdout: str) -> float:
+    """The seconds of the 'estimated run time' a script prints first."""
+    m = re.search(r"estimated run time[^(\n]*\((\d+) s|estimated run time about (\d+) s", stdout)
+    assert m, stdout[:2000]
+    return float(m.group(1) or m.group(2))
+
+
+def test_every_script_is_found():
+    assert len(SCRIPTS) >= 20
+    assert {"scripts/sample.py", "scripts/bench/step.py", "scripts/bench/data.py"} <= set(SCRIPTS)
+    assert not os.path.exists(os.path.join(ROOT, "scripts", "__init__.py"))  # scripts are not a package
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_answers_help(script):
+    out = run(script, "--help")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "usage:" in out.stdout or f"python {script}" in out.stdout, out.stdout[:500]  # argparse's, or the doc
+
+
+def test_simulate_cluster_quick_prints_its_estimate_and_finishes_in_about_a_minute(tmp_path):
+    out = run("scripts/simulate_cluster.py", "--calibration", "results/calibration_h200_graphs.json", "--quick",
+              "--out", str(tmp_path), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first = out.stdout.splitlines()[0]
+    assert "estimated run time" in first and estimate_s(first) <= 60, first
+    for name in ("simulation.md", "simulation.csv", "simulation_ratio.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert "| 2·S_max | balanced |" in (tmp_path / "simulation.md").read_text()  # R = 8, g = 2·S_max only
+
+
+def test_compare_strategies_estimates_every_mode_up_front():
+    """The quick run itself (about 65 s here) is left to the user; its plan and the others' are checked."""
+    quick = run("scripts/compare_strategies.py", "--quick", "--plan")
+    assert quick.returncode == 0, quick.stderr[-3000:]
+    assert 30 <= estimate_s(quick.stdout) <= 90 and "2 processes" in quick.stdout and "quick" in quick.stdout
+    tiny = run("scripts/compare_strategies.py", "--tiny", "--procs", "2", "--plan")
+    assert estimate_s(tiny.stdout) > 300 and "calibration" in tiny.stdout  # the full tiny run measures its own
+    gpu = run("scripts/compare_strategies.py", "--plan")
+    assert estimate_s(gpu.stdout) > estimate_s(tiny.stdout) and "8 processes" in gpu.stdout
