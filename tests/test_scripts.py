@@ -61,3 +61,13 @@ def test_compare_strategies_estimates_every_mode_up_front():
     assert estimate_s(tiny.stdout) > 300 and "calibration" in tiny.stdout  # the full tiny run measures its own
     gpu = run("scripts/compare_strategies.py", "--plan")
     assert estimate_s(gpu.stdout) > estimate_s(tiny.stdout) and "8 processes" in gpu.stdout
+
+
+def test_show_buckets_prints_the_table_train_py_prints():
+    """scripts/show_buckets.py and `train.py +show_buckets=true` print one table (training/bucket_report.py)."""
+    script = run("scripts/show_buckets.py", "scheduling.m_tokens=240")
+    trainer = run("train.py", "+show_buckets=true", "scheduling.m_tokens=240")
+    assert script.returncode == 0 == trainer.returncode, script.stderr[-2000:] + trainer.stderr[-2000:]
+    rows = [line for line in script.stdout.splitlines() if line.startswith(("img_", "vid_"))]
+    assert len(rows) == 4 and rows == [line for line in trainer.stdout.splitlines() if line.startswith(("img_", "vid_"))]
+    assert rows[0].split()[:2] == ["img_64", "1"] and rows[0].split()[-2] == "240"  # B·S = m_tokens for img_64
