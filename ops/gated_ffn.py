@@ -18,7 +18,7 @@ what that op's backward reads, and this backward never reads z:
 so the recompute stops after W1·y (torch.utils.checkpoint's early stop, or the offloaded recompute): no down
 projection, no GELU, no residual. The forward, whose saved tensors are dropped, makes a = GELU(W1·y + b1) in the
 matmul's epilogue (cuBLASLt through torch._addmm_activation; GELU applied to the fp32 accumulator) and never h.
-What each part costs on the H200 at Wan 1.3B's widths: results/step_h200.md (scripts/probe_mlp_tail.py).
+What each part costs on the H200 at Wan 1.3B's widths: results/step_h200.md.
 
 Which pass is running is the caller's to say (`checkpoint_pass`: None | "forward" | "recompute"; the activation
 checkpointing in models/checkpointing.py marks a checkpointed block's two calls and the fused Wan block hands the mark

@@ -84,7 +84,7 @@ def _kernel(interpret: bool):
 
 
 # (rows per iteration, features per program, iterations per program, warps). CUDA: the best of 16 shapes on the H200
-# at Wan 1.3B's chunk (7488 × 8960, `scripts/probe_mlp_tail.py --elementwise`; timings against aten's three passes in
+# at Wan 1.3B's chunk (7488 × 8960; the timings against aten's three passes and their command in
 # results/step_h200.md): 64 rows of 128 features a program. The interpreter's programs cost ~1 ms each whatever their
 # size, so they are made large.
 GELU_GRAD_CONFIG = {"cuda": (16, 128, 4, 4), "interpret": (32, 128, 4, 4)}
