@@ -1,7 +1,7 @@
 """Ours vs diffusers at HunyuanVideo width (D 3072, 24×128, mlp 4, text 4096/pooled 768), 2 dual + 4 single blocks,
 fwd+bwd under bf16 autocast with fp32 master weights, 480p 33f latent (N 14040) + 256 padded text tokens.
 
-    python scripts/bench/mmdit.py [--out DIR]      (GPU; both sides with cuDNN attention excluded, see the README)
+    python scripts/bench/mmdit.py [--out DIR]      (GPU; both sides with cuDNN attention excluded: results/mmdit_h200.md)
 
 A benchmark script, never a test: prints rows and writes bench_mmdit.json into --out (default runs/bench/mmdit).
 Each row: the median of 3 timed steps after 2 untimed ones, and the peak GiB over all five.
