@@ -13,6 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
+from training.cli import run_main  # noqa: E402
 from training.compare import compare  # noqa: E402
 
 
@@ -32,4 +33,4 @@ def main(argv=None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

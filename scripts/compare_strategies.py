@@ -37,6 +37,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the repo root
 
+from training.cli import run_main  # noqa: E402
 from training.compare import compare, read_rows, summarize  # noqa: E402
 
 QUICK_MBS = 512  # the simulator's micro-batches per candidate run under --quick (its default: 4096)
@@ -216,4 +217,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -31,6 +31,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 from models.convert_wan import convert, convert_to_original  # noqa: E402
+from training.cli import run_main  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -50,4 +51,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -22,6 +22,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
+from training.cli import run_main  # noqa: E402
 from training.config import compose_config  # noqa: E402
 
 def main(argv=None) -> int:
@@ -70,4 +71,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import time  # noqa: E402
 
 from data.synthetic_raw import ASPECTS, BAD_KINDS, SIZES, write_raw_corpus  # noqa: E402
+from training.cli import run_main  # noqa: E402
 from training.config import compose_config  # noqa: E402
 
 
@@ -71,4 +72,4 @@ def main(argv=None) -> None:
               f"(skipped: {index.meta['skipped'] or 'none'})")
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -28,6 +28,8 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
+from training.cli import run_main  # noqa: E402
+
 
 def urls_override(out: str) -> str:
     """`data.urls=…` naming DIR/shard-*.tar, quoted for the shell and, where the path needs it, for Hydra (a path
@@ -116,4 +118,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

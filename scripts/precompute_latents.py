@@ -31,6 +31,7 @@ import logging  # noqa: E402
 
 from data.buckets import bucket_table  # noqa: E402
 from data.precompute import precompute  # noqa: E402
+from training.cli import run_main  # noqa: E402
 from training.config import compose_config  # noqa: E402
 
 
@@ -54,4 +55,4 @@ def main(argv=None) -> int:
     return 0
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

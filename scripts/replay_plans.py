@@ -62,6 +62,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
+from training.cli import run_main  # noqa: E402
 from training.replay import replay  # noqa: E402
 
 
@@ -106,4 +107,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 from data.encoders import build_vae  # noqa: E402
 from models.sampler import SampleConfig  # noqa: E402
+from training.cli import run_main  # noqa: E402
 from training.sampling import encode_prompts, held_out_prompts, load_source, pick_bucket, render  # noqa: E402
 from training.step import autocast_for  # noqa: E402
 
@@ -72,4 +73,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

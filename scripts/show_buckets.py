@@ -12,6 +12,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 from training.bucket_report import print_buckets  # noqa: E402
+from training.cli import run_main  # noqa: E402
 from training.config import compose_config  # noqa: E402
 
 
@@ -22,4 +23,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

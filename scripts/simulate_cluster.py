@@ -27,6 +27,7 @@ from scheduling.calibrate import HBM_FRACTION, Calibration  # noqa: E402
 from scheduling.protocol import (STRATEGIES, describe_setting, inputs_from, record_chosen,  # noqa: E402
                                  record_chosen_at_g, run_fixed_batch, run_unconstrained)
 from scheduling.simulate import DEFAULT_MIX, G_FACTORS, KNOB, Mix  # noqa: E402
+from training.cli import run_main  # noqa: E402
 
 
 def mix_from_index(root: str) -> Mix:
@@ -228,4 +229,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(lambda: main(sys.argv[1:]))

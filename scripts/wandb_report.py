@@ -19,6 +19,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the repo root
 
+from training.cli import run_main  # noqa: E402
 from training.wandb_report import (DEFAULT_METRICS, X_CHOICES, build_report, check_ready,  # noqa: E402
                                    panel_definitions, save_report)
 
@@ -53,4 +54,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -71,3 +71,18 @@ def test_show_buckets_prints_the_table_train_py_prints():
     rows = [line for line in script.stdout.splitlines() if line.startswith(("img_", "vid_"))]
     assert len(rows) == 4 and rows == [line for line in trainer.stdout.splitlines() if line.startswith(("img_", "vid_"))]
     assert rows[0].split()[:2] == ["img_64", "1"] and rows[0].split()[-2] == "240"  # B·S = m_tokens for img_64
+
+
+def test_a_user_mistake_in_a_script_prints_its_message_alone_and_exits_2(tmp_path):
+    """training/cli.py: export of a folder that holds no checkpoint names the problem in one line, no traceback;
+    HYDRA_FULL_ERROR=1 shows the trace."""
+    args = [sys.executable, "scripts/export.py", str(tmp_path / "no_run"), "--out", str(tmp_path / "x")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("HYDRA_FULL_ERROR", None)
+    done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and done.stderr.startswith("export.py: error: "), done.stderr[-2000:]
+    assert "no_run" in done.stderr
+    done = subprocess.run(args, cwd=ROOT, env=dict(env, HYDRA_FULL_ERROR="1"), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and "Traceback" in done.stderr

@@ -1,0 +1,28 @@
+"""How a command-line entry point (train.py, scripts/*.py) reports a mistake the user can fix: a ValueError (a bad
+value, a run without what was asked of it) or a missing file prints its message alone and exits with status 2, as
+argparse does for a bad flag; HYDRA_FULL_ERROR=1 shows the whole trace (the name Hydra users already know)."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+USER_ERRORS = (ValueError, FileNotFoundError)
+
+
+def wants_trace() -> bool:
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def run_main(main: Callable[[], object]) -> None:
+    """Run a script's main(); a user error ends it with its message and status 2, anything else as Python would.
+    An int that main returns is the exit status."""
+    try:
+        status = main()
+    except USER_ERRORS as e:
+        if wants_trace():
+            raise
+        prog = os.path.basename(sys.argv[0]) or "script"
+        print(f"{prog}: error: {e}\n(HYDRA_FULL_ERROR=1 shows where it came from)", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(status if isinstance(status, int) else 0)
