@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import csv
+import dataclasses
 import json
 import os
 import queue
@@ -172,7 +173,9 @@ def main(argv=None) -> int:
                               float(r["seconds"]), r["killed_by"], int(r["tests"]), int(r.get("round") or 1),
                               r.get("source") or "")
                        for r in csv.DictReader(f)]
-        args.only = [r.id for r in earlier if r.status == "survived" and (not args.only or r.id in args.only)]
+        # rows, not ids: a merged table may hold the same id twice (rows last run on different sources)
+        todo = [i for i, r in enumerate(earlier) if r.status == "survived" and (not args.only or r.id in args.only)]
+        args.only = [earlier[i].id for i in todo]
         if not args.only:
             print(f"no survivors in {args.recheck}")
             return 0
@@ -190,8 +193,8 @@ def main(argv=None) -> int:
         return 0
     cover = covering_tests(root)
     plan: list[tuple[Mutant, list[str]]] = []
-    moved: dict[str, str] = {}  # --recheck: a mutant's id now → its id in the earlier run
-    gone: list[Result] = []     # --recheck: survivors whose text is no longer in their file
+    moved: dict[str, list[int]] = {}  # --recheck: a mutant's id now → its rows in the earlier table
+    gone: dict[int, Result] = {}      # --recheck: survivors whose text is no longer in their file, by row
     for f in files:
         if earlier and not os.path.isfile(os.path.join(root, f)):
             cands = []  # the file is gone: so are its survivors
@@ -199,28 +202,30 @@ def main(argv=None) -> int:
             cands = candidates(open(os.path.join(root, f), encoding="utf-8").read(), f, args.skip_functions)
         if earlier:  # each survivor found again by its text, wherever its line has moved
             chosen = []
-            for e in (r for r in earlier if r.id in args.only and r.file == f):
+            for i in (i for i in todo if earlier[i].file == f):
+                e = earlier[i]
                 if not e.source:
                     m = next((m for m in cands if m.id == e.id), None)
                     if m is None or (m.line, m.description) != (e.line, e.mutation):
                         raise SystemExit(f"{f} changed since {args.recheck} ({e.id} differs) and the csv has no "
                                          "source column: give --recheck-rev, the revision that run mutated")
                 else:
-                    m = relocate(e, cands, ordinals.get(e.id))
+                    m = relocate(e, cands, ordinals.get(i))
                 if m is None:
-                    gone.append(Result(e.id, e.file, e.line, e.kind, e.mutation, "gone", 0.0, "", 0, e.round,
-                                       e.source))
+                    gone[i] = Result(e.id, e.file, e.line, e.kind, e.mutation, "gone", 0.0, "", 0, e.round + 1,
+                                     e.source)
                     print(f"gone     {e.id:30s} l.{e.line:<4d} {e.mutation}: `{e.source}` is no longer in {f}")
                     continue
-                moved[m.id] = e.id
-                chosen.append(m)
+                if m.id not in moved:
+                    chosen.append(m)
+                moved.setdefault(m.id, []).append(i)
         else:
             chosen = ([m for m in cands if m.id in args.only] if args.only
                       else draw(cands, args.per_file, args.seed, f))
         plan += [(m, cover.get(f, [])) for m in chosen]
     if args.list:
         for m, tests in plan:
-            was = f"  (was {moved[m.id]})" if moved.get(m.id, m.id) != m.id else ""
+            was = _was(m, moved, earlier, "  ")
             print(f"{m.id:32s} {m.line:5d}  {m.kind:8s} {m.description:60s} {len(tests)} test files{was}")
         return 0
 
@@ -269,7 +274,7 @@ def main(argv=None) -> int:
             status = {"failed": "killed", "passed": "survived"}.get(status, status)
             r = Result(m.id, m.file, m.line, m.kind, m.description, status, round(secs, 1), by, len(tests), 1,
                        _source(m))
-            was = f" (was {moved[m.id]})" if moved.get(m.id, m.id) != m.id else ""
+            was = _was(m, moved, earlier, " ")
             with lock:
                 print(f"[{k + 1}/{len(plan)} {time.perf_counter() - t_start:6.0f}s] {r.status:8s} {m.id:30s} "
                       f"l.{m.line:<4d} {m.description}{was}" + (f"  ({by})" if by else ""), flush=True)
@@ -281,26 +286,31 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     if earlier:  # the earlier table, its survivors replaced by this run's verdicts (ids and lines of today's source)
-        new = {moved.get(r.id, r.id): r for r in results}
-        new.update({r.id: r for r in gone})
-        for old, r in new.items():
-            r.round = next(e.round for e in earlier if e.id == old) + 1
-        results = [new.get(e.id, e) for e in earlier]
+        new = dict(gone)
+        for r in results:
+            for i in moved[r.id]:
+                new[i] = dataclasses.replace(r, round=earlier[i].round + 1)
+        results = [new.get(i, e) for i, e in enumerate(earlier)]
         files = sorted({r.file for r in results})
     report(results, broken, args, files)
     return 0
 
 
-def _earlier_sources(earlier: list[Result], root: str, args) -> dict[str, tuple[int, int]]:
+def _was(m: Mutant, moved: dict[str, list[int]], earlier: list[Result], sep: str) -> str:
+    old = {earlier[i].id for i in moved.get(m.id, [])} - {m.id}
+    return f"{sep}(was {', '.join(sorted(old))})" if old else ""
+
+
+def _earlier_sources(earlier: list[Result], root: str, args) -> dict[int, tuple[int, int]]:
     """--recheck-rev: fill each earlier row's `source` from the file at that revision (where it has none); returns,
-    per survivor, which occurrence of its (mutation, source) it was there: (k, of n)."""
-    ordinals: dict[str, tuple[int, int]] = {}
+    per row (its index), which occurrence of its (mutation, source) it was there: (k, of n)."""
+    ordinals: dict[int, tuple[int, int]] = {}
     for f in sorted({e.file for e in earlier}):
         try:
             old = candidates(git("show", f"{args.recheck_rev}:{f}", cwd=root), f, args.skip_functions)
         except subprocess.CalledProcessError:
             raise SystemExit(f"{f} is not in {args.recheck_rev}")
-        for e in (e for e in earlier if e.file == f):
+        for i, e in ((i, e) for i, e in enumerate(earlier) if e.file == f):
             idx = int(e.id.split("#")[1])
             m = old[idx] if idx < len(old) else None
             if m is None or (m.line, m.description) != (e.line, e.mutation):
@@ -308,7 +318,7 @@ def _earlier_sources(earlier: list[Result], root: str, args) -> dict[str, tuple[
                                  "revision that run mutated")
             e.source = e.source or _source(m)
             same = [o for o in old if (o.description, _source(o)) == (m.description, _source(m))]
-            ordinals[e.id] = (same.index(m), len(same))
+            ordinals[i] = (same.index(m), len(same))
     return ordinals
 
 

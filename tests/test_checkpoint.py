@@ -279,3 +279,45 @@ def test_damage_found_by_another_rank_fails_the_check_on_every_rank(tmp_path):
     for rank in (0, 1):
         problem = verify_checkpoint(path, _RankOfTwo(rank, [1.0]))
         assert problem == f"rank {1 - rank} found a damaged or missing file (its log names it)", problem
+
+
+def test_only_step_folders_holding_meta_json_are_listed_in_step_order(tmp_path):
+    """A step_N folder without meta.json is a save cut short (meta.json is written last): never a checkpoint."""
+    for step, complete in ((9, True), (10, True), (11, False), (2, True)):
+        os.makedirs(tmp_path / f"step_{step}")
+        if complete:
+            (tmp_path / f"step_{step}" / "meta.json").write_text("{}")
+    os.makedirs(tmp_path / "step_x")
+    (tmp_path / "step_x" / "meta.json").write_text("{}")
+    assert list_checkpoints(str(tmp_path)) == [(s, str(tmp_path / f"step_{s}")) for s in (2, 9, 10)]
+    assert list_checkpoints(str(tmp_path / "missing")) == []
+
+
+def test_rng_state_is_restored_only_at_the_world_size_it_was_saved_with(tmp_path):
+    model, opt, sched, ema = _trained()
+    torch.manual_seed(7)
+    path = _save(tmp_path, 2, model, opt, sched, ema)
+    after_save = torch.rand(4)
+    fresh = _fresh_for_load()  # (builds a model: seeds the RNG itself)
+    torch.manual_seed(99)
+    load_checkpoint(path, *fresh, CTX)
+    torch.testing.assert_close(torch.rand(4), after_save, rtol=0, atol=0)  # the stream goes on where it was saved
+
+    with open(os.path.join(path, "meta.json")) as f:
+        meta = json.load(f)
+    meta["world_size"] = CTX.world_size + 1  # saved by another number of ranks: their streams are not this rank's
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    _rehash(path)
+    torch.manual_seed(99)
+    expected = torch.rand(4)
+    fresh = _fresh_for_load()
+    torch.manual_seed(99)
+    load_checkpoint(path, *fresh, CTX)
+    torch.testing.assert_close(torch.rand(4), expected, rtol=0, atol=0)  # left as it was
+    assert not torch.equal(expected, after_save)
+
+
+def _fresh_for_load():
+    model, opt, _, ema = _fresh()
+    return model, opt, ema

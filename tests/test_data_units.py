@@ -1,11 +1,14 @@
 """Direct checks of data/ units that the corpus-level tests reach only in passing: config ranges, bucket patches,
-the index reader, video probing, the encoders' normalisation and seeding, and mp4 files read back pixel by pixel.
+the index reader, video probing and stream durations, images resized to cover, the pixel range and its dtype, the
+encoders' normalisation, seeding and dtype, mp4 files read back pixel by pixel, where a clip starts, raw indexes reused
+only while valid, and ranks other than 0 waiting for rank 0's index.
 
 Each test pins one rule a plausible slip would break (a boundary, a sign, a seed, a missing folder); all run on the
 CPU in well under a second each, with media written here.
 """
 import io
 import json
+import os
 
 import numpy as np
 import pytest
@@ -248,3 +251,149 @@ def test_an_mp4_reads_back_its_pixels_in_a_new_folder_with_odd_sides_padded(tmp_
     assert fps == 8.0 and frames.shape == (5, h + h % 2, w + w % 2, 3)
     means = frames.reshape(5, -1).astype(np.float64).mean(1)
     np.testing.assert_allclose(means, [0, 64, 128, 191, 255], atol=3)
+
+
+# -- config edges, clip placement, pixel ranges (survivors of the mutation pass, results/mutation.md) -----------------
+
+@pytest.mark.parametrize("p", [0.0, 1.0])
+def test_caption_dropout_takes_both_ends_of_zero_to_one(p):
+    assert DataConfig(caption_dropout=p).caption_dropout == p  # 1.0: every caption dropped (unconditional training)
+    for bad in (-0.01, 1.01):
+        with pytest.raises(ValueError, match=r"data\.caption_dropout must lie in \[0, 1\]"):
+            DataConfig(caption_dropout=bad)
+
+
+@pytest.mark.parametrize("source", [["a"], {"weight": 1.0}, {"index": "a", "wieght": 1.0},
+                                    {"urls": "s-{0..1}.tar", "index": "a", "shards": 2}])
+def test_a_source_that_is_not_a_dict_lacks_index_and_urls_or_has_an_unknown_key_is_refused(source):
+    """Each of the three faults alone is enough: a misspelt key must not pass because the rest looks right."""
+    good = [{"index": "a", "weight": 1.0}, {"urls": "s-{0..1}.tar"}, {"urls": "s.tar", "index": "b", "weight": 2}]
+    assert DataConfig(sources=good).sources == good
+    with pytest.raises(ValueError, match=r"data\.sources\[1\] must be"):
+        DataConfig(sources=[good[0], source])
+
+
+def test_clip_start_is_the_fraction_of_the_free_room_each_mode_names():
+    from data.raw import RawConfig, clip_start
+
+    assert clip_start(RawConfig(clip="centre"), 0.9) == 0.5
+    assert clip_start(RawConfig(clip="start"), 0.9) == 0.0
+    assert clip_start(RawConfig(clip="random"), 0.25) == 0.25
+
+
+def test_to_model_range_maps_0_and_255_to_minus_one_and_one_in_the_dtype_asked():
+    from data.decode import to_model_range
+
+    u8 = np.array([0, 51, 255], np.uint8).reshape(1, 1, 1, 3).repeat(2, axis=2)  # [F=1, H=1, W=2, 3]
+    x = to_model_range(u8)
+    assert x.shape == (3, 1, 1, 2) and x.dtype == torch.float32
+    torch.testing.assert_close(x[:, 0, 0, 0], torch.tensor([-1.0, 51 / 127.5 - 1, 1.0]))
+    for dtype in (torch.bfloat16, torch.float16):
+        y = to_model_range(u8, dtype=dtype)
+        assert y.dtype == dtype
+        assert y[0].min().item() == -1.0 and y[2].max().item() == 1.0
+
+
+def test_an_encoder_built_in_fp32_is_cast_to_the_configured_dtype():
+    vae = build_vae(EncoderConfig(device="cpu", vae_dtype="bfloat16"), 4, CPU)
+    assert {p.dtype for p in vae.model.parameters()} == {torch.bfloat16}
+    z = vae.encode(torch.zeros(1, 3, 1, 16, 16))
+    assert z.dtype == torch.float32 and z.shape == (1, 4, 1, 2, 2) and torch.isfinite(z).all()
+    text = build_umt5(EncoderConfig(device="cpu", text_dtype="float16"), 16, CPU)
+    assert {p.dtype for p in text.model.parameters()} == {torch.float16}
+
+
+def _png(h: int, w: int) -> bytes:
+    """Thirds across: red | green | blue."""
+    from PIL import Image
+
+    a = np.zeros((h, w, 3), np.uint8)
+    a[:, : w // 3, 0] = 255
+    a[:, w // 3: 2 * w // 3, 1] = 255
+    a[:, 2 * w // 3:, 2] = 255
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_an_image_is_resized_to_cover_the_bucket_then_centre_cropped():
+    """A 300×100 image into 32×32: scaled by 32/100 to cover (96×32), the middle 32 columns kept — the green third
+    only. Resized to fit (scaled by 32/300) it would be squashed, red and blue at its sides."""
+    from data.decode import decode_image
+
+    out = decode_image(_png(100, 300), 32, 32)
+    assert out.shape == (1, 32, 32, 3) and out.dtype == np.uint8
+    mean = out[0, :, 2:-2].reshape(-1, 3).astype(float).mean(0)  # away from the resampling edge
+    assert mean[1] > 240 and mean[0] < 15 and mean[2] < 15, mean
+
+
+# -- raw indexes: reuse only what is still valid, and ranks other than 0 wait for rank 0's index ----------------------
+
+RAW64 = bucket_table({"img_64": {"frames": 1, "height": 64, "width": 64}})
+
+
+def _square_png(seed: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (64, 64, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _shard(path, n: int) -> str:
+    write_tar(str(path), [(f"k{i}", {"png": _square_png(i), "txt": b"a photo"}) for i in range(n)])
+    return str(path)
+
+
+def test_a_shard_rewritten_since_it_was_indexed_is_probed_again(tmp_path):
+    """The index covers every shard by name, but one changed since (size and mtime): its saved probe is stale, so
+    the index is extended afresh, not reused."""
+    from data.raw import RawConfig, ensure_raw_index
+
+    shards = [_shard(tmp_path / "a.tar", 2), _shard(tmp_path / "b.tar", 1)]
+    assert len(ensure_raw_index(shards, str(tmp_path), RAW64, RawConfig()).records) == 3
+    assert len(ensure_raw_index(shards, str(tmp_path), RAW64, RawConfig()).records) == 3  # reused as it is
+    _shard(tmp_path / "b.tar", 4)
+    index = ensure_raw_index(shards, str(tmp_path), RAW64, RawConfig())
+    assert sorted((os.path.basename(r["shard"]), r["key"]) for r in index.records) == [
+        ("a.tar", "k0"), ("a.tar", "k1"), ("b.tar", "k0"), ("b.tar", "k1"), ("b.tar", "k2"), ("b.tar", "k3")]
+
+
+def test_a_rank_other_than_0_reads_the_raw_index_only_after_the_barrier(tmp_path):
+    """Rank 0 indexes the shards, then meets the others at the barrier: another rank must neither index them itself
+    nor read the index before the barrier (it would find none, or half of one)."""
+    from data.loader import open_corpus
+    from data.raw import RawConfig, ensure_raw_index
+
+    shard = _shard(tmp_path / "s.tar", 3)
+    seen = []
+
+    def barrier():  # what rank 0 does meanwhile
+        seen.append(os.path.exists(tmp_path / "index.jsonl"))
+        ensure_raw_index([shard], str(tmp_path), RAW64, RawConfig())
+
+    cfg = DataConfig(buckets={}, urls=shard, val_samples=1, encoders=EncoderConfig(device="cpu"))
+    corpus = open_corpus(cfg, RAW64, 4, 32, seed=0, is_main=False, barrier=barrier)
+    assert seen == [False]  # the barrier came once, and before this rank had written anything
+    assert sum(len(ix.records) for ix in corpus.indexes) == 3
+
+
+def test_a_streams_duration_is_its_ticks_times_its_time_base_and_the_containers_only_without_them():
+    """The video stream's own duration (in time_base units) wins over the container's (which spans every stream,
+    audio too); the container's (in µs) is the fallback when the stream has none."""
+    from fractions import Fraction
+    from types import SimpleNamespace
+
+    from data.decode import _stream_info
+
+    def container(duration, time_base, frames=0):
+        cc = SimpleNamespace(height=48, width=64, name="h264")
+        s = SimpleNamespace(average_rate=Fraction(16), guessed_rate=None, base_rate=None, duration=duration,
+                            time_base=time_base, frames=frames, codec_context=cc)
+        return SimpleNamespace(streams=SimpleNamespace(video=[s]), duration=5_000_000)  # 5 s with the audio
+
+    info = _stream_info(container(2560, Fraction(1, 1280)))  # 2 s of video
+    assert info["duration"] == 2.0 and info["frames"] == 32 and info["fps"] == 16.0
+    assert _stream_info(container(None, Fraction(1, 1280)))["duration"] == 5.0
+    assert _stream_info(container(2560, None))["duration"] == 5.0
+    assert _stream_info(container(2560, Fraction(1, 1280), frames=30))["frames"] == 30  # a count given is kept
