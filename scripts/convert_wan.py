@@ -5,22 +5,8 @@ that models/wan.py, `model.pretrained` and diffusers' WanTransformer3DModel load
                                   [--max-shard-size 10GB] [--num-heads 40]
     python scripts/convert_wan.py runs/NAME/export --out wan_original --to-original     (diffusers → original)
 
-The source is a folder of `*.safetensors` shards (with WanModel's config.json when present), or one .safetensors /
-.pth file; keys may carry a `model.diffusion_model.` / `diffusion_model.` prefix (ComfyUI). Key map (per block i):
-
-    self_attn.{q,k,v,o}      → attn1.{to_q,to_k,to_v,to_out.0}     cross_attn.* → attn2.* (the same names)
-    self_attn.norm_{q,k}     → attn1.norm_{q,k}                     norm3 (the affine cross-attention norm) → norm2
-    ffn.0 / ffn.2            → ffn.net.0.proj / ffn.net.2           modulation → scale_shift_table
-    text_embedding.{0,2}     → condition_embedder.text_embedder.linear_{1,2}
-    time_embedding.{0,2}     → condition_embedder.time_embedder.linear_{1,2}
-    time_projection.1        → condition_embedder.time_proj         head.head → proj_out, head.modulation →
-    patch_embedding          → patch_embedding                                              scale_shift_table
-
-(the same correspondence as diffusers' scripts/convert_wan_to_diffusers.py, written here as an exact per-key map
-rather than substring replacements). The original norm1/norm2 and head.norm have no parameters. Image-to-video
-keys (img_emb, k_img, v_img) are refused: models/wan.py implements T2V only. The config comes from WanModel's
-config.json (dim, num_heads, ffn_dim, freq_dim, in_dim, out_dim, num_layers, eps, ...) or, without one, from the
-tensor shapes with head_dim 128 (every Wan 2.1 model) unless --num-heads says otherwise.
+The source is a folder of `*.safetensors` shards, or one .safetensors / .pth file. The key map, the prefixes it
+accepts, what it refuses and where the config comes from: models/convert_wan.py.
 """
 from __future__ import annotations
 

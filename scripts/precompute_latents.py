@@ -5,18 +5,10 @@
         data.encoders.text_encoder=/models/Wan2.1-T2V-1.3B-Diffusers
     torchrun --nproc_per_node 8 scripts/precompute_latents.py --out /data/latents -- ...   (split across ranks)
 
-Each sample is decoded for its bucket exactly as training decodes it in epoch 0 (same clip, keyed by train.seed and
-the key), encoded by the configured VAE and text encoder, and written as {key}.latent.npy [C, F', H', W'] (normalised),
-{key}.text.npy [L, C_text] (unpadded), {key}.pooled.npy (only where the text encoder pools) and {key}.json. So a run
-on the precomputed corpus sees, in epoch 0, the batches an on-the-fly run would; later epochs reuse the one clip.
-
-Split: rank r of R takes the samples i ≡ r (mod R) of the raw index order that are not done yet. Resumable: each
-finished shard is listed in .precompute_parts/; a rerun (on any number of ranks) skips what the parts hold and
-overwrites any shard a killed run left unlisted. Rank 0 waits for every part, then writes index.jsonl (in the raw
-order, so the planner sees the same table), corpus.json and empty_text.pt (empty_pooled.pt where the text encoder
-pools); a rerun over a finished --out only rewrites those, which is how a lost empty_text.pt is made again. Samples
-that fail to read or decode (any exception, by the reasons of data/loader.py), or encode to NaN/Inf, are left out
-and counted in corpus.json's "skipped".
+Each sample is decoded for its bucket as training decodes it in epoch 0, encoded by the configured VAE and text
+encoder, and written with its index; a rerun resumes, on any number of ranks, and samples that fail are counted in
+corpus.json's "skipped". The rules (file layout, split across ranks, resumption, what a rerun rewrites):
+data/precompute.py.
 """
 from __future__ import annotations
 
