@@ -42,6 +42,10 @@ from training.compare import compare, read_rows, summarize  # noqa: E402
 
 QUICK_MBS = 512  # the simulator's micro-batches per candidate run under --quick (its default: 4096)
 CPU_CALIBRATION = os.path.join(ROOT, "results", "calibration_cpu_tiny.json")  # --quick's, copied into OUT
+QUICK_CAVEAT = ("--quick: the simulated column comes from the committed calibration (one process, another machine's "
+                "load, no FSDP collectives), not from this set-up, so it checks the path, not the prediction: the "
+                "measured 2-process gloo runs pay collectives and share the cores. Compare the two columns only "
+                "without --quick, where the calibration is measured in the runs' own set-up.")
 # Run-time model of the estimate printed up front (seconds; on a 2-core CPU for --tiny, 8 H200s otherwise):
 # (fixed, per step) of one arm, the calibration and the simulation; the tiny numbers were measured on this repo's
 # 2-core development machine with nothing else running, the GPU ones from the run times in the module docstring.
@@ -188,7 +192,8 @@ def main(argv=None) -> None:
         run_dir = os.path.join(out, name)
         cmd = [py, "train.py", *base, *extra, f"name={name}", f"run_dir={run_dir}", f"launch.num_processes={args.procs}",
                f"train.steps={steps}", f"train.val_every={max(1, steps // 5)}", "checkpoint.every=0",
-               "checkpoint.at_end=false", "metrics.busy_every=5"]
+               "checkpoint.at_end=false", "metrics.busy_every=5",
+               "overwrite=true"]  # a rerun into the same --out: the arm's earlier run moves aside, nothing is lost
         commands[name] = " ".join(cmd[1:])
         wall = run(cmd, os.path.join(out, f"{name}.log"), args.minutes_per_arm * 60 + 300)
         rows = read_rows(run_dir)
@@ -209,11 +214,16 @@ def main(argv=None) -> None:
                      f"{fmt(s.get('val/loss'), '.4f')} |")
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(f"# Strategy comparison, {args.procs} processes, {time.strftime('%Y-%m-%d')}\n\n")
-        f.write("\n".join(lines) + "\n\n## Commands (from the repo root)\n\n")
+        f.write("\n".join(lines) + "\n\n")
+        if args.quick:
+            f.write(QUICK_CAVEAT + "\n\n")
+        f.write("## Commands (from the repo root)\n\n")
         f.write("\n".join(f"- {k}: `{v}`" for k, v in commands.items()) + "\n")
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump({"arms": summary, "commands": commands}, f, indent=1)
     print("\n".join(lines))
+    if args.quick:
+        print(QUICK_CAVEAT)
 
 
 if __name__ == "__main__":
