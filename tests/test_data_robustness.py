@@ -21,7 +21,7 @@ from data.index import SampleIndex, npy_bytes
 from data.loader import Loader, open_corpus
 from data.raw import RawConfig, index_corpus, select_raw
 from data.synthetic import write_synthetic_corpus
-from scheduling.balance import plan_step
+from scheduling.planner import plan_step
 from data.synthetic_raw import encode_jpg, encode_mp4
 from tests.helpers import png_claiming, rewrite_members, write_tar
 

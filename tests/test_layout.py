@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -135,3 +137,19 @@ def test_an_added_arrow_fails(tmp_path, path, line, why):
     target.write_text(target.read_text(encoding="utf-8") + "\n" + line + "\n", encoding="utf-8")
     found = violations(str(tmp_path))
     assert len(found) == 1 and found[0].startswith(path) and why in found[0], found
+
+
+@pytest.mark.parametrize("old, new", [("scheduling.balance", "scheduling.planner"),
+                                      ("scheduling.metrics", "scheduling.efficiency"),
+                                      ("training.metrics_log", "training.metrics"),
+                                      ("training.step_metrics", "training.metrics")])
+def test_a_renamed_module_still_imports_for_one_release_with_a_warning(old, new):
+    """Old module names are aliases of the new modules (the same objects), and say so once on import."""
+    code = (f"import warnings; warnings.simplefilter('error', FutureWarning)\n"
+            f"try:\n    import {old}\nexcept FutureWarning as w:\n    print('warned:', w)\n"
+            f"warnings.simplefilter('ignore')\nimport importlib, {new}\n"
+            f"print(importlib.import_module('{old}') is {new})")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"warned: {old} is deprecated" in done.stdout and f"import {new}" in done.stdout
+    assert done.stdout.strip().endswith("True")

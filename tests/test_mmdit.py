@@ -324,7 +324,7 @@ def test_train_flops_matches_counted_matmuls():
 
 def test_tiny_preset_trains_and_its_val_loss_falls(tmp_path):
     from tests.helpers import run_training, tiny_overrides
-    from training.metrics_log import read_metrics
+    from training.metrics import read_metrics
 
     run_dir = str(tmp_path / "run")
     run_training(["conf=mmdit_tiny", *tiny_overrides(run_dir, str(tmp_path / "cache"), "train.steps=40",
@@ -376,7 +376,7 @@ def test_llama_clip_text_side_feeds_pooled_text_to_the_mmdit_from_raw_shards(tmp
     from data.encoders import TEXT_ENCODERS, EncoderConfig
     from data.synthetic_raw import write_raw_corpus
     from tests.helpers import run_training, tiny_overrides
-    from training.metrics_log import read_metrics
+    from training.metrics import read_metrics
 
     enc = TEXT_ENCODERS["llama_clip"](EncoderConfig(text="llama_clip", device="cpu", pooled_dim=8), 16,
                                       torch.device("cpu"))

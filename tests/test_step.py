@@ -276,7 +276,7 @@ def test_metrics_row_loss_is_the_per_sample_mean_and_mfu_uses_this_steps_time(mo
     from scheduling.planner import SampleTable, plan_step
     from scheduling.efficiency import model_flops
     from scheduling.policy import ModelShape
-    from training import step_metrics
+    from training import metrics as step_metrics
     from training.step import StepStats
 
     monkeypatch.setattr(step_metrics, "peak_memory_gib", lambda device: 0.0)
