@@ -12,7 +12,6 @@ import functools
 import logging
 import os
 import signal
-import sys
 import time
 
 import hydra
@@ -23,25 +22,26 @@ from omegaconf import DictConfig, OmegaConf
 from data.buckets import bucket_table
 from data.loader import Loader, merge_bad_states, open_corpus
 from models.build import build_parallel_model
-from training.inputs import model_inputs
 from models.flow_matching import FlowMatching
 from models.lora import has_lora, save_lora
 from models.parallelize import FSDPOptions, checkpoint_policy
 from scheduling.planner import advance, plan_step
 from scheduling.policy import ModelShape, schedule_for
+from training.busy import StepProfiler
 from training.checkpoint import LoopState, load_checkpoint, save_checkpoint
+from training.cli import user_errors
 from training.config import TrainConfig, load_config
+from training.cuda_graphs import graph_blockers, graphs_for
 from training.dist import (check_devices, cpu_threads, fsdp_options_from_env, init_distributed, launcher,
                            maybe_launch, shutdown)
+from training.inputs import model_inputs
+from training.metrics import MetricsLogger, StepMetrics, busy_every
 from training.optim import EMA, build_optimizer
 from training.resume import apply_optim_config, check_config, optim_hyperparameters, resume
 from training.run_folder import claim, multirun_job, run_files
 from training.sampling import ValidationSampler
 from training.shape_benchmark import calibration_for_run
-from training.busy import StepProfiler
-from training.cuda_graphs import graph_blockers, graphs_for
 from training.step import TrainParts, autocast_for, collector_every, train_step, validation_loss
-from training.metrics import MetricsLogger, StepMetrics, busy_every
 
 log = logging.getLogger("train")
 WARMUP_STEPS = 3  # steps left out of throughput (compilation, allocator warm-up)
@@ -245,14 +245,10 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick, preset: str) -> dict:
 
 @hydra.main(config_path="conf", config_name="train", version_base=None)
 def main(dcfg: DictConfig) -> None:
-    """A mistake the user can fix (a ValueError: a bad value, a folder that holds another run, a missing file)
-    prints its message alone; HYDRA_FULL_ERROR=1 shows the whole trace."""
-    try:
+    """A mistake the user can fix (a bad value, a folder that holds another run, a missing file) prints its message
+    alone and exits with status 2; HYDRA_FULL_ERROR=1 shows the whole trace."""
+    with user_errors():  # training/cli.py: the message alone and exit status 2
         _main(dcfg)
-    except ValueError as e:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        sys.exit(f"error: {e}\n(HYDRA_FULL_ERROR=1 shows where it came from)")
 
 
 def _main(dcfg: DictConfig) -> None:

@@ -10,7 +10,9 @@ of each is checked here.
 Deprecated names, accepted for one release with a FutureWarning (once a process) and then removed:
 `model.glue_backend` → `model.fused_ops` (a field here, because training/config.py refuses unknown keys: when set, it
 is copied to fused_ops, which it overrides, and reset to null), the model attribute `glue_backend` → `fused_ops`
-(models/layers.py) and `WanBlock.recompute_glue` → `FusedWanBlock.recompute_norms` (models/fused_wan.py).
+(models/layers.py) and `WanBlock.recompute_glue` → `FusedWanBlock.recompute_norms` (models/fused_wan.py; on
+a block, set before or after the fused ops are applied — the class-level spelling `WanBlock.recompute_glue = …` is
+gone).
 """
 from __future__ import annotations
 
@@ -246,6 +248,16 @@ class MMDiTConfig(RunKnobs):
     def pooled_dim(self) -> int:
         """The pooled text embedding's width, as the data side calls it."""
         return self.pooled_projection_dim
+
+    @property
+    def ffn_dim(self) -> int:
+        """The feed-forward width of every block (dim · mlp_ratio, as the blocks build it)."""
+        return int(self.dim * self.mlp_ratio)
+
+    @property
+    def rope_max_seq_len(self) -> None:
+        """The MMDiT's RoPE is computed for any grid: no per-axis position limit (Wan's rope_max_seq_len)."""
+        return None
 
     @property
     def attention_layers(self) -> int:

@@ -192,6 +192,9 @@ def apply_fused_ops(model: nn.Module, fused_ops: str = "auto") -> nn.Module:
         for m in model.modules():
             if type(m) in _FUSED:
                 m.__class__ = _FUSED[type(m)]
+                if "recompute_glue" in vars(m):  # the old name, set on a reference block before the swap
+                    warn_deprecated("WanBlock.recompute_glue", "FusedWanBlock.recompute_norms")
+                    m.recompute_norms = vars(m).pop("recompute_glue")
     for m in model.modules():
         if isinstance(m, FusedWanBlock):
             m.fused_ops = fused_ops

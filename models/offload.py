@@ -14,7 +14,8 @@ so its memory returns the moment backward drops it, however far the CPU runs ahe
                out.backward(dout);  prefetch host[i−1];  return dx and the gradients of the block's other inputs
 
 A selective policy (context_fn, as torch.utils.checkpoint takes it) may keep some ops' outputs from the forward for
-the recompute: model.keep_attention's blocks offload their inputs too and keep only the self-attention's output.
+the recompute: the blocks that keep their attention (set_activation_checkpointing(keep_attention=j)) offload their
+inputs too and keep only the self-attention's output.
 
 `run` is called twice, the forward then the recompute: models/checkpointing.py (the only caller) marks the two calls
 as it marks torch.utils.checkpoint's, so the block's last op skips what a pass does not use. The recompute is the

@@ -64,7 +64,7 @@ def parallelize(model: torch.nn.Module, *, compile: bool = False, world_size: in
         for block in model.blocks:
             block.compile()
     if world_size > 1 if shard is None else shard:
-        if getattr(model, "offload_checkpoints", False):
+        if model.offload_checkpoints:
             raise ValueError("offload_checkpoints recomputes blocks inside backward (reentrant), which FSDP2's hooks "
                              "do not follow: use it in a single process, or turn it off to shard")
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard

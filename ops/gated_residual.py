@@ -158,7 +158,7 @@ TUNED = {
 MAX_BLOCK_D = 1024
 
 
-def _block_d(D: int, cfg: KernelConfig) -> int:
+def block_d_of(D: int, cfg: KernelConfig) -> int:
     if cfg.block_d:
         return cfg.block_d
     divisor = D & -D  # model widths (1536 = 3·512, 5120 = 5·1024) tile exactly; odd D takes one masked tile
@@ -172,9 +172,9 @@ def default_config(kind: str, D: int, device: torch.device, per_token: bool = Fa
     D0, cfg = nearest_tuned(TUNED, (kind, per_token), D)
     if D0 == D:
         return cfg
-    tile = cfg.rows * _block_d(D0, cfg)
+    tile = cfg.rows * block_d_of(D0, cfg)
     cfg = dataclasses.replace(cfg, block_d=0)  # this D's own feature tile
-    return dataclasses.replace(cfg, rows=max(1, min(64, tile // _block_d(D, cfg))))
+    return dataclasses.replace(cfg, rows=max(1, min(64, tile // block_d_of(D, cfg))))
 
 
 def _unsupported(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> str | None:
@@ -204,7 +204,7 @@ def _check(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> None:
 
 def _grid(N: int, B: int, D: int, cfg: KernelConfig, device: torch.device) -> tuple[int, int, int, int]:
     """(block_d, feature tiles, spans per sample, tiles per span)."""
-    block_d = _block_d(D, cfg)
+    block_d = block_d_of(D, cfg)
     n_dtiles = cdiv(D, block_d)
     if B * n_dtiles == 0:
         return block_d, n_dtiles, 0, 1

@@ -33,8 +33,7 @@ BACKENDS = ("auto", "triton", "torch")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the kernels load and store
 MAX_D = 16384  # one row lives in registers; wider rows would spill (auto falls back to the reference)
 
-triton = None  # set by store_cast(): its jitted helpers resolve `tl` from this module's globals
-tl = None
+tl = None  # set by store_cast(): its jitted helpers resolve `tl` from this module's globals
 
 
 # --------------------------------------------------------------------------------------------- Triton and interpreter

@@ -29,6 +29,7 @@ if any(a in ("-h", "--help") for a in sys.argv[1:]):
 import hydra  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from training.cli import user_errors  # noqa: E402
 from training.config import load_config  # noqa: E402
 from training.shape_benchmark import calibrate_config, refit_file  # noqa: E402
 
@@ -39,10 +40,11 @@ def main(dcfg) -> None:
     raw.pop("hydra", None)
     opts = raw.pop("calibrate", None) or {}
     command = "python " + " ".join(sys.argv[:1] + [a for a in sys.argv[1:] if not a.startswith("hydra")])
-    if opts.get("refit"):
-        refit_file(opts["refit"], opts.get("fit_min_tokens"), command, opts.get("out"))
-        return
-    calibrate_config(load_config(raw), opts, command=command, warn=lambda s: print(f"warning: {s}"))
+    with user_errors():  # training/cli.py: the message alone and exit status 2
+        if opts.get("refit"):
+            refit_file(opts["refit"], opts.get("fit_min_tokens"), command, opts.get("out"))
+            return
+        calibrate_config(load_config(raw), opts, command=command, warn=lambda s: print(f"warning: {s}"))
 
 
 if __name__ == "__main__":

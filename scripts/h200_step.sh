@@ -16,7 +16,7 @@ if [[ $PART == *a* ]]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gated_ffn.py tests/test_gelu_ffn.py \
     tests/test_adaln_linear.py tests/test_rope_attention.py tests/test_wan_parity.py tests/test_wan_fused.py tests/test_qk_norm_rope.py \
     tests/test_gated_residual.py tests/test_adaln.py \
-    -k "gated or gelu or act_grad or chunked or adaln_linear or rope_attention or cuda or fused_glue or lora \
+    -k "gated or gelu or act_grad or chunked or adaln_linear or rope_attention or cuda or fused_ops_model or lora \
         or residual or second or wan_size or bias or gate_w2 or column" 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -4
   timeout 330 python3 scripts/bench/step.py --out "$OUT/a" --shapes 3,2 --fast-backend native --reps 3 --gc-off \

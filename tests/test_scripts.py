@@ -86,3 +86,14 @@ def test_a_user_mistake_in_a_script_prints_its_message_alone_and_exits_2(tmp_pat
     done = subprocess.run(args, cwd=ROOT, env=dict(env, HYDRA_FULL_ERROR="1"), capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 1 and "Traceback" in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train.py", "train.steps=0", "logging.wandb=disabled"], "train.py: error: train.steps must be ≥ 1, got 0"),
+    (["scripts/calibrate.py", "+calibrate.bogus=1"], "calibrate.py: error: unknown calibrate option(s) ['bogus']")])
+def test_the_hydra_entry_points_report_a_mistake_the_same_way(args, message):
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    env.pop("HYDRA_FULL_ERROR", None)
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert message in done.stderr

@@ -17,7 +17,7 @@ from models.fused_wan import FusedWanAttention, FusedWanBlock, apply_fused_ops
 from models.offload import HostStore
 from models.wan import WanAttention, WanBlock, WanTransformer
 from ops.triton_setup import HAS_TRITON
-from tests.test_wan_parity import TINY, inputs, loss_and_grads, make_pair
+from tests.test_wan_parity import CONFIGS, TINY, inputs, loss_and_grads, make_pair
 
 
 def test_apply_fused_ops_keeps_every_parameter_and_key_and_torch_is_the_reference():
@@ -113,6 +113,12 @@ def test_deprecated_names_still_work_for_one_release(monkeypatch):
     with pytest.warns(FutureWarning, match="recompute_glue"):
         model.blocks[0].recompute_glue = False
     assert model.blocks[0].recompute_norms is False and model.blocks[1].recompute_norms is True
+    bare = WanTransformer(**TINY)  # the old name set on a reference block, before the fused ops are applied
+    bare.blocks[1].recompute_glue = False
+    monkeypatch.setattr(config, "_WARNED", set())
+    with pytest.warns(FutureWarning, match="recompute_glue"):
+        apply_fused_ops(bare, "torch")
+    assert bare.blocks[1].recompute_norms is False and bare.blocks[0].recompute_norms is True
 
 
 def test_activation_checkpointing_same_output_and_grads():
@@ -211,11 +217,13 @@ def test_fused_adaln_model_equals_reference_model(per_token, monkeypatch):
         torch.testing.assert_close(grads["triton"][n], g, atol=1e-5, rtol=1e-4, msg=n)
 
 
-def test_fused_ops_model_equals_reference_model(monkeypatch):
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fused_ops_model_equals_reference_model(monkeypatch, name):
     """fused_ops="triton" (the interpreter on CPU): the fused gated residual, the AdaLN feeding the q/k/v
     projections and the MLP without saving its output, attention over the q/k RMSNorm-RoPE saving q and k once (self-
-    and cross-attention, whose LayerNorm runs as AdaLN) in every block give the reference model's output and
-    parameter gradients."""
+    and cross-attention, whose LayerNorm runs as AdaLN where the block has one) in every block give the reference
+    model's output and parameter gradients — with and without the cross-attention norm."""
+    cfg = CONFIGS[name]
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
     calls = {"gated_residual": 0, "rope_attention": 0, "adaln_linear": 0, "adaln_gelu_ffn": 0}
@@ -234,8 +242,8 @@ def test_fused_ops_model_equals_reference_model(monkeypatch):
     # fp32 throughout (matmuls are by default): a TF32 convolution rounds the two passes' (1e-7-apart)
     # inputs 1e-3 apart (seen on the H200)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    model = make_pair(TINY)[1].to(dev)
-    x, t, ctx = (a.to(dev) for a in inputs(TINY, frames=3))
+    model = make_pair(cfg)[1].to(dev)
+    x, t, ctx = (a.to(dev) for a in inputs(cfg, frames=4 if cfg["patch_size"][0] == 2 else 3))
     outs, grads = {}, {}
     for backend in ("torch", "triton", "triton-saved"):  # saved: AdaLN outputs and rotated q/k saved, not remade
         model.fused_ops = model.adaln_backend = backend.split("-")[0]  # the AdaLN kernel too (auto: reference)
@@ -244,8 +252,8 @@ def test_fused_ops_model_equals_reference_model(monkeypatch):
         outs[backend] = model(x, t, ctx)
         grads[backend] = loss_and_grads(model, outs[backend])
         if backend == "triton":
-            L = TINY["num_layers"]
-            assert calls == {"gated_residual": 2 * L, "rope_attention": 2 * L, "adaln_linear": 2 * L,
+            L, norms = cfg["num_layers"], 2 if cfg.get("cross_attn_norm", True) else 1  # AdaLN-fused projections
+            assert calls == {"gated_residual": 2 * L, "rope_attention": 2 * L, "adaln_linear": norms * L,
                              "adaln_gelu_ffn": L}  # only the triton pass
     for block in model.blocks:
         block.recompute_norms = True

@@ -3,6 +3,7 @@ value, a run without what was asked of it) or a missing file prints its message 
 argparse does for a bad flag; HYDRA_FULL_ERROR=1 shows the whole trace (the name Hydra users already know)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Callable
@@ -14,15 +15,22 @@ def wants_trace() -> bool:
     return os.environ.get("HYDRA_FULL_ERROR") == "1"
 
 
-def run_main(main: Callable[[], object]) -> None:
-    """Run a script's main(); a user error ends it with its message and status 2, anything else as Python would.
-    An int that main returns is the exit status."""
+@contextlib.contextmanager
+def user_errors():
+    """Inside it, a user error ends the process with its message and status 2 (the trace under HYDRA_FULL_ERROR=1)."""
     try:
-        status = main()
+        yield
     except USER_ERRORS as e:
         if wants_trace():
             raise
         prog = os.path.basename(sys.argv[0]) or "script"
         print(f"{prog}: error: {e}\n(HYDRA_FULL_ERROR=1 shows where it came from)", file=sys.stderr)
         sys.exit(2)
+
+
+def run_main(main: Callable[[], object]) -> None:
+    """Run a script's main(); a user error ends it with its message and status 2, anything else as Python would.
+    An int that main returns is the exit status."""
+    with user_errors():
+        status = main()
     sys.exit(status if isinstance(status, int) else 0)

@@ -208,7 +208,7 @@ def _check_cross_fields(cfg: TrainConfig) -> None:
         raise ValueError(f"model.text_len={m.text_len} exceeds data.encoders.max_text_len="
                          f"{cfg.data.encoders.max_text_len}, the most tokens the text encoder keeps per caption: "
                          "lower model.text_len (or raise data.encoders.max_text_len)")
-    rope_max = getattr(m, "rope_max_seq_len", None)  # Wan's RoPE covers this many positions per axis
+    rope_max = m.rope_max_seq_len  # Wan's RoPE covers this many positions per axis (the MMDiT's: any)
     if rope_max is not None:
         for name, b in table.items():
             grid = b.patch_grid

@@ -67,7 +67,7 @@ def _sync(device):
 
 def make_step_fn(model, objective, optimizer, buckets, model_cfg, device, autocast, checkpointing: bool,
                  graphs=None, peaks: dict | None = None):
-    """step_fn(bucket, B) → StepResult: one real training step on synthetic inputs (CONTRACTS §6). With `graphs`
+    """step_fn(bucket, B) → StepResult: one real training step on synthetic inputs (docs/contracts.md §6). With `graphs`
     (training/cuda_graphs.py, as the trainer runs) each (bucket, B) is captured before it is timed: the capture
     and its eager warm-up run untimed, and the peak is the capture's (a replay allocates nothing). With `peaks` (a
     dict), each eager step on a CUDA device appends to peaks[(bucket, B)] its peak up to the forward's end, its peak
@@ -277,7 +277,7 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
         ext = {**(ext or {}), "fsdp_ranks": R, "memory_blocks": [k, k2]}
     cal = new_calibration(
         records, model={"name": m.name, "dim": m.dim, "num_layers": m.attention_layers,
-                        "num_attention_heads": m.num_attention_heads, "ffn_dim": getattr(m, "ffn_dim", None),
+                        "num_attention_heads": m.num_attention_heads, "ffn_dim": m.ffn_dim,
                         "text_len": m.text_len, "precision": m.precision,
                         "compile": m.compile, "adaln_backend": m.adaln_backend,
                         "params": full_depth_params(cfg.model)},

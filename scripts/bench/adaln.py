@@ -136,7 +136,7 @@ def print_row(r):
 
 def sweep_phase1(kernel, kind, D):
     """Launch shapes to try first: rows × warps × grid (split chosen by the vector rule)."""
-    from ops.adaln import KernelConfig
+    from ops.triton_setup import KernelConfig
 
     block = 1 << (D - 1).bit_length()
     fits = [r for r in (1, 2, 4, 8, 16) if r * block <= 16384]
@@ -163,7 +163,8 @@ def sweep_phase2(best):
 def run_sweep(args, bench, device, copy_bw, save):
     import torch
 
-    from ops.adaln import KernelConfig, adaln_backward, adaln_forward, default_config
+    from ops.adaln import adaln_backward, adaln_forward, default_config
+    from ops.triton_setup import KernelConfig
 
     rows = []
     for kind in args.kinds:

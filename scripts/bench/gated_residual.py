@@ -137,13 +137,14 @@ def sweep_configs(kernel, kind, D):
     """Launch shapes to try: tiles of 1024-8192 elements (rows × the feature tile at its default, the widest power
     of two dividing D up to 1024, or 256) × warps × grid (persistent spans with a pipelined loop, or for what needs
     no per-sample partial sums, one tile per program)."""
-    from ops.gated_residual import KernelConfig, _block_d
+    from ops.gated_residual import block_d_of
+    from ops.triton_setup import KernelConfig
 
     grids = [(0, 1), (4, 3), (8, 3), (16, 2)] if kernel == "fwd" or kind == "token" else [(4, 1), (4, 3), (8, 3),
                                                                                          (16, 2)]
     cfgs = [KernelConfig(r, w, p, block_d=bd, num_stages=st) for bd in (0, 256) for r in (1, 2, 4, 8, 16, 32)
             for w in (4, 8) for p, st in grids]
-    return [c for c in cfgs if 1024 <= c.rows * _block_d(D, c) <= 8192]
+    return [c for c in cfgs if 1024 <= c.rows * block_d_of(D, c) <= 8192]
 
 
 def run_sweep(args, bench, device, copy_bw, save):

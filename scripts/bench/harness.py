@@ -192,7 +192,7 @@ def saved_bytes_of(fn, args, kept=(), callers=()):
 # ------------------------------------------------------------------------------------- the op benchmarks' session
 def load_tuned(path: str) -> dict:
     """{(kernel, per_token, D): KernelConfig} from a sweep's JSON: the fastest launch shape per kernel and shape."""
-    from ops.adaln import KernelConfig
+    from ops.triton_setup import KernelConfig
 
     best = {}
     for r in json.load(open(path))["rows"]:

@@ -198,7 +198,7 @@ def print_row(r):
 
 def sweep_configs():
     """Launch shapes to try: rows × warps × programs per SM × segments × pipelining depth."""
-    from ops.adaln import KernelConfig
+    from ops.triton_setup import KernelConfig
 
     return [KernelConfig(r, w, p, split=sp, num_stages=st) for r in (1, 2, 4) for w in (4, 8) for p in (0, 2, 4, 8)
             for sp in (True, False) for st in ((1,) if p == 0 else (1, 3))]  # p = 0: one tile per program

@@ -15,15 +15,16 @@ Side by side in one run, forward + backward, no optimizer, random weights (the s
   ours@compile        ours@fast with block.compile() (inductor fuses the torch glue instead of our kernels)
   ours@offload        ours@glue with the recomputed blocks' inputs in pinned host memory (models/offload.py)
   ours@policy         (b): the fewest leading blocks recompute that keep the step under diffusers@fast's peak memory
-                      at that shape (none where it fits), with the fused glue (and offload when ours@offload runs)
+                      at that shape (none where it fits), with the fused ops (and offload when ours@offload runs)
   ours@keep           (b) too: every block recomputed, the most blocks that fit diffusers' peak keeping their
-                      attention outputs (the last ones: models/layers.py keeps_attention) (the recompute skips attention there), glue and offload as ours@policy
+                      attention outputs (the last ones: models/checkpointing.py keeps_attention; the recompute skips
+                      attention there), fused ops and offload as ours@policy
   ours@keep+unchunked ours@keep with the MLP's temporaries whole (as ours@unchunked)
   ours@unchunked      ours@offload with the MLP's ffn-sized temporaries whole (ops/gelu_ffn.py's row chunks off)
   ours@chunkN         ours@offload with those temporaries in chunks of N MiB of rows (the default is 128)
   diffusers@again     diffusers measured again after our columns at each shape (drift between columns shows)
   ours@trainer        our trainer's precision: fp32 master weights under bf16 autocast (not held to memory targets)
-Reported per shape: ms (median), tokens/s, model-FLOPs utilisation (CONTRACTS §9), peak GiB; each row is appended
+Reported per shape: ms (median), tokens/s, model-FLOPs utilisation (contracts §9), peak GiB; each row is appended
 to OUT/bench_step.jsonl as it is measured. Then the longest sequence: B = 1 at 480p (latent 60×104), latent frames
 raised until the --longest column's peak exceeds diffusers@fast's peak at S = 32760. Before timing, the two models' outputs are compared on one small input (bf16 tolerance).
 """
