@@ -1,4 +1,4 @@
-"""The Batch: what one micro-batch hands the model (CONTRACTS §4).
+"""The Batch: what one micro-batch hands the model (docs/contracts.md §4).
 
     latents     [B, C, F, H, W]  normalised with the VAE's latents_mean/std
     text        [B, L, C_text]   zero-padded to the model's text_len (512 for Wan, as diffusers' pipeline does)

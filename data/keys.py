@@ -2,7 +2,7 @@
 
 Every random choice tied to a sample — which clip of a video, whether its caption drops, its noise and t — draws
 from a generator keyed this way, so a resumed run, or the same sample on another rank or worker, draws the same
-values whatever else ran before (CONTRACTS §5). The hash is BLAKE2b of the parts joined by "/"; changing it changes
+values whatever else ran before (contracts §5). The hash is BLAKE2b of the parts joined by "/"; changing it changes
 every run's data and noise.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
     LatentCorpus   one or more sample indexes (data.index, data.urls or data.sources) in one id space; a record is
                    precomputed latents (kind latent) or a raw image/video (kind image | video, encoded on the fly by
                    data/encoders.py); the planner's SampleTable (a source of weight w contributes round(w·N) entries
-                   per epoch, cycled when it runs out, CONTRACTS §2), the held-out validation ids, and `load(id)` — a
+                   per epoch, cycled when it runs out, contracts §2), the held-out validation ids, and `load(id)` — a
                    seek into the tar
     Loader         turns this rank's share of a StepPlan into Batches: worker threads read and decode the planned
                    samples ahead (PyAV and PIL release the GIL, so threads scale without copying frames between

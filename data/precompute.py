@@ -1,4 +1,4 @@
-"""Encoding a raw corpus into latent shards of the shared schema (data/synthetic.py, CONTRACTS §4), with its index.
+"""Encoding a raw corpus into latent shards of the shared schema (data/synthetic.py, contracts §4), with its index.
 (the command line: scripts/precompute_latents.py)
 
 Each sample is decoded for its bucket exactly as training decodes it in epoch 0 (same clip, keyed by train.seed and

@@ -1,7 +1,7 @@
 """Raw corpora: WebDataset shards of images and videos with captions → the sample index → buckets → pixels.
 
 A sample is an image (jpg/png/webp) or a video (mp4/webm/mkv/mov) with a caption (`txt`, or `json` with a caption
-field, which may also carry fps/size metadata). The index (CONTRACTS §2) is built from tar headers and container
+field, which may also carry fps/size metadata). The index (docs/contracts.md §2) is built from tar headers and container
 headers only; nothing is decoded until the loader asks:
 
     expand_urls(urls)      brace patterns ("shard-{000..099}.tar"), globs, a list file (one path a line, relative to

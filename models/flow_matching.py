@@ -6,7 +6,7 @@
     timesteps are sigmas·1000)
 
 The caller hands `sample_t` the generator to draw from; training/step.py keys it by (seed, epoch, sample key), so a
-resumed run, or the same sample on another rank, draws the same t and noise (CONTRACTS §5).
+resumed run, or the same sample on another rank, draws the same t and noise (docs/contracts.md §5).
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ timestep t [B] (1000·t); guidance g [B] (1000·scale, guidance-distilled models
           identity rotation, so one table serves the joint sequence.
     Attention masks: a text key is visible when m = 1; video keys always are.
 
-Precision follows the repo's contract (CONTRACTS §5): the time/guidance/pooled-text embedders and every modulation
+Precision follows the repo's contract (contracts §5): the time/guidance/pooled-text embedders and every modulation
 linear run in fp32 with autocast off and are listed in `_keep_in_fp32_modules`; gated residuals sum in fp32 and cast
 back to the stream's dtype. Differences from diffusers: the modulated LayerNorms compute in fp32 and return x's
 dtype (diffusers: in x's dtype) — equal in fp32, closer to fp32 in bf16; diffusers has no `_keep_in_fp32_modules`,
@@ -275,7 +275,7 @@ class MMDiT(DiffusersFormat, BackendKnobs, CheckpointingMixin, nn.Module):
     """
 
     _diffusers_class_name = "HunyuanVideoTransformer3DModel"
-    # Not in diffusers (which has none for this model): what CONTRACTS §5 keeps in fp32 — the embedders, every
+    # Not in diffusers (which has none for this model): what docs/contracts.md §5 keeps in fp32 — the embedders, every
     # modulation linear, the refiner's affine norms and the q/k norms.
     _keep_in_fp32_modules = ["time_text_embed", "norm1", "norm1_context", "norm", "norm2", "norm_out", "norm_q",
                              "norm_k", "norm_added_q", "norm_added_k"]

@@ -7,7 +7,7 @@ to t = 0 with explicit Euler steps gives a sample:
     v̂     = v(x, t_i, ∅) + g · (v(x, t_i, c) − v(x, t_i, ∅))                     (guidance g; g = 1: no ∅ pass)
     x     ← x + (t_{i+1} − t_i) · v̂                                              (the model gets timestep 1000·t_i)
 
-∅ is the empty prompt's text embedding (what caption dropout trained, CONTRACTS §2). The noise of clip k is drawn
+∅ is the empty prompt's text embedding (what caption dropout trained, contracts §2). The noise of clip k is drawn
 on the CPU from a generator seeded with its seed, so a clip is the same on every device, rank and run.
 Decoding un-normalises the latents with the VAE's own statistics, z = z_norm·std + mean (the inverse of
 data/encoders.py's normalisation, as diffusers' Wan pipeline does), then runs the VAE decoder: F' latent frames

@@ -4,7 +4,7 @@
 
 `ms` times forward + backward (what the cost model predicts), `optim_ms` the optimizer step apart, `peak_bytes`
 the step's peak device memory (optimizer state included); step_fn raises `Infeasible` on out-of-memory, after
-freeing what it allocated (CONTRACTS §6).
+freeing what it allocated (docs/contracts.md §6).
 
 The scan: buckets in ascending S; in each, B rises geometrically from 1 towards `top_tokens`/S, so that points
 span both S and B·S. A bucket stops at its first infeasible B, at a B·S at or above one already found

@@ -1,4 +1,4 @@
-"""Typed configuration of the scheduler (the `scheduling:` group); knobs named as CONTRACTS §8."""
+"""Typed configuration of the scheduler (the `scheduling:` group); knobs named as docs/contracts.md §8."""
 from __future__ import annotations
 
 from dataclasses import dataclass

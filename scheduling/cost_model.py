@@ -1,4 +1,4 @@
-"""Cost and memory models of one micro-batch, fitted to measured training steps (CONTRACTS §6).
+"""Cost and memory models of one micro-batch, fitted to measured training steps (docs/contracts.md §6).
 
 Time of forward + backward of a micro-batch of B samples of S tokens (text length L):
     power      t = a + b·B·S^p                               the paper's form; nonlinear least squares

@@ -1,4 +1,4 @@
-"""Balance and throughput metrics from plans and measurements (CONTRACTS §9).
+"""Balance and throughput metrics from plans and measurements (docs/contracts.md §9).
 
     compute_cv          CV over ranks of Σ_k t_rk (each rank's work this step)
     idle_fraction       1 − Σ_r Σ_k t_rk / (R · Σ_k max_r t_rk)   (FSDP synchronises every slot; padding idle)
@@ -18,7 +18,7 @@ def compute_cv(t_RM: np.ndarray) -> float:
 
 
 def idle_fraction(t_RM: np.ndarray, real_RM: np.ndarray | None = None) -> float:
-    """real_RM (optional, bool): padding slots (False) take their time but count as idle (CONTRACTS §9)."""
+    """real_RM (optional, bool): padding slots (False) take their time but count as idle (docs/contracts.md §9)."""
     t = np.asarray(t_RM, dtype=np.float64)
     denom = t.shape[0] * t.max(axis=0).sum()
     busy = t.sum() if real_RM is None else t[np.asarray(real_RM, dtype=bool)].sum()

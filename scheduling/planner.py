@@ -1,4 +1,4 @@
-"""The planner: which samples go to which rank and micro-batch, for every strategy (CONTRACTS §3).
+"""The planner: which samples go to which rank and micro-batch, for every strategy (docs/contracts.md §3).
 
     plan, next_pos = plan_step(samples, seed, epoch, pos, world_size, strategy, micro_batches, batch_sizes,
                                cost_fn, window=1)

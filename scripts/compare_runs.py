@@ -2,7 +2,7 @@
 
     python scripts/compare_runs.py runs/equal_token runs/balanced [--out runs/compare] [--labels a b]
 
-Reads each run's metrics.jsonl (CONTRACTS §9 keys). Throughput and balance are averaged over the steps after
+Reads each run's metrics.jsonl (docs/contracts.md §9 keys). Throughput and balance are averaged over the steps after
 warm-up (rows that carry perf/tokens_per_s); the table is printed and written as compare.md beside compare.png.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Encode a raw corpus into latent shards of the shared schema (data/synthetic.py, CONTRACTS §4), with its index.
+"""Encode a raw corpus into latent shards of the shared schema (data/synthetic.py, contracts §4), with its index.
 
     python scripts/precompute_latents.py --out /data/latents -- data.urls='/data/raw/shard-{000..099}.tar' \\
         conf=wan21_8gpu data.encoders.vae=/models/Wan2.1-T2V-1.3B-Diffusers \\

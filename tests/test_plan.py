@@ -1,4 +1,4 @@
-"""The planner's contract (CONTRACTS §3) for the strategies the spine uses."""
+"""The planner's contract (docs/contracts.md §3) for the strategies the spine uses."""
 import numpy as np
 import pytest
 

@@ -1,5 +1,5 @@
 """On a GPU, under FSDP2 and bf16 autocast: fp32 master weights, bf16 matmuls, and the modulation tables, time
-embedder and norms computing in fp32 inside forward (CONTRACTS §5). Skips cleanly without CUDA."""
+embedder and norms computing in fp32 inside forward (docs/contracts.md §5). Skips cleanly without CUDA."""
 import os
 
 import pytest

@@ -62,7 +62,7 @@ def test_scheduling_config_refuses_zero(kw, field):
 
 def test_metrics_on_hand_cases():
     """scheduling/efficiency.py on R = 2 ranks × M = 3 slots (R ≠ M, so rows and columns cannot be confused), with
-    degenerate inputs giving 0 rather than NaN, and the FLOP formula of CONTRACTS §9 with every term distinct."""
+    degenerate inputs giving 0 rather than NaN, and the FLOP formula of contracts §9 with every term distinct."""
     t = np.array([[4.0, 1.0, 3.0], [2.0, 1.0, 1.0]])
     # idle = 1 − Σ t / (R · Σ_k max_r t_rk) = 1 − 12 / (2 · 8)
     assert idle_fraction(t) == pytest.approx(1 - 12 / 16)

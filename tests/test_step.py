@@ -1,4 +1,4 @@
-"""One training step in one process: train_step's loss normalisation (CONTRACTS §3: × world_size, padding weight 0)
+"""One training step in one process: train_step's loss normalisation (contracts §3: × world_size, padding weight 0)
 and its skip rule for a non-finite loss or gradient norm, the validation loss's per-sample mean (training/step.py);
 the Batch it reads (data/batch.py); the optimizer pieces it drives (training/optim.py); the metrics row made of it
 (training/metrics.py), how that row is logged (training/metrics.py), the busy time read from its slot
@@ -60,7 +60,7 @@ class Tiny(torch.nn.Module):
 
 
 def hand_loss(model, x0, text, t, noise):
-    """CONTRACTS §5 written out: x_t = (1 − t)·x0 + t·ε, target ε − x0, the mean square per sample."""
+    """docs/contracts.md §5 written out: x_t = (1 − t)·x0 + t·ε, target ε − x0, the mean square per sample."""
     out = []
     for i in range(x0.shape[0]):
         x_t = (1 - t[i]) * x0[i] + t[i] * noise[i]
@@ -188,7 +188,7 @@ def test_validation_loss_is_the_mean_over_samples_and_times_not_over_batches():
         for mb in vals:
             noise = torch.stack([torch.randn(tuple(mb.latents.shape[1:]), generator=keyed_generator(SEED, "val", k))
                                  for k in mb.keys])
-            for tv in (0.1, 0.3, 0.5, 0.7, 0.9):  # CONTRACTS §9's fixed times
+            for tv in (0.1, 0.3, 0.5, 0.7, 0.9):  # docs/contracts.md §9's fixed times
                 losses.append(hand_loss(model, mb.latents, mb.text, torch.full((mb.B,), tv), noise))
     per_sample = torch.cat(losses)
     assert per_sample.numel() == 4 * 5

@@ -1,4 +1,4 @@
-"""Measured busy time per micro-batch slot, from profiler traces (CONTRACTS §9: balance/busy_cv, idle_fraction).
+"""Measured busy time per micro-batch slot, from profiler traces (docs/contracts.md §9: balance/busy_cv, idle_fraction).
 
 Under FSDP2 every rank waits inside every micro-batch (all-gathers before each block, reduce-scatters after), so
 wall-clock timings of a slot look the same on every rank. The busy time is what is left when the waits are taken

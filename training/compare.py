@@ -1,7 +1,7 @@
 """Comparing runs offline: throughput, balance, val/loss against samples seen, memory — a PNG and a short table
 (the command line: scripts/compare_runs.py).
 
-Reads each run's metrics.jsonl (CONTRACTS §9 keys). Throughput and balance are averaged over the steps after
+Reads each run's metrics.jsonl (docs/contracts.md §9 keys). Throughput and balance are averaged over the steps after
 warm-up (rows that carry perf/tokens_per_s); the table is returned and written as compare.md beside compare.png.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Training metrics: the per-step row of CONTRACTS §9, and the one path that logs it.
+"""Training metrics: the per-step row of docs/contracts.md §9, and the one path that logs it.
 
 StepMetrics makes a step's row from the plan, every rank's timings and (sampled) busy times:
     perf/tokens_per_s, perf/samples_per_s   global real latent tokens / samples per wall second since warm-up
@@ -11,7 +11,7 @@ StepMetrics makes a step's row from the plan, every rank's timings and (sampled)
                                             stragglers, data stalls, clocks — not that of different batch tables
 
 MetricsLogger is the one path: log_metrics(step, dict) → console/progress bar, run_dir/metrics.jsonl always, wandb
-when on. Keys are namespaced as CONTRACTS §9 (`train/loss`, `perf/tokens_per_s`, `balance/compute_cv_pred`, ...);
+when on. Keys are namespaced as contracts §9 (`train/loss`, `perf/tokens_per_s`, `balance/compute_cv_pred`, ...);
 every JSONL row carries `step` and `samples_seen`. Lists (per-micro-batch values such as `batch/S`) go to JSONL as
 they are and to wandb as their mean.
 """

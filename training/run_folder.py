@@ -1,4 +1,4 @@
-"""The run folder: a fresh run never writes into one that holds another run (CONTRACTS §7).
+"""The run folder: a fresh run never writes into one that holds another run (docs/contracts.md §7).
 
 A folder holds a run when it has any of RUN_FILES: metrics, checkpoints (also a diverged or half-written one), a
 wandb run and its id, the resolved config, samples, traces. Into such a folder

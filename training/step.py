@@ -1,6 +1,6 @@
 """One optimizer step over this rank's micro-batches, and the fixed validation loss.
 
-Loss normalisation (CONTRACTS §3): Σ per-sample losses · loss_weight / (real samples in the whole step, all ranks
+Loss normalisation (contracts §3): Σ per-sample losses · loss_weight / (real samples in the whole step, all ranks
 and slots), multiplied by world_size before backward, so the data-parallel gradient average is the global mean.
 A NaN/Inf loss or gradient norm skips the update (every rank agrees: both are global).
 """
@@ -104,7 +104,7 @@ class _Clock:
 def draw_t_noise(objective: FlowMatching, keys: Sequence[str], shape: Sequence[int], seed: int,
                  epoch) -> tuple[torch.Tensor, torch.Tensor]:
     """(t [B], noise [B, *shape]) for these sample keys, on the CPU in fp32: per key, one generator keyed by
-    (seed, epoch, key) draws t (the objective's distribution), then the noise (CONTRACTS §5)."""
+    (seed, epoch, key) draws t (the objective's distribution), then the noise (docs/contracts.md §5)."""
     ts, noise = [], []
     for key in keys:
         g = keyed_generator(seed, epoch, key)

@@ -12,7 +12,7 @@ a Hydra multirun's `name`), grouped by the config key `scheduling.strategy` (Met
 wandb's config): one line per strategy, the mean over its runs with a min–max band.
 
 Sections (a panel's `section`): `throughput` for perf/*, `balance` for balance/*, `loss` for train/loss and
-val/loss; any other key is filed under its namespace. The metric names are CONTRACTS §9's.
+val/loss; any other key is filed under its namespace. The metric names are docs/contracts.md §9's.
 
 The report layer needs `wandb-workspaces` (`import wandb_workspaces.reports.v2`), imported only when used: it
 replaced `wandb.apis.reports`, which in current wandb only says to install it.
@@ -71,7 +71,7 @@ def panel_definitions(entity: str, project: str, group: str, x: str = "samples_s
         raise ValueError(f"x must be one of {X_CHOICES} (what the trainer logs as x-axes), got {x!r}")
     metrics = list(metrics)
     if not metrics or any(not isinstance(m, str) or not m.strip() for m in metrics):
-        raise ValueError(f"metrics must be one or more metric names (CONTRACTS §9, e.g. perf/tokens_per_s), "
+        raise ValueError(f"metrics must be one or more metric names (docs/contracts.md §9, e.g. perf/tokens_per_s), "
                          f"got {metrics!r}")
     if len(set(metrics)) != len(metrics) or x in metrics:
         raise ValueError(f"metrics must be distinct and must not repeat the x-axis {x!r}, got {metrics!r}")
