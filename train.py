@@ -233,7 +233,7 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick, preset: str) -> dict:
         if cfg.checkpoint.at_end and not os.path.exists(os.path.join(cfg.run_dir, f"step_{state.step}")):
             checkpoint()
 
-    # 9. close
+    # 10. close
     if bar is not None:
         bar.close()
     loader.close()

@@ -51,14 +51,13 @@ def load_checkpoint_model(path: str, cfg, ema: bool = False) -> torch.nn.Module:
     weights (of the trainable parameters) instead of the raw ones.
     """
     from models.build import build_model
-    from models.lora import apply_finetune
     from training.checkpoint import read_metadata, safe_load
 
     stored = set(read_metadata(path).state_dict_metadata)
     has_base = any(k.startswith("model.") and "lora_" not in k for k in stored)  # else adapter-only
     if not has_base and not cfg.model.pretrained:
         raise ValueError(f"{path} holds no base weights and its config names no model.pretrained folder")
-    model = apply_finetune(build_model(cfg.model if not has_base else replace(cfg.model, pretrained=None)), cfg.model)
+    model = build_model(cfg.model if not has_base else replace(cfg.model, pretrained=None))  # with its LoRA
     params = dict(model.named_parameters())
     state = {"model": {n: p.detach() for n, p in params.items() if f"model.{n}" in stored}}  # loads in place
     if ema:  # EMA covers the trainable parameters only (the adapter, under LoRA): overlay it on the raw weights
