@@ -13,7 +13,7 @@
     python scripts/calibrate.py +calibrate.check=[i480:461] scheduling.calibration=FILE
                                                                      run those micro-batches against FILE's models
 
-Options (`+calibrate.KEY=VALUE`) and what the benchmark measures: training/shape_benchmark.py (DEFAULTS). A fit
+Options (`+calibrate.KEY=VALUE`) and what the benchmark measures: training/shape_benchmark.py (CalibrateOptions). A fit
 that misses its own points by more than 15 % is warned about, with what to do. The trainer runs the same benchmark on
 first use with scheduling.calibration=auto.
 """
@@ -31,18 +31,18 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from training.cli import user_errors  # noqa: E402
 from training.config import load_config  # noqa: E402
-from training.shape_benchmark import calibrate_config, refit_file  # noqa: E402
+from training.shape_benchmark import CalibrateOptions, calibrate_config, refit_file  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base=None)
 def main(dcfg) -> None:
     raw = OmegaConf.to_container(dcfg, resolve=True)
     raw.pop("hydra", None)
-    opts = raw.pop("calibrate", None) or {}
     command = "python " + " ".join(sys.argv[:1] + [a for a in sys.argv[1:] if not a.startswith("hydra")])
     with user_errors():  # training/cli.py: the message alone and exit status 2
-        if opts.get("refit"):
-            refit_file(opts["refit"], opts.get("fit_min_tokens"), command, opts.get("out"))
+        opts = CalibrateOptions.of(raw.pop("calibrate", None))
+        if opts.refit:
+            refit_file(opts.refit, opts.fit_min_tokens, command, opts.out)
             return
         calibrate_config(load_config(raw), opts, command=command, warn=lambda s: print(f"warning: {s}"))
 

@@ -9,7 +9,7 @@ out-of-memory frees what the step held and reports the point infeasible (schedul
 Over several processes (torchrun, or the trainer's own) the model is FSDP-sharded as the run shards it, each point's
 feasibility is agreed by all-reduce, and rank 0 writes the file.
 
-Options (`calibrate.KEY` in scripts/calibrate.py; `DEFAULTS`): max_points, blocks (time k of the model's blocks and
+Options (`calibrate.KEY` of scripts/calibrate.py, CalibrateOptions): max_points, blocks (time k of the model's blocks and
 extrapolate × layers/k; the file says so), warmup, repeats, top_tokens (largest B·S aimed at; default 2·S_max),
 time_budget_s, buckets (names; default all), out, fit_min_tokens (points with B·S below it stay in the file but out
 of the cost fit; default null: every point is fitted, the cost model's launch floor pricing the small ones),
@@ -36,6 +36,7 @@ import platform
 import time
 from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
+from typing import Optional
 
 import numpy as np
 import torch
@@ -53,9 +54,44 @@ from training.inputs import model_inputs
 from training.optim import build_optimizer
 from training.step import autocast_for
 
-DEFAULTS = dict(max_points=12, blocks=None, warmup=1, repeats=2, top_tokens=None, time_budget_s=None,
-                buckets=None, out=None, fit_min_tokens=None, refit=None, probe_cap=True, check=None,
-                fsdp_ranks=None, memory_blocks=None, memory_time_budget_s=None)
+
+
+@dataclasses.dataclass
+class CalibrateOptions:
+    """What a shape benchmark scans (`+calibrate.NAME=…` on scripts/calibrate.py's command line); checked as the run
+    config is (training/config.py: types, finiteness, unknown names), ranges here."""
+    max_points: int = 12                  # timed (bucket, B) points at most
+    blocks: Optional[int] = None          # time a k-block slice of Wan and scale it to the full depth (null: all)
+    warmup: int = 1                       # untimed steps before each point
+    repeats: int = 2                      # timed steps per point (all kept in the file)
+    top_tokens: Optional[float] = None    # the largest B·S aimed at (null: 2·S_max)
+    time_budget_s: Optional[float] = None  # stop starting new points after this long
+    buckets: Optional[list[str]] = None   # the buckets to scan (null: every one of data.buckets)
+    out: Optional[str] = None             # a file or folder (default runs/calibrate/<name>/calibration.json)
+    fit_min_tokens: Optional[float] = None  # fit only points with B·S at or above this
+    refit: Optional[str] = None           # refit this calibration file's points instead of scanning
+    probe_cap: bool = True                # probe the memory bound of the largest bucket
+    check: Optional[list[str]] = None     # BUCKET:B micro-batches to time against the file's model instead
+    fsdp_ranks: Optional[int] = None      # a slice for FSDP over this many ranks (module docstring)
+    memory_blocks: Optional[int] = None   # the second depth the memory model is measured at
+    memory_time_budget_s: Optional[float] = None  # the second depth's time budget
+
+    def __post_init__(self):
+        for name, low in (("max_points", 1), ("warmup", 0), ("repeats", 1), ("top_tokens", 1),
+                          ("time_budget_s", 0), ("memory_time_budget_s", 0), ("fit_min_tokens", 0)):
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ValueError(f"calibrate.{name} must be ≥ {low}, got {value}")
+
+    @classmethod
+    def of(cls, opts: "CalibrateOptions | dict | None") -> "CalibrateOptions":
+        """Options from a plain dict (Hydra's `calibrate` group, a test's); unknown or ill-typed ones are refused."""
+        from training.config import from_dict
+
+        return opts if isinstance(opts, cls) else from_dict(cls, dict(opts or {}), "calibrate.")
+
+
+DEFAULTS = dataclasses.asdict(CalibrateOptions())
 FIT_WARN = 0.15  # a chosen cost model missing its own points by more than this (relative RMS) is warned about
 CPU_M_MEM_FACTOR = 8  # CPU: no device memory to bound; m_mem = 8·S_max so every rule has a bound
 
@@ -199,26 +235,24 @@ def fit_warnings(cal: Calibration, threshold: float = FIT_WARN) -> list[str]:
     return out
 
 
-def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print, ctx=None, warn=None):
+def calibrate_config(cfg, opts: CalibrateOptions | dict | None = None, command: str = "", log=print, ctx=None,
+                     warn=None):
     """Scan, fit and write the calibration of `cfg` (a TrainConfig); returns it (rank 0 writes the file). With
     calibrate.check: runs the given micro-batches instead and returns their rows (check_points). With
     calibrate.fsdp_ranks: a slice for FSDP over that many ranks (module docstring). ctx: the caller's process group
     (training/dist.py; default: this process's); warn: where fit_warnings go (default: log)."""
-    opts = {**DEFAULTS, **(opts or {})}
-    unknown = set(opts) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown calibrate option(s) {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+    opts = CalibrateOptions.of(opts)
     ctx = ctx or init_distributed()
     warn = warn or log
     torch.manual_seed(cfg.train.seed)
     table = bucket_table(cfg.data.buckets, patch=cfg.model.patch)
-    names = list(opts["buckets"] or table)
+    names = list(opts.buckets or table)
     missing = [n for n in names if n not in table]
     if missing:
         raise ValueError(f"calibrate.buckets names {missing}, not in data.buckets ({list(table)})")
     tokens = {n: table[n].tokens for n in names}
     layers = cfg.model.num_layers
-    k = int(opts["blocks"] or layers)
+    k = opts.blocks or layers
     if k != layers and cfg.model.name != "wan":
         raise ValueError("calibrate.blocks (timing k blocks) is only for Wan's uniform blocks; leave it null")
     if not 1 <= k <= layers:
@@ -234,7 +268,7 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
     budget = (cfg.scheduling.mem_budget_gib * 2**30 if cfg.scheduling.mem_budget_gib
               else HBM_FRACTION * hbm if hbm else None)
     modes = ["none", "full"] if cfg.model.checkpointing == "auto" else [cfg.model.checkpointing]
-    if opts["check"]:
+    if opts.check:
         if k != layers or ctx.world_size > 1 or R:
             raise ValueError("calibrate.check runs the whole model (leave calibrate.blocks and calibrate.fsdp_ranks "
                              "unset) on one process")
@@ -247,21 +281,21 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
                                        graphs, sliced=R is not None)
         shortest = min(tokens, key=lambda n: (tokens[n], n))
         first = _plain_step(plain, shortest, table, "calibrate.blocks", k) if R else None
-        say(f"checkpointing={mode}: scanning {len(tokens)} buckets, at most {opts['max_points']} timed points")
+        say(f"checkpointing={mode}: scanning {len(tokens)} buckets, at most {opts.max_points} timed points")
         agree, agree_min = _agree(ctx)
         with _dropping_grads(model) if R else nullcontext():
-            points = scan(step, tokens, max_points=int(opts["max_points"]), top_tokens=opts["top_tokens"],
-                          mem_budget_bytes=budget, warmup=int(opts["warmup"]), repeats=int(opts["repeats"]),
-                          agree=agree, agree_min=agree_min, time_budget_s=opts["time_budget_s"],
+            points = scan(step, tokens, max_points=opts.max_points, top_tokens=opts.top_tokens,
+                          mem_budget_bytes=budget, warmup=opts.warmup, repeats=opts.repeats,
+                          agree=agree, agree_min=agree_min, time_budget_s=opts.time_budget_s,
                           # a k-block model's bound is not the model's, unless it is an FSDP slice's (docstring)
-                          probe_cap=bool(opts["probe_cap"]) and (k == layers or R is not None), log=say)
+                          probe_cap=opts.probe_cap and (k == layers or R is not None), log=say)
         records[mode] = fit_mode(points, scale=layers / k, memory_valid=(k == layers and not R),
-                                 min_tokens=opts["fit_min_tokens"], L=cfg.model.text_len,
+                                 min_tokens=opts.fit_min_tokens, L=cfg.model.text_len,
                                  joint=cfg.model.name == "mmdit")  # MMDiT's joint attention: (S + L)²
         if R:
             records[mode]["optim_ms"] = first["optim_ms"] * layers / k
             sliced[mode] = {"points": {k: [dataclasses.asdict(p) for p in points]},
-                            "peaks": {k: _peak_rows(points, peaks, int(opts["repeats"]))}, "plain": {k: first}}
+                            "peaks": {k: _peak_rows(points, peaks, opts.repeats)}, "plain": {k: first}}
     elapsed = time.perf_counter() - t_start
     device = device_name(ctx.device)
     m = cfg.model
@@ -286,7 +320,7 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
     if not cuda:
         cal.data["chosen"] = {"m_mem": CPU_M_MEM_FACTOR * max(tokens.values()),
                               "why": f"CPU: no device memory to bound; m_mem = {CPU_M_MEM_FACTOR}·S_max"}
-    out = out_path(opts["out"], cfg.name)
+    out = out_path(opts.out, cfg.name)
     if ctx.is_main:
         cal.save(out)
         for mode, rec in records.items():
@@ -308,7 +342,7 @@ def calibrate_config(cfg, opts: dict | None = None, command: str = "", log=print
 
 def _fsdp_options(cfg, opts, ctx, k: int, layers: int) -> tuple[int | None, int | None]:
     """(R, the second depth) of calibrate.fsdp_ranks / memory_blocks, checked; (None, None) without fsdp_ranks."""
-    R = opts["fsdp_ranks"]
+    R = opts.fsdp_ranks
     if R is None:
         return None, None
     if isinstance(R, bool) or not isinstance(R, int) or R < 1:
@@ -321,7 +355,7 @@ def _fsdp_options(cfg, opts, ctx, k: int, layers: int) -> tuple[int | None, int 
     if cfg.train.cuda_graphs == "on":
         raise ValueError("calibrate.fsdp_ranks times eager micro-batches, as FSDP runs them: set "
                          "train.cuda_graphs=off (or auto)")
-    k2 = opts["memory_blocks"]
+    k2 = opts.memory_blocks
     k2 = (k // 2 if k >= 2 else 2) if k2 is None else k2
     if isinstance(k2, bool) or not isinstance(k2, int) or not 1 <= k2 <= layers or k2 == k:
         raise ValueError(f"calibrate.memory_blocks (the slice's second depth) must be an integer in [1, "
@@ -393,7 +427,7 @@ def _second_depth(cfg, opts, ctx, cal, sliced, tokens, table, k, k2, R, autocast
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
     model, optimizer = _build(cfg, k2, ctx)
-    budget_s, warmup, repeats = opts["memory_time_budget_s"], int(opts["warmup"]), int(opts["repeats"])
+    budget_s, warmup, repeats = opts.memory_time_budget_s, opts.warmup, opts.repeats
     t0 = time.perf_counter()
     for mode, sl in sliced.items():
         step, plain, peaks = _step_fns(model, objective, optimizer, table, cfg.model, ctx.device, autocast, mode,
@@ -415,7 +449,7 @@ def _second_depth(cfg, opts, ctx, cal, sliced, tokens, table, k, k2, R, autocast
         sl["peaks"][k2] = _peak_rows(points, peaks, repeats)
         m = cfg.model
         largest = max(((d["B"], d["S"]) for d in sl["points"][k] if d["feasible"] and d["B"] * d["S"]
-                       <= (opts["top_tokens"] or 2 * max(tokens.values()))), key=lambda bs: bs[0] * bs[1],
+                       <= (opts.top_tokens or 2 * max(tokens.values()))), key=lambda bs: bs[0] * bs[1],
                       default=None)  # the ladder's largest micro-batch (the memory probe lies beyond the ladder)
         blocks = model.blocks
         params_block = float(sum(p.numel() for p in blocks[0].parameters()))
@@ -443,7 +477,7 @@ def _parse_checks(items, table) -> list[tuple[str, int]]:
 
 def check_points(cfg, opts, table, modes, model, objective, optimizer, ctx, autocast, budget, log) -> list[dict]:
     """calibrate.check: one step at each bucket:B, its peak and ms beside the calibration's predictions."""
-    checks = _parse_checks(opts["check"], table)
+    checks = _parse_checks(opts.check, table)
     if len(modes) != 1:
         raise ValueError("calibrate.check runs one checkpointing mode: set model.checkpointing to none or full")
     cal = Calibration.load(cfg.scheduling.calibration) if cfg.scheduling.calibration else None
@@ -458,9 +492,9 @@ def check_points(cfg, opts, table, modes, model, objective, optimizer, ctx, auto
                "predicted_peak_bytes": float(mem.predict(B, S)) if mem else None,
                "predicted_ms": float(cost.predict(B, S)) if cost else None, "budget_bytes": budget}
         try:
-            for _ in range(int(opts["warmup"])):
+            for _ in range(opts.warmup):
                 step_fn(name, B)
-            runs = [step_fn(name, B) for _ in range(int(opts["repeats"]))]
+            runs = [step_fn(name, B) for _ in range(opts.repeats)]
             peaks = [r.peak_bytes for r in runs if r.peak_bytes is not None]
             row.update(fits=True, ms=float(np.median([r.ms for r in runs])), ms_runs=[r.ms for r in runs],
                        optim_ms=runs[0].optim_ms, peak_bytes=max(peaks) if peaks else None)
@@ -472,9 +506,9 @@ def check_points(cfg, opts, table, modes, model, objective, optimizer, ctx, auto
                                               else "out of memory")
             + f" (predicted {gib(row['predicted_peak_bytes'])}"
             + (f", {row['predicted_ms']:.0f} ms" if row["predicted_ms"] else "") + ")")
-    if opts["out"] and ctx.is_main:
-        os.makedirs(os.path.dirname(os.path.abspath(opts["out"])), exist_ok=True)
-        with open(opts["out"], "w") as f:
+    if opts.out and ctx.is_main:
+        os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
+        with open(opts.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "CPU",
                        "date": datetime.date.today().isoformat(), "checkpointing": modes[0], "rows": rows}, f,
                       indent=1)
