@@ -1,5 +1,6 @@
 """scheduling/calibrate.py's scan (B upward, out-of-memory, memory-fit stop, cap, agreement) and the CPU tiny run."""
 import json
+import re
 import time
 
 import numpy as np
@@ -337,3 +338,20 @@ def test_the_committed_h200_calibration(monkeypatch):
         assert mem.predict(s.batch_sizes[name], S) <= 0.9 * cal.hbm_bytes
 
 
+
+
+def test_calibrate_options_are_typed_and_ranged_like_the_run_config():
+    from training.shape_benchmark import CalibrateOptions
+
+    opts = CalibrateOptions.of({"max_points": 6, "repeats": 1, "buckets": ["img_64"], "top_tokens": 480})
+    assert (opts.max_points, opts.repeats, opts.warmup, opts.buckets, opts.top_tokens) == (6, 1, 1, ["img_64"], 480.0)
+    assert CalibrateOptions.of(opts) is opts and CalibrateOptions.of(None) == CalibrateOptions()
+    for bad, message in (({"max_points": 0}, "calibrate.max_points must be ≥ 1, got 0"),
+                         ({"repeats": 0}, "calibrate.repeats must be ≥ 1, got 0"),
+                         ({"warmup": -1}, "calibrate.warmup must be ≥ 0, got -1"),
+                         ({"time_budget_s": -5.0}, "calibrate.time_budget_s must be ≥ 0"),
+                         ({"warmup": 1.5}, "calibrate.warmup must be an integer"),
+                         ({"probe_cap": "yes"}, "calibrate.probe_cap must be true or false"),
+                         ({"bogus": 1}, "unknown config key(s) calibrate.bogus")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            CalibrateOptions.of(bad)

@@ -87,3 +87,28 @@ def test_step_time_cv_is_what_the_plan_does_not_explain():
     assert cv_of(None) == pytest.approx(0.0, abs=1e-12)
     straggled = cv_of(5)
     assert straggled == pytest.approx(np.std([1.0] * 11 + [1.5]) / np.mean([1.0] * 11 + [1.5]), rel=1e-9)
+
+
+def test_each_model_counts_its_training_flops_by_the_contract_formula():
+    """MFU's numerator (docs/contracts.md §9): Wan's train_flops is 6·P·S + 12·layers·D·(S² + S·L), term for term;
+    the MMDiT's ffn_dim is the width its blocks build (dim · mlp_ratio)."""
+    import torch
+
+    from models.config import MMDiTConfig
+    from models.mmdit import MMDiT
+    from models.wan import WanTransformer
+    from scheduling.efficiency import model_flops
+
+    torch.manual_seed(0)
+    wan = WanTransformer(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+                         out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=3)
+    P, D = wan.num_matmul_params(), 24
+    for S, L in ((16, 8), (120, 32), (7, 0)):
+        assert wan.train_flops(S, L) == model_flops(1, S, L, P, 3, D)
+    assert wan.train_flops(16, 8) - wan.train_flops(16, 0) == 12 * 3 * D * 16 * 8  # the cross-attention term
+    cfg = MMDiTConfig(num_attention_heads=2, attention_head_dim=16, num_layers=1, num_single_layers=1,
+                      num_refiner_layers=1, mlp_ratio=3.0, text_embed_dim=8, pooled_projection_dim=8,
+                      rope_axes_dim=(4, 6, 6), in_channels=4, out_channels=4)
+    mmdit = MMDiT(**cfg.diffusers_kwargs())
+    assert cfg.ffn_dim == 96 == mmdit.transformer_blocks[0].ff.net[0].proj.out_features
+    assert cfg.pooled_dim == 8 and cfg.rope_max_seq_len is None
