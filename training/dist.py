@@ -119,7 +119,7 @@ def launcher() -> str:
 
 def cpu_threads(requested: Optional[int]) -> int:
     """Intra-op threads for a CPU process: launch.cpu_threads, else OMP_NUM_THREADS, else 1. torch's default (every
-    core) made the tiny default run 17× slower on a shared 2-core machine."""
+    core) oversubscribes a shared machine, and the small CPU models gain nothing from more threads."""
     n = requested or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or 1
     torch.set_num_threads(n)
     return n
