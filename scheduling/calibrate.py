@@ -235,7 +235,8 @@ def _memory_fit(points: list[Point]) -> Optional[MemoryModel]:
 
 
 def fit_mode(points: list[Point], scale: float = 1.0, L: Optional[float] = None,
-             memory_valid: bool = True, min_tokens: Optional[float] = None, joint: bool = False) -> dict:
+             memory_valid: bool = True, min_tokens: Optional[float] = None, joint: bool = False,
+             launch: Optional[Point] = None) -> dict:
     """One checkpointing mode's record: points, both fits (× scale for a k-block scan), memory model, optim ms.
 
     Every timed point is fitted: where small micro-batches are launch-bound (eager on a GPU, the GPU waits on the
@@ -243,7 +244,9 @@ def fit_mode(points: list[Point], scale: float = 1.0, L: Optional[float] = None,
     with B·S below it are kept in the file but left out of the cost fit (by hand only; "auto" is the same as
     none: the floor finds the launch-bound end). The file reports the fitted model's error on every timed point.
     joint: the model attends over S + L tokens (MMDiT); the quadratic form then fits in (S + L) with the scan's
-    text length L.
+    text length L. launch: a plain training step at B = 1 of the shortest bucket, timed outside the scan (an FSDP
+    slice's, whose scan starts at larger micro-batches): fitted with the points, a floor may rest on it alone, its
+    error is reported as launch_rel_err and the simulator's truth includes it (Calibration.measured_points).
     """
     timed = [p for p in points if p.feasible]
     rec: dict = {"points": [asdict(p) for p in points]}
@@ -253,9 +256,11 @@ def fit_mode(points: list[Point], scale: float = 1.0, L: Optional[float] = None,
     if len(fitted) < 3:
         raise ValueError(f"only {len(fitted)} points were timed (and fitted): a cost model needs at least 3 "
                          "(raise the point cap, the memory budget, or add buckets)")
-    B, S, t = (np.array([getattr(p, k) for p in fitted], dtype=np.float64) for k in ("B", "S", "ms"))
+    with_launch = fitted + ([launch] if launch is not None else [])
+    B, S, t = (np.array([getattr(p, k) for p in with_launch], dtype=np.float64) for k in ("B", "S", "ms"))
     L_arr = np.full(len(t), float(L)) if joint and L is not None else None
-    fits = fit_both(B, S, t, L=L_arr, joint=L_arr is not None, floor=True)
+    fits = fit_both(B, S, t, L=L_arr, joint=L_arr is not None, floor=True,
+                    launch=None if launch is None else [False] * len(fitted) + [True])
     best = best_fit(fits)  # form="auto"'s choice, without fitting both forms again
     for m in fits.values():
         m.L = L
@@ -267,6 +272,9 @@ def fit_mode(points: list[Point], scale: float = 1.0, L: Optional[float] = None,
     rec["fit_points"] = len(fitted)
     Ba, Sa, ta = (np.array([getattr(p, k) for p in timed], dtype=np.float64) for k in ("B", "S", "ms"))
     rec["rel_err_every_point"] = {f: [float(e) for e in (m.predict(Ba, Sa) - ta) / ta] for f, m in fits.items()}
+    if launch is not None:
+        rec["launch_point"] = asdict(launch)
+        rec["launch_rel_err"] = {f: float(m.predict(launch.B, launch.S) / launch.ms - 1.0) for f, m in fits.items()}
     mem = _memory_fit(timed)
     rec["memory_model"] = mem.to_dict() if mem is not None and memory_valid else None
     if mem is not None and not memory_valid:
@@ -332,6 +340,17 @@ class Calibration:
             mem = mem.for_ranks(world_size)
         return mem
 
+    def measured_points(self, mode: str) -> list[dict]:
+        """The mode's timed points (and its launch point) at the whole model's depth: a k-block slice's times ×
+        its extrapolation scale, as its cost model is. The simulator's truth (scheduling/protocol.py)."""
+        rec = self.data["modes"][mode]
+        scale = float((self.data.get("extrapolation") or {}).get("scale", 1.0))
+        pts = [p for p in rec["points"] if p.get("feasible", True)]
+        if rec.get("launch_point"):
+            pts.append(rec["launch_point"])
+        return [{**p, "ms": p["ms"] * scale if p.get("ms") else p.get("ms"),
+                 "ms_runs": [t * scale for t in p.get("ms_runs") or []]} for p in pts]
+
     def optim_ms(self, mode: str) -> float:
         return float(self.data["modes"][mode].get("optim_ms") or 0.0)
 
@@ -376,6 +395,20 @@ class Calibration:
 SLICE_KEYS = ("slice_memory", "depth_check")  # an FSDP slice's measurements beyond its points, kept on refit
 
 
+def launch_point(plain: dict) -> Point:
+    """A slice's plain step at B = 1 (training/shape_benchmark.py's _plain_step record) as a fit's launch point."""
+    return Point(plain["bucket"], int(plain["S"]), int(plain["B"]), True, ms=float(plain["ms"]),
+                 ms_runs=[float(plain["ms"])], optim_ms=plain.get("optim_ms"), why="launch: a plain step, outside the scan")
+
+
+def _launch_point(rec: dict, ext: Optional[dict]) -> Optional[Point]:
+    """The record's launch point; for a slice written before launch points, its plain step at the scan's depth."""
+    if rec.get("launch_point"):
+        return Point(**rec["launch_point"])
+    plain = ((rec.get("slice_memory") or {}).get("plain_step") or {}).get(str((ext or {}).get("blocks_timed")))
+    return launch_point(plain) if plain else None
+
+
 def refit(cal: Calibration, min_tokens: Optional[float]) -> Calibration:
     """The same measured points fitted again (e.g. with another min_tokens, or a newer form of the cost or memory
     model); no device needed. The simulator's "chosen" settings are dropped: they were chosen on the old fits."""
@@ -387,7 +420,8 @@ def refit(cal: Calibration, min_tokens: Optional[float]) -> Calibration:
         old_mem = rec.get("memory_model")
         sliced = "slice_memory" in rec  # an FSDP slice: its memory model and optim_ms come from beyond the points
         new = fit_mode(points, scale=scale, L=cost.get("L"), joint=bool(cost.get("joint")),
-                       memory_valid=old_mem is not None and not sliced, min_tokens=min_tokens)
+                       memory_valid=old_mem is not None and not sliced, min_tokens=min_tokens,
+                       launch=_launch_point(rec, cal.data.get("extrapolation")))
         if old_mem is not None and (sliced or new.get("memory_model") is None or not old_mem.get("measured", True)):
             new["memory_model"] = old_mem  # an estimate (no peaks among the points) or a slice's FSDP model stays
         if rec.get("optim_ms") is None or sliced:

@@ -15,7 +15,8 @@ Time of forward + backward of a micro-batch of B samples of S tokens (text lengt
                its kernels (eager on a GPU: ~0.45 s for 30 Wan-1.3B blocks whatever its B·S under ~10k tokens,
                results/calibration_h200.md; a CUDA graph takes that floor away). Fitted like the memory model's: each
                measured time is tried as the floor, the points at or under it (within FLOOR_TOL_T) are the floor's,
-               f is fitted to the rest, and the floor is kept only where it explains two or more points and halves
+               f is fitted to the rest, and the floor is kept only where it explains two or more points (or one launch
+               point: a plain step at B = 1 timed outside a slice's scan, launch-bound by construction) and halves
                the error over every point; it is then the geometric mean of its points' times. Every point stays in the fit.
 Every fit minimises relative residuals, Σ((t̂ − t)/t)² (weights 1/t): a 60 ms and a 1 s point count alike.
 The power form is fitted by variable projection: for fixed p the problem is a non-negative LS in (a, b), so p
@@ -229,13 +230,17 @@ def _rel_rmse(model: CostModel, B, S, t, L) -> float:
     return float(np.sqrt(np.mean(((_predict_with(model, B, S, L) - t) / t) ** 2)))
 
 
-def _fit(form, B, S, t, L, joint, per_sample=False, floor=False, floor_points=FLOOR_MIN_POINTS) -> CostModel:
+def _fit(form, B, S, t, L, joint, per_sample=False, floor=False, floor_points=FLOOR_MIN_POINTS,
+         launch=None, keep_floor=False) -> CostModel:
     """The form fitted to every point; with `floor`, max(floor, form) where a floor explaining `floor_points` or
-    more points halves the error."""
+    more points (or one of the `launch` points: a mask of points measured launch-bound by construction) halves the
+    error; with `keep_floor` (a leave-one-out refit of a fit that has one) the best floor whatever its gain."""
     best = _fit_plain(form, B, S, t, L, joint, per_sample)
     if not floor:
         return best
-    best_err = plain_err = _rel_rmse(best, B, S, t, L)
+    plain_err = _rel_rmse(best, B, S, t, L)
+    best_err = math.inf if keep_floor else plain_err
+    gain = math.inf if keep_floor else FLOOR_GAIN_T
     for F in sorted(set(t.tolist())):
         line = t > F * (1 + FLOOR_TOL_T)
         if line.sum() < FLOOR_MIN_LINE + per_sample or line.sum() == len(t):
@@ -244,11 +249,12 @@ def _fit(form, B, S, t, L, joint, per_sample=False, floor=False, floor_points=FL
         cand = _fit_plain(form, B[line], S[line], t[line], Ll, joint,
                           per_sample and _full_rank(_quadratic_features(B[line], S[line], Ll, joint, True)[0]))
         under = ~line | (_predict_with(cand, B, S, L) < F)  # the points the floor explains
-        if under.sum() < floor_points:  # one slow point is noise, not a floor
+        # one slow point is noise, not a floor, unless it is a launch point (measured so at two depths)
+        if under.sum() < floor_points and not (launch is not None and bool(np.any(under & launch))):
             continue
         cand.params["floor"] = float(np.exp(np.mean(np.log(t[under]))))
         err = _rel_rmse(cand, B, S, t, L)
-        if err < best_err and err < plain_err * FLOOR_GAIN_T:
+        if err < best_err and err < plain_err * gain:
             best, best_err = cand, err
     return best
 
@@ -258,12 +264,15 @@ def _predict_with(model: CostModel, B, S, L):
 
 
 def fit_cost_model(B: Sequence[float], S: Sequence[float], t: Sequence[float], form: str = "auto",
-                   L: Optional[Sequence[float]] = None, joint: bool = False, floor: bool = False) -> CostModel:
+                   L: Optional[Sequence[float]] = None, joint: bool = False, floor: bool = False,
+                   launch: Optional[Sequence[bool]] = None) -> CostModel:
     """Fit t (ms) ≈ f(B, S[, L]) on relative residuals; form ∈ power | quadratic | auto (lower leave-one-out error).
 
     L: text lengths per point (a cross-attention term b3·B·S·L, or joint attention over S + L when joint=True);
     the returned model predicts with L = the mean of these unless predict() is given another. floor: allow a
-    launch floor, t = max(floor, f) (module docstring); leave-one-out refits it too.
+    launch floor, t = max(floor, f) (module docstring); leave-one-out refits it too. launch: which points are
+    launch-bound by construction (a plain step at B = 1 of the shortest bucket, timed outside a slice's scan):
+    such a point may carry the floor alone.
     """
     if form not in FORMS + ("auto",):
         raise ValueError(f"form must be one of {FORMS + ('auto',)}, got {form!r}")
@@ -275,6 +284,9 @@ def fit_cost_model(B: Sequence[float], S: Sequence[float], t: Sequence[float], f
         raise ValueError("every measured time must be > 0 and every B, S ≥ 1")
     if joint and Lv is None:
         raise ValueError("joint attention needs the text lengths L")
+    launch = None if launch is None else np.asarray(launch, dtype=bool)
+    if launch is not None and launch.shape != t.shape:
+        raise ValueError(f"launch marks {launch.shape[0]} points, not {len(t)}")
     forms = FORMS if form == "auto" else (form,)
     # b0 only where the points tell it from the intercept (B varies, not only with S); the leave-one-out fits keep
     # the full fit's terms
@@ -284,14 +296,14 @@ def fit_cost_model(B: Sequence[float], S: Sequence[float], t: Sequence[float], f
     for f in forms:
         if len(t) < n_params[f]:
             raise ValueError(f"{len(t)} points cannot fit the {f} form ({n_params[f]} parameters)")
-        model = _fit(f, B, S, t, Lv, joint, per_sample, floor)
+        model = _fit(f, B, S, t, Lv, joint, per_sample, floor, launch=launch)
         rel = (_predict_with(model, B, S, Lv) - t) / t
         model.residuals = [float(r) for r in rel]
         model.rel_rmse = float(np.sqrt(np.mean(rel ** 2)))
         model.max_rel_err = float(np.max(np.abs(rel)))
         model.n_points = len(t)
         k = n_params[f] + ("floor" in model.params)
-        model.loo_rel_rmse = (_loo(f, B, S, t, Lv, joint, per_sample, "floor" in model.params) if len(t) > k
+        model.loo_rel_rmse = (_loo(f, B, S, t, Lv, joint, per_sample, "floor" in model.params, launch) if len(t) > k
                               else float("nan"))
         model.L = None if Lv is None else float(np.mean(Lv))
         fits[f] = model
@@ -304,19 +316,22 @@ def best_fit(fits: dict[str, "CostModel"]) -> "CostModel":
     return min(fits.values(), key=lambda m: m.loo_rel_rmse if math.isfinite(m.loo_rel_rmse) else m.rel_rmse)
 
 
-def fit_both(B, S, t, L=None, joint=False, floor=False) -> dict[str, CostModel]:
+def fit_both(B, S, t, L=None, joint=False, floor=False, launch=None) -> dict[str, CostModel]:
     """Both forms, for the calibration file (auto keeps the better one; the other is kept for comparison)."""
-    return {f: fit_cost_model(B, S, t, form=f, L=L, joint=joint, floor=floor) for f in FORMS}
+    return {f: fit_cost_model(B, S, t, form=f, L=L, joint=joint, floor=floor, launch=launch) for f in FORMS}
 
 
-def _loo(form, B, S, t, L, joint, per_sample, floor=False) -> float:
+def _loo(form, B, S, t, L, joint, per_sample, floor=False, launch=None) -> float:
     """Leave-one-out relative RMS error. The refits keep the full fit's terms: a floor the full fit found is
-    refitted from the points left (one is enough: the full fit already showed there is a floor)."""
+    refitted from the points left (one is enough: the full fit already showed there is a floor). Launch points
+    are never left out: a floor resting on one alone has nothing else to be predicted from."""
     errs = []
     for i in range(len(t)):
+        if launch is not None and launch[i]:
+            continue
         keep = np.arange(len(t)) != i
         m = _fit(form, B[keep], S[keep], t[keep], None if L is None else L[keep], joint, per_sample, floor,
-                 floor_points=1)
+                 floor_points=1, launch=None if launch is None else launch[keep], keep_floor=floor)
         pred = _predict_with(m, B[i:i + 1], S[i:i + 1], None if L is None else L[i:i + 1])
         errs.append(float((pred[0] - t[i]) / t[i]))
     return float(np.sqrt(np.mean(np.square(errs))))

@@ -62,7 +62,7 @@ def inputs_from(cal: Calibration, mode: str, mix: Mix, comm_bandwidth: Optional[
                          f"{HBM_FRACTION:.0%} of HBM), or a chosen m_mem")
     if m_mem < mix.S_max:
         raise ValueError(f"m_mem={m_mem} at {HBM_FRACTION:.0%} of HBM is below the longest bucket's S={mix.S_max}")
-    truth = MeasuredTruth.from_points(cal.data["modes"][mode]["points"], measured_extra)
+    truth = MeasuredTruth.from_points(cal.measured_points(mode), measured_extra)
     comm = None
     if comm_bandwidth:
         params = (cal.data.get("model") or {}).get("params")

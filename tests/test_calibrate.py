@@ -355,3 +355,78 @@ def test_calibrate_options_are_typed_and_ranged_like_the_run_config():
                          ({"bogus": 1}, "unknown config key(s) calibrate.bogus")):
         with pytest.raises(ValueError, match=re.escape(message)):
             CalibrateOptions.of(bad)
+
+
+def test_a_launch_point_alone_carries_the_floor_and_is_never_left_out():
+    """An FSDP slice's scan starts at large micro-batches; its plain step at B = 1, timed outside the scan, is the
+    only launch-bound point. As a launch point it carries the floor alone; as an ordinary point one slow point is
+    noise, no floor is fitted, and the line bends to it, mispricing the scan. Leave-one-out keeps it in every
+    refit."""
+    quad = lambda B, S: 50 + 15 * B + 0.07 * B * S + 3e-6 * B * S * S
+    pts = [Point("b", S, B, True, quad(B, S), [quad(B, S)], 1.0)
+           for B, S in [(48, 1560), (94, 1560), (1, 7800), (9, 7800), (1, 32760), (2, 32760), (1, 75600)]]
+    launch = Point("i480", 1560, 1, True, 3 * quad(1, 1560), [3 * quad(1, 1560)], 1.0)
+    rec = fit_mode(pts, scale=2.0, launch=launch)
+    cost = rec["cost_model"]
+    assert cost["params"]["floor"] == pytest.approx(2 * 3 * quad(1, 1560), rel=1e-9)  # × the slice's scale
+    assert rec["launch_rel_err"]["quadratic"] == pytest.approx(0, abs=1e-9)
+    assert max(abs(e) for e in rec["rel_err_every_point"]["quadratic"]) < 1e-6
+    assert cost["loo_rel_rmse"] < 1e-3 and rec["fit_points"] == 7 and rec["launch_point"]["B"] == 1
+    ordinary = fit_mode(pts + [launch], scale=2.0)
+    assert "floor" not in ordinary["cost_model"]["params"]
+    assert max(abs(e) for e in ordinary["rel_err_every_point"]["quadratic"]) > 0.05
+
+
+def test_a_slice_is_measured_at_the_whole_models_depth_and_older_files_refit_with_their_plain_step():
+    """The simulator's truth of a k-block slice is its times × the scale, as its cost model is (a truth at the
+    slice's depth would make every micro-batch 40/k times cheaper than the planner thinks); a slice file written
+    before launch points takes its plain step at the scan's depth as the launch point on refit."""
+    from scheduling.calibrate import new_calibration, refit
+    from scheduling.protocol import inputs_from
+    from scheduling.simulate import Mix
+
+    quad = lambda B, S: 50 + 15 * B + 0.07 * B * S + 3e-6 * B * S * S
+    pts = [Point("b", S, B, True, quad(B, S), [quad(B, S)], 1.0)
+           for B, S in [(48, 1560), (94, 1560), (1, 7800), (9, 7800), (1, 32760), (2, 32760), (1, 75600)]]
+    rec = fit_mode(pts, scale=40 / 18, memory_valid=False)
+    plain = {"bucket": "i480", "S": 1560, "B": 1, "ms": 3 * quad(1, 1560), "optim_ms": 9.0, "peak_bytes": C0}
+    rec["slice_memory"] = {"plain_step": {"18": plain, "9": {**plain, "ms": 1.0}}}
+    rec["memory_model"] = {"c0": C0, "c1": C1, "c2": 0.0}
+    cal = new_calibration({"full": rec}, model={"params": 1e9, "num_layers": 40}, source="measured", device="t",
+                          date="t", command="t", hbm_bytes=150e9,
+                          extrapolation={"blocks_timed": 18, "num_layers": 40, "scale": 40 / 18})
+    cal = refit(cal, None)
+    new = cal.data["modes"]["full"]
+    assert new["launch_point"]["ms"] == pytest.approx(plain["ms"]) and "slice_memory" in new
+    assert new["cost_model"]["params"]["floor"] == pytest.approx(40 / 18 * plain["ms"])
+    measured = {(p["S"], p["B"]): p["ms"] for p in cal.measured_points("full")}
+    assert measured[(32760, 2)] == pytest.approx(40 / 18 * quad(2, 32760)) and len(measured) == 8
+    inp = inputs_from(cal, "full", Mix.of([("i480", 1560, 0.5), ("v720_81f", 75600, 0.5)]))
+    assert inp.truth.mean(1, 1560) == pytest.approx(40 / 18 * plain["ms"])
+    assert inp.truth.mean(2, 32760) == pytest.approx(inp.cost.predict(2, 32760), rel=1e-6)
+
+
+def test_the_committed_14b_calibration_prices_every_point_and_the_8gpu_preset_finds_it(monkeypatch, tmp_path):
+    """Wan 14B measured as an 18-block slice on one H200: every scan point and the launch point within 5 % of the
+    cost model at 40 blocks, 3 % left out; FSDP's memory model over 8 ranks; `conf=wan21_8gpu` on 8 H200s finds it
+    with scheduling.calibration=auto, and the 1.3B presets pass it over."""
+    from tests.helpers import ROOT, compose_config
+    from training.shape_benchmark import find_calibration
+
+    monkeypatch.chdir(ROOT)
+    cal = Calibration.load("results/calibration_h200_14b.json")
+    rec = cal.data["modes"]["full"]
+    assert (cal.data["model"]["dim"], cal.data["model"]["num_layers"]) == (5120, 40)
+    assert cal.data["extrapolation"]["scale"] == pytest.approx(40 / 18)
+    assert max(abs(e) for e in rec["rel_err_every_point"]["quadratic"]) < 0.05
+    assert abs(rec["launch_rel_err"]["quadratic"]) < 0.05 and rec["cost_model"]["loo_rel_rmse"] < 0.03
+    cost = CostModel.from_dict(rec["cost_model"])
+    for p in cal.measured_points("full"):  # at 40 blocks, as the planner prices them
+        assert cost.predict(p["B"], p["S"]) == pytest.approx(p["ms"], rel=0.05)
+    mem = cal.memory_model("full", 8)
+    assert rec["memory_model"]["kind"] == "fsdp" and 100_000 < mem.m_mem(0.9 * cal.hbm_bytes, 1560) < 250_000
+    cfg = compose_config(["conf=wan21_8gpu", f"run_dir={tmp_path}"])
+    path, how = find_calibration(cfg, "NVIDIA H200", 8)
+    assert path.endswith("calibration_h200_14b.json") and how.startswith("measured on this model")
+    path, _ = find_calibration(compose_config(["conf=wan21_1p3b", f"run_dir={tmp_path}"]), "NVIDIA H200", 1)
+    assert not path.endswith("_14b.json")

@@ -45,7 +45,7 @@ from data.buckets import bucket_table
 from models.build import build_model
 from models.flow_matching import FlowMatching
 from models.parallelize import parallelize
-from scheduling.calibrate import (HBM_FRACTION, Calibration, Infeasible, Point, StepResult, fit_mode,
+from scheduling.calibrate import (HBM_FRACTION, Calibration, Infeasible, Point, StepResult, fit_mode, launch_point,
                                   new_calibration, refit, run_point, scan, timed_point)
 from scheduling.fsdp_memory import slice_record
 from training.cuda_graphs import graph_blockers, graphs_for
@@ -291,7 +291,8 @@ def calibrate_config(cfg, opts: CalibrateOptions | dict | None = None, command: 
                           probe_cap=opts.probe_cap and (k == layers or R is not None), log=say)
         records[mode] = fit_mode(points, scale=layers / k, memory_valid=(k == layers and not R),
                                  min_tokens=opts.fit_min_tokens, L=cfg.model.text_len,
-                                 joint=cfg.model.name == "mmdit")  # MMDiT's joint attention: (S + L)²
+                                 joint=cfg.model.name == "mmdit",  # MMDiT's joint attention: (S + L)²
+                                 launch=launch_point(first) if first else None)
         if R:
             records[mode]["optim_ms"] = first["optim_ms"] * layers / k
             sliced[mode] = {"points": {k: [dataclasses.asdict(p) for p in points]},
@@ -526,7 +527,9 @@ def refit_file(path: str, min_tokens, command: str, out=None, log=print) -> Cali
     for mode, rec in cal.data["modes"].items():
         errs = ", ".join(f"{f} {100 * e['rel_rmse']:.2f} % (leave-one-out {100 * e['loo_rel_rmse']:.2f} %)"
                          for f, e in rec["fit_errors"].items())
-        log(f"{mode}: {rec['fit_points']} points fitted; relative RMS error {errs}; chosen {rec['cost_model']['form']}")
+        launch = " and the launch point" if rec.get("launch_point") else ""
+        log(f"{mode}: {rec['fit_points']} points{launch} fitted; relative RMS error {errs}; "
+            f"chosen {rec['cost_model']['form']}")
     return cal
 
 
