@@ -430,3 +430,20 @@ def test_the_committed_14b_calibration_prices_every_point_and_the_8gpu_preset_fi
     assert path.endswith("calibration_h200_14b.json") and how.startswith("measured on this model")
     path, _ = find_calibration(compose_config(["conf=wan21_1p3b", f"run_dir={tmp_path}"]), "NVIDIA H200", 1)
     assert not path.endswith("_14b.json")
+
+
+def test_a_14b_run_holding_two_long_clips_a_step_takes_the_simulators_choice(monkeypatch):
+    """`conf=wan21_8gpu scheduling.tokens_per_step=151200` (2·S_max a GPU a step) on 8 ranks: balanced's setting
+    and M come from the simulator's choice in the committed 14B calibration, inside g ± 10 % and the memory bound."""
+    from tests.helpers import ROOT
+    from scheduling.simulate import DEFAULT_MIX
+
+    monkeypatch.chdir(ROOT)
+    wan = {n: S for n, S, _ in DEFAULT_MIX}
+    shares = {n: share for n, _, share in DEFAULT_MIX}
+    s = resolve_schedule(SchedulingConfig("balanced", calibration="results/calibration_h200_14b.json",
+                                          tokens_per_step=151200), wan, ModelShape(1, 40, 5120, 512),
+                         checkpointing="full", world_size=8, shares=shares)
+    assert s.sources["target_microbatch_ms"].startswith("calibration:chosen")
+    assert abs(s.values["tokens_per_step"] - 151200) <= 0.1 * 151200 and s.micro_batches in (2, 3, 4)
+    assert s.values["m_mem"] <= 152_901
