@@ -256,6 +256,8 @@ def fit_mode(points: list[Point], scale: float = 1.0, L: Optional[float] = None,
     if len(fitted) < 3:
         raise ValueError(f"only {len(fitted)} points were timed (and fitted): a cost model needs at least 3 "
                          "(raise the point cap, the memory budget, or add buckets)")
+    if launch is not None and min_tokens is not None and launch.B * launch.S < min_tokens:
+        launch = None  # left out with the scan's points under min_tokens
     with_launch = fitted + ([launch] if launch is not None else [])
     B, S, t = (np.array([getattr(p, k) for p in with_launch], dtype=np.float64) for k in ("B", "S", "ms"))
     L_arr = np.full(len(t), float(L)) if joint and L is not None else None
@@ -342,14 +344,15 @@ class Calibration:
 
     def measured_points(self, mode: str) -> list[dict]:
         """The mode's timed points (and its launch point) at the whole model's depth: a k-block slice's times ×
-        its extrapolation scale, as its cost model is. The simulator's truth (scheduling/protocol.py)."""
+        its extrapolation scale, as its cost model is (bucket, S, B, ms, ms_runs: peaks and optimizer times stay
+        in the records). The simulator's truth (scheduling/protocol.py)."""
         rec = self.data["modes"][mode]
         scale = float((self.data.get("extrapolation") or {}).get("scale", 1.0))
         pts = [p for p in rec["points"] if p.get("feasible", True)]
         if rec.get("launch_point"):
             pts.append(rec["launch_point"])
-        return [{**p, "ms": p["ms"] * scale if p.get("ms") else p.get("ms"),
-                 "ms_runs": [t * scale for t in p.get("ms_runs") or []]} for p in pts]
+        return [{"bucket": p["bucket"], "S": p["S"], "B": p["B"], "feasible": True, "ms": p["ms"] * scale,
+                 "ms_runs": [t * scale for t in p.get("ms_runs") or []]} for p in pts if p.get("ms")]
 
     def optim_ms(self, mode: str) -> float:
         return float(self.data["modes"][mode].get("optim_ms") or 0.0)
@@ -428,7 +431,8 @@ def refit(cal: Calibration, min_tokens: Optional[float]) -> Calibration:
             new["optim_ms"] = rec.get("optim_ms")
         new.update({k: rec[k] for k in SLICE_KEYS if k in rec})
         cal.data["modes"][mode] = new
-    if "by_world_size" in (cal.data.get("chosen") or {}):  # the simulator chose them on the old fits, m_mem too
+    chosen = cal.data.get("chosen") or {}
+    if "by_world_size" in chosen or "by_tokens_per_step" in chosen:  # chosen on the old fits, m_mem too
         del cal.data["chosen"]
         cal.data["notes"].append("the simulator's chosen settings were dropped on refit: run "
                                  "scripts/simulate_cluster.py again to choose them on the new fits")
