@@ -63,7 +63,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 from training.cli import run_main  # noqa: E402
-from training.replay import replay  # noqa: E402
+from training.replay import ReplayOptions, replay  # noqa: E402
 
 
 def parse_args(argv):
@@ -103,7 +103,7 @@ def parse_args(argv):
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    return replay(parse_args(argv), "python scripts/replay_plans.py " + " ".join(argv))
+    return replay(ReplayOptions(**vars(parse_args(argv))), "python scripts/replay_plans.py " + " ".join(argv))
 
 
 if __name__ == "__main__":

@@ -91,7 +91,8 @@ def test_a_user_mistake_in_a_script_prints_its_message_alone_and_exits_2(tmp_pat
 @pytest.mark.parametrize("args, message", [
     (["train.py", "train.steps=0", "logging.wandb=disabled"], "train.py: error: train.steps must be ≥ 1, got 0"),
     (["scripts/calibrate.py", "+calibrate.bogus=1"], "calibrate.py: error: unknown config key(s) calibrate.bogus"),
-    (["scripts/calibrate.py", "+calibrate.warmup=1.5"], "calibrate.py: error: calibrate.warmup must be an integer")])
+    (["scripts/calibrate.py", "+calibrate.warmup=1.5"], "calibrate.py: error: calibrate.warmup must be an integer"),
+    (["scripts/replay_plans.py", "--dry-run", "--steps", "0"], "replay_plans.py: error: --ranks and --steps must be ≥ 1")])
 def test_the_hydra_entry_points_report_a_mistake_the_same_way(args, message):
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     env.pop("HYDRA_FULL_ERROR", None)

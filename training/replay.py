@@ -25,6 +25,47 @@ ENTRY_KEYS = {"strategy", "label", "batch_sizes", "factor", "M", "window", *KNOB
 INFO_KEYS = {"setting", "tokens_per_step", "note"}  # carried into the output, not read
 
 
+@dataclasses.dataclass
+class ReplayOptions:
+    """scripts/replay_plans.py's options (its --help says what each does); None: the settings file's value, else the
+    config's. `overrides`: Hydra overrides of the training config."""
+    overrides: list = dataclasses.field(default_factory=list)
+    out: str = os.path.join("runs", "replay")
+    name: str = "replay"
+    settings: Optional[str] = None
+    strategies: Optional[str] = None
+    ranks: Optional[int] = None
+    steps: int = 12
+    warmup: int = 2
+    micro_batches: Optional[int] = None
+    batch_sizes: Optional[str] = None
+    m_tokens: Optional[float] = None
+    m_mem: Optional[float] = None
+    mem_budget_gib: Optional[float] = None
+    m_comp: Optional[float] = None
+    p: Optional[float] = None
+    target_ms: Optional[float] = None
+    factor: Optional[float] = None
+    window: Optional[int] = None
+    calibration: Optional[str] = None
+    mix: Optional[str] = None
+    samples: Optional[int] = None
+    seed: Optional[int] = None
+    blocks: Optional[int] = None
+    cuda_graphs: str = "off"
+    peak_tflops: Optional[float] = None
+    dry_run: bool = False
+
+    def __post_init__(self):
+        if self.steps < 1 or self.warmup < 0 or (self.ranks is not None and self.ranks < 1):
+            raise ValueError(f"--ranks and --steps must be ≥ 1, --warmup ≥ 0 (got {self.ranks}, {self.steps}, "
+                             f"{self.warmup})")
+        if self.cuda_graphs not in ("off", "auto"):
+            raise ValueError(f"--cuda-graphs must be off or auto, got {self.cuda_graphs!r}")
+        if self.micro_batches is not None and self.micro_batches < 1:
+            raise ValueError(f"--micro-batches must be ≥ 1, got {self.micro_batches}")
+
+
 # ------------------------------------------------------------------------------------------------ the settings
 def parse_mix(text: Optional[str], cfg, buckets):
     from scheduling.simulate import DEFAULT_MIX, Mix
@@ -61,7 +102,7 @@ def parse_sizes(value, names) -> list[int]:
     return sizes
 
 
-def load_settings(args, cfg) -> tuple[list[dict], dict]:
+def load_settings(args: ReplayOptions, cfg) -> tuple[list[dict], dict]:
     """(entries, file-level defaults) from --settings or the command line."""
     defaults: dict = {}
     if args.settings:
@@ -349,9 +390,9 @@ def points(results: list[dict]) -> list[dict]:
             for (b, S, B), ts in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][2]))]
 
 
-def replay(args, command: str) -> dict:
-    """The replay as scripts/replay_plans.py describes it; `args` holds its parsed options, `command` the command
-    line recorded in the outputs. Returns {"meta", "settings", "comparisons", "points"}."""
+def replay(args: ReplayOptions, command: str) -> dict:
+    """The replay as scripts/replay_plans.py describes it; `args` holds its options, `command` the command line
+    recorded in the outputs. Returns {"meta", "settings", "comparisons", "points"}."""
     log = lambda s: print(s, flush=True)  # noqa: E731
 
     from data.buckets import bucket_table
@@ -366,11 +407,12 @@ def replay(args, command: str) -> dict:
     cfg = compose_config(args.overrides)
     buckets = bucket_table(cfg.data.buckets, patch=cfg.model.patch)
     entries, defaults = load_settings(args, cfg)
-    if args.mix is None and defaults.get("mix"):
+    mix_text = args.mix
+    if mix_text is None and defaults.get("mix"):
         rows = defaults["mix"]
         rows = rows.items() if isinstance(rows, dict) else [(r["bucket"], r["share"]) for r in rows]
-        args.mix = ",".join(f"{k}:{v}" for k, v in rows)
-    mix = parse_mix(args.mix, cfg, buckets)
+        mix_text = ",".join(f"{k}:{v}" for k, v in rows)
+    mix = parse_mix(mix_text, cfg, buckets)
     names, tokens = list(mix.names), {n: int(s) for n, s in zip(mix.names, mix.S)}
     shapes = [buckets[n].latent_shape(cfg.model.in_channels) for n in names]
     R = int(args.ranks or defaults.get("ranks") or 8)
@@ -386,8 +428,8 @@ def replay(args, command: str) -> dict:
     if k < layers and cfg.model.checkpointing == "auto":
         raise ValueError("--blocks with model.checkpointing=auto: the recompute rule counts the full depth; set "
                          "model.checkpointing to none or full")
-    if R < 1 or args.steps < 1 or args.warmup < 0:
-        raise ValueError("--ranks and --steps must be ≥ 1, --warmup ≥ 0")
+    if R < 1:
+        raise ValueError(f"ranks must be ≥ 1, got {R} (the settings file's)")
     scale = layers / k
     p_matmul = build_model(dataclasses.replace(cfg.model, pretrained=None), "meta").num_matmul_params()
     shape = ModelShape.of(cfg.model, p_matmul)
