@@ -235,6 +235,20 @@ def fit_warnings(cal: Calibration, threshold: float = FIT_WARN) -> list[str]:
     return out
 
 
+@dataclasses.dataclass
+class _Setup:
+    """What every scan of one calibrate_config call shares: the config and options, the process group, the buckets
+    scanned ({name: tokens}) out of the bucket table, the autocast context, the objective and the memory budget."""
+    cfg: object
+    opts: CalibrateOptions
+    ctx: object
+    table: dict
+    tokens: dict
+    autocast: object
+    objective: FlowMatching
+    budget: Optional[float]
+
+
 def calibrate_config(cfg, opts: CalibrateOptions | dict | None = None, command: str = "", log=print, ctx=None,
                      warn=None):
     """Scan, fit and write the calibration of `cfg` (a TrainConfig); returns it (rank 0 writes the file). With
@@ -268,11 +282,12 @@ def calibrate_config(cfg, opts: CalibrateOptions | dict | None = None, command: 
     budget = (cfg.scheduling.mem_budget_gib * 2**30 if cfg.scheduling.mem_budget_gib
               else HBM_FRACTION * hbm if hbm else None)
     modes = ["none", "full"] if cfg.model.checkpointing == "auto" else [cfg.model.checkpointing]
+    setup = _Setup(cfg, opts, ctx, table, tokens, autocast, objective, budget)
     if opts.check:
         if k != layers or ctx.world_size > 1 or R:
             raise ValueError("calibrate.check runs the whole model (leave calibrate.blocks and calibrate.fsdp_ranks "
                              "unset) on one process")
-        return check_points(cfg, opts, table, modes, model, objective, optimizer, ctx, autocast, budget, log)
+        return check_points(setup, modes, model, optimizer, log)
     say = log if ctx.is_main else (lambda s: None)
     t_start = time.perf_counter()
     records, sliced = {}, {}  # sliced: mode → the slice's measurements at each depth
@@ -333,7 +348,7 @@ def calibrate_config(cfg, opts: CalibrateOptions | dict | None = None, command: 
         log(f"wrote {out} ({elapsed:.0f} s)")
     if R:
         del model, optimizer, step, plain
-        _second_depth(cfg, opts, ctx, cal, sliced, tokens, table, k, k2, R, autocast, objective, budget, say)
+        _second_depth(setup, cal, sliced, k, k2, R, say)
         if ctx.is_main:
             cal.save(out)
             log(f"wrote {out} with the FSDP memory model ({time.perf_counter() - t_start:.0f} s)")
@@ -421,9 +436,10 @@ def _peak_rows(points, peaks: dict | None, repeats: int) -> list[dict]:
     return rows
 
 
-def _second_depth(cfg, opts, ctx, cal, sliced, tokens, table, k, k2, R, autocast, objective, budget, say) -> None:
+def _second_depth(setup: _Setup, cal, sliced, k: int, k2: int, R: int, say) -> None:
     """The slice at k2 blocks: the plain steps, then the main scan's timed points again; then each mode's FSDP
     memory model, its measurements and notes into `cal`."""
+    cfg, opts, ctx, table, tokens = setup.cfg, setup.opts, setup.ctx, setup.table, setup.tokens
     gc.collect()
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -431,8 +447,8 @@ def _second_depth(cfg, opts, ctx, cal, sliced, tokens, table, k, k2, R, autocast
     budget_s, warmup, repeats = opts.memory_time_budget_s, opts.warmup, opts.repeats
     t0 = time.perf_counter()
     for mode, sl in sliced.items():
-        step, plain, peaks = _step_fns(model, objective, optimizer, table, cfg.model, ctx.device, autocast, mode,
-                                       None, sliced=True)
+        step, plain, peaks = _step_fns(model, setup.objective, optimizer, table, cfg.model, ctx.device,
+                                       setup.autocast, mode, None, sliced=True)
         shortest = min(tokens, key=lambda n: (tokens[n], n))
         sl["plain"][k2] = _plain_step(plain, shortest, table, "calibrate.memory_blocks", k2)
         say(f"checkpointing={mode}: the scan's points again at {k2} blocks")
@@ -457,7 +473,7 @@ def _second_depth(cfg, opts, ctx, cal, sliced, tokens, table, k, k2, R, autocast
         params_fixed = float(sum(p.numel() for p in model.parameters())) - k2 * params_block
         rec = slice_record(main=k, second=k2, points=sl["points"], peaks=sl["peaks"], plain=sl["plain"],
                            layers=m.num_layers, params_block=params_block, params_fixed=params_fixed, ranks=R,
-                           ema=cfg.optim.ema_decay is not None, budget=budget, largest=largest)
+                           ema=cfg.optim.ema_decay is not None, budget=setup.budget, largest=largest)
         mrec = cal.data["modes"][mode]
         mrec["memory_model"] = rec["memory_model"]
         mrec["slice_memory"], mrec["depth_check"] = rec["slice_memory"], rec["depth_check"]
@@ -476,15 +492,17 @@ def _parse_checks(items, table) -> list[tuple[str, int]]:
     return out
 
 
-def check_points(cfg, opts, table, modes, model, objective, optimizer, ctx, autocast, budget, log) -> list[dict]:
+def check_points(setup: _Setup, modes, model, optimizer, log) -> list[dict]:
     """calibrate.check: one step at each bucket:B, its peak and ms beside the calibration's predictions."""
+    cfg, opts, ctx, table, budget = setup.cfg, setup.opts, setup.ctx, setup.table, setup.budget
     checks = _parse_checks(opts.check, table)
     if len(modes) != 1:
         raise ValueError("calibrate.check runs one checkpointing mode: set model.checkpointing to none or full")
     cal = Calibration.load(cfg.scheduling.calibration) if cfg.scheduling.calibration else None
     mode = cal.mode_name(modes[0]) if cal else None
     mem, cost = (cal.memory_model(mode), cal.cost_model(mode)) if cal else (None, None)
-    step_fn = make_step_fn(model, objective, optimizer, table, cfg.model, ctx.device, autocast, modes[0] == "full")
+    step_fn = make_step_fn(model, setup.objective, optimizer, table, cfg.model, ctx.device, setup.autocast,
+                           modes[0] == "full")
     step_fn(checks[0][0], 1)  # the optimizer's state exists from the first step on: every peak below includes it
     rows = []
     for name, B in checks:
