@@ -26,16 +26,11 @@ FLOOR_BYTES = {("sample", "fwd"): 4, ("sample", "bwd"): 6, ("token", "fwd"): 12,
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    harness.add_out(p, "adaln")
-    p.add_argument("--name", default="adaln_h200")
+    harness.add_op_options(p, "adaln", kernels=["fwd", "bwd", "dtile"])
     p.add_argument("--n", type=int, nargs="+", default=[4096, 16384, 65536])
     p.add_argument("--d", type=int, nargs="+", default=[1536, 5120])
     p.add_argument("--kinds", nargs="+", default=["sample", "token"], choices=["sample", "token"])
-    p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
-    p.add_argument("--sweep", action="store_true", help="time the kernels over launch shapes instead")
-    p.add_argument("--kernels", nargs="+", default=["fwd", "bwd", "dtile"], help="--sweep: which kernels")
     p.add_argument("--tuned", help="a --sweep JSON: take its fastest launch shapes (ops.adaln.TUNED) for this run")
-    p.add_argument("--rep-ms", type=float, default=100.0)
     return p.parse_args(argv)
 
 

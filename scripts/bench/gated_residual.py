@@ -32,16 +32,11 @@ FLOOR_BYTES = {("sample", "fwd"): 6, ("sample", "bwd"): 6, ("token", "fwd"): 10,
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    harness.add_out(p, "gated_residual")
-    p.add_argument("--name", default="gated_residual_h200")
+    harness.add_op_options(p, "gated_residual", kernels=["fwd", "bwd"])
     p.add_argument("--n", type=int, nargs="+", default=[16384, 65536])
     p.add_argument("--d", type=int, nargs="+", default=[1536, 5120])
     p.add_argument("--kinds", nargs="+", default=["sample", "token"], choices=["sample", "token"])
-    p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
-    p.add_argument("--sweep", action="store_true", help="time the kernels over launch shapes instead")
-    p.add_argument("--kernels", nargs="+", default=["fwd", "bwd"], help="--sweep: which kernels")
     p.add_argument("--tuned", help="a --sweep JSON: take its fastest launch shapes (ops.gated_residual.TUNED)")
-    p.add_argument("--rep-ms", type=float, default=100.0)
     return p.parse_args(argv)
 
 

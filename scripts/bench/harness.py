@@ -35,6 +35,17 @@ def add_out(parser, name: str) -> None:
                         help=f"output folder (default runs/bench/{name}; nothing under results/ unless named)")
 
 
+def add_op_options(parser, name: str, kernels: list) -> None:
+    """The options every op benchmark takes: --out, --name (the files' stem: NAME_h200), --no-compile, --sweep and
+    its --kernels, --rep-ms. Each adds its own shapes (and --tuned where its op has a TUNED table)."""
+    add_out(parser, name)
+    parser.add_argument("--name", default=f"{name}_h200", help=f"file stem of the outputs (default {name}_h200)")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
+    parser.add_argument("--sweep", action="store_true", help="time the kernels over launch shapes instead")
+    parser.add_argument("--kernels", nargs="+", default=list(kernels), help="--sweep: which kernels")
+    parser.add_argument("--rep-ms", type=float, default=100.0, help="milliseconds of repetitions a timing")
+
+
 def run_meta(device=None) -> dict:
     """The run's context: date, command, torch version and device (a GPU's name, or cpu)."""
     meta = {"date": datetime.date.today().isoformat(), "command": " ".join([os.path.basename(sys.executable)]

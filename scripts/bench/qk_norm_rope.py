@@ -29,16 +29,11 @@ from harness import add_rates, fmt, rel_err, run_bench, saved_bytes_of  # noqa: 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    harness.add_out(p, "qk_norm_rope")
-    p.add_argument("--name", default="qk_norm_rope_h200")
+    harness.add_op_options(p, "qk_norm_rope", kernels=["fwd", "bwd"])
     p.add_argument("--frames", type=int, nargs="+", default=[9, 21], help="latent frames: N = frames · h · w")
     p.add_argument("--hw", type=int, nargs=2, default=[30, 52], help="tokens a frame (480p latent 60×104, 2×2 patch)")
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
-    p.add_argument("--sweep", action="store_true", help="time the kernels over launch shapes instead")
-    p.add_argument("--kernels", nargs="+", default=["fwd", "bwd"], help="--sweep: which kernels")
-    p.add_argument("--rep-ms", type=float, default=100.0)
     return p.parse_args(argv)
 
 
