@@ -47,6 +47,15 @@ log = logging.getLogger("train")
 WARMUP_STEPS = 3  # steps left out of throughput (compilation, allocator warm-up)
 
 
+@dataclasses.dataclass
+class StopRequest:
+    """SIGTERM/SIGINT received: the loop finishes its step, checkpoints (every rank agrees) and exits."""
+    received: int | None = None
+
+    def handler(self, signum, _frame) -> None:
+        self.received = signum
+
+
 def run(cfg: TrainConfig, config_yaml: str, preset: str = "default") -> dict:
     """Train as configured; returns the last logged metrics (for tests and scripts). preset: the conf=NAME chosen
     (a wandb tag)."""
@@ -162,9 +171,9 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick, preset: str) -> dict:
                           sample_flops=lambda S: model.train_flops(S, cfg.model.text_len))
     profiler = StepProfiler(busy_every(cfg.metrics, ctx.world_size), cfg.metrics.profile_steps,
                             os.path.join(cfg.run_dir, "traces"), ctx.rank)
-    stop = {"signal": None}  # SIGTERM/SIGINT: finish the step, checkpoint, exit
+    stop = StopRequest()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda s, _f: stop.update(signal=s))
+        signal.signal(sig, stop.handler)
 
     def plan_at(epoch: int, pos: int):
         return plan_step(corpus.table, cfg.train.seed, epoch, pos, ctx.world_size, schedule.strategy,
@@ -223,7 +232,7 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick, preset: str) -> dict:
                 f"{state.bad_in_a_row} steps in a row had a NaN/Inf loss or gradient (train.max_bad_steps="
                 f"{cfg.train.max_bad_steps}); the diverged state is in {kept}. `resume=auto` restarts from the last "
                 f"good checkpoint; add a lower rate to continue past this point, e.g. optim.lr={cfg.optim.lr / 2:g}")
-        if ctx.all_reduce_max(float(stop["signal"] is not None)):
+        if ctx.all_reduce_max(float(stop.received is not None)):
             log.warning("signal received: checkpointing at step %d and stopping", state.step)
             last["checkpoint"] = checkpoint()
             break
