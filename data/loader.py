@@ -394,6 +394,15 @@ def _sources(data_cfg) -> Optional[list[tuple[str, dict]]]:
     return None
 
 
+def synthetic_shares(data_cfg, bucket_names) -> Optional[dict[str, float]]:
+    """The synthetic corpus' bucket shares ({name: share}, as the generator draws them) when the config names no
+    corpus; None when it names one (its shares are its samples' counts)."""
+    if _sources(data_cfg) is not None:
+        return None
+    mix = dict(data_cfg.synthetic.mix) or {n: 1.0 for n in bucket_names}
+    return {n: float(v) for n, v in mix.items() if n in bucket_names}
+
+
 def _check_latent_meta(root: str, meta: dict, latent_channels: Optional[int], text_dim: Optional[int]) -> None:
     c, d = meta.get("latent_channels"), meta.get("text_dim")
     if latent_channels is not None and text_dim is not None and (c, d) != (latent_channels, text_dim):

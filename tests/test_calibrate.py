@@ -440,21 +440,54 @@ def test_the_committed_14b_calibration_prices_every_point_and_the_8gpu_preset_fi
     assert not path.endswith("_14b.json")
 
 
-def test_a_14b_run_holding_two_long_clips_a_step_takes_the_simulators_choice(monkeypatch):
-    """`conf=wan21_8gpu scheduling.tokens_per_step=151200` (2·S_max a GPU a step) on 8 ranks: balanced's setting
-    and M come from the simulator's choice in the committed 14B calibration, inside g ± 10 % and the memory bound."""
-    from tests.helpers import ROOT
-    from scheduling.simulate import DEFAULT_MIX
+def test_the_8gpu_preset_holds_two_long_clips_a_step_with_the_simulators_choice(monkeypatch, tmp_path):
+    """`python train.py conf=wan21_8gpu` on 8 H200s, as train.py resolves it: calibration=auto finds the 14B file, and
+    the preset's tokens_per_step (2·S_max a GPU a step) takes balanced's M, target and window from the simulator's
+    choice in it, inside g ± 10 % and the memory bound; the equal-token baseline keeps its m_tokens and gets its M."""
+    import dataclasses
+
+    from scheduling.policy import schedule_for
+    from tests.helpers import ROOT, compose_config
+    from training.shape_benchmark import find_calibration
 
     monkeypatch.chdir(ROOT)
-    wan = {n: S for n, S, _ in DEFAULT_MIX}
+    cfg = compose_config(["conf=wan21_8gpu", f"run_dir={tmp_path}"])
+    path, _ = find_calibration(cfg, "NVIDIA H200", 8)
+    cfg = dataclasses.replace(cfg, scheduling=dataclasses.replace(cfg.scheduling, calibration=path))
+    from data.buckets import bucket_table
+    from scheduling.simulate import DEFAULT_MIX
+
+    tokens = {n: b.tokens for n, b in bucket_table(cfg.data.buckets, patch=cfg.model.patch).items()}
     shares = {n: share for n, _, share in DEFAULT_MIX}
-    s = resolve_schedule(SchedulingConfig("balanced", calibration="results/calibration_h200_14b.json",
-                                          tokens_per_step=151200), wan, ModelShape(1, 40, 5120, 512),
-                         checkpointing="full", world_size=8, shares=shares)
-    chosen = Calibration.load("results/calibration_h200_14b.json").data["chosen"]["by_tokens_per_step"]
-    best = chosen["8"]["151200"]["balanced"]
+    shape = ModelShape(1, 40, 5120, 512)
+    g = cfg.scheduling.tokens_per_step
+    assert g == 2 * max(tokens.values())
+    s = schedule_for(cfg, tokens, shape, 8, shares)
+    best = Calibration.load(path).data["chosen"]["by_tokens_per_step"]["8"][str(int(g))]["balanced"]
     assert s.sources["target_microbatch_ms"].startswith("calibration:chosen")
     assert s.values["target_microbatch_ms"] == pytest.approx(best["target_microbatch_ms"])
-    assert s.micro_batches == best["micro_batches"] and s.window == best["window"]
-    assert abs(s.values["tokens_per_step"] - 151200) <= 0.1 * 151200 and s.values["m_mem"] <= 152_901
+    assert s.micro_batches == best["micro_batches"] != cfg.train.micro_batches and s.window == best["window"]
+    assert abs(s.values["tokens_per_step"] - g) <= 0.1 * g and s.values["m_mem"] <= 152_901
+    base = schedule_for(dataclasses.replace(cfg, scheduling=dataclasses.replace(cfg.scheduling, strategy="equal_token")),
+                        tokens, shape, 8, shares)
+    assert base.values["m_tokens"] == 75600 and abs(base.values["tokens_per_step"] - g) <= 0.1 * g
+
+def test_the_bucket_report_of_the_8gpu_preset_shows_the_batch_it_holds(monkeypatch, capsys, tmp_path):
+    """`scripts/show_buckets.py conf=wan21_8gpu` takes the synthetic mix's shares for tokens_per_step: on an H200 the
+    14B calibration's balanced table at M = 3, on a CPU (no calibration) the equal-token table at M = 2; a real
+    corpus' shares are only known to the run, which the report says."""
+    import training.shape_benchmark as sb
+    from tests.helpers import ROOT, compose_config
+    from training.bucket_report import print_buckets
+
+    monkeypatch.chdir(ROOT)
+    cfg = compose_config(["conf=wan21_8gpu", f"run_dir={tmp_path}"])
+    print_buckets(cfg)
+    out = capsys.readouterr().out
+    assert "strategy equal_token" in out and "'micro_batches': 2" in out and "expected for g=151200" in out
+    monkeypatch.setattr(sb, "device_name", lambda device: "NVIDIA H200")
+    print_buckets(cfg)
+    out = capsys.readouterr().out
+    assert "calibration_h200_14b.json" in out and "strategy balanced" in out and "'micro_batches': 3" in out
+    print_buckets(compose_config(["conf=wan21_8gpu", f"run_dir={tmp_path}", f"data.index={tmp_path}"]))
+    assert "held with the corpus' own bucket shares" in capsys.readouterr().out

@@ -7,6 +7,7 @@ take, without measuring anything; with none yet, the equal-token table at schedu
 from __future__ import annotations
 
 from data.buckets import bucket_table
+from data.loader import synthetic_shares
 from scheduling.batching import equal_token_batch_size
 
 
@@ -35,9 +36,16 @@ def print_buckets(cfg) -> None:
             print(f"scheduling.calibration=auto: {path} ({how})")
             sc = replace(sc, calibration=path)
         cfg = replace(cfg, scheduling=sc)
+    shares = None
+    if sc.tokens_per_step is not None:  # the trainer counts the corpus' samples; here: the synthetic mix
+        shares = synthetic_shares(cfg.data, list(table))
+        if shares is None:
+            print(f"scheduling.tokens_per_step={sc.tokens_per_step:g} is held with the corpus' own bucket shares, "
+                  "counted when the run opens it; the table below is the configured knobs' without it")
+            cfg = replace(cfg, scheduling=replace(sc, tokens_per_step=None))
     meta = build_model(replace(cfg.model, pretrained=None), "meta")  # parameter counts without memory
     shape = ModelShape.of(cfg.model, meta.num_matmul_params())
-    schedule = schedule_for(cfg, {n: b.tokens for n, b in table.items()}, shape, cfg.launch.num_processes)
+    schedule = schedule_for(cfg, {n: b.tokens for n, b in table.items()}, shape, cfg.launch.num_processes, shares)
     print(f"config {cfg.name}: strategy {schedule.strategy}, {len(table)} buckets, values {schedule.values}")
     print(f"sources: {schedule.sources}")
     for note in schedule.notes:
