@@ -404,6 +404,8 @@ def test_a_slice_is_measured_at_the_whole_models_depth_and_older_files_refit_wit
     inp = inputs_from(cal, "full", Mix.of([("i480", 1560, 0.5), ("v720_81f", 75600, 0.5)]))
     cut = refit(cal, 10_000).data["modes"]["full"]  # min_tokens leaves the launch point out with the small points
     assert "launch_point" not in cut and "floor" not in cut["cost_model"]["params"]
+    kept = refit(cal, 1000).data["modes"]["full"]  # ... but not under its own B·S = 1560
+    assert kept["launch_point"]["feasible"] and kept["cost_model"]["params"]["floor"] > 0
     assert inp.truth.mean(1, 1560) == pytest.approx(40 / 18 * plain["ms"])
     assert inp.truth.mean(2, 32760) == pytest.approx(inp.cost.predict(2, 32760), rel=1e-6)
 

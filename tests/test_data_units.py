@@ -397,3 +397,21 @@ def test_a_streams_duration_is_its_ticks_times_its_time_base_and_the_containers_
     assert _stream_info(container(None, Fraction(1, 1280)))["duration"] == 5.0
     assert _stream_info(container(2560, None))["duration"] == 5.0
     assert _stream_info(container(2560, Fraction(1, 1280), frames=30))["frames"] == 30  # a count given is kept
+
+
+def test_synthetic_shares_are_the_generators_mix_and_none_for_a_named_corpus(tmp_path):
+    """The bucket report's shares for scheduling.tokens_per_step: the synthetic mix (buckets outside the table
+    dropped), uniform for an empty mix, and None once the config names a corpus (only the run can count it)."""
+    from data.loader import synthetic_shares
+    from tests.helpers import compose_config
+
+    cfg = compose_config(["conf=wan21_8gpu"])
+    names = list(cfg.data.buckets)
+    shares = synthetic_shares(cfg.data, names)
+    assert shares == {n: float(v) for n, v in cfg.data.synthetic.mix.items()} and shares["v720_81f"] == 0.08
+    assert synthetic_shares(cfg.data, ["i480", "v720_81f"]) == {"i480": 0.25, "v720_81f": 0.08}
+    import dataclasses
+
+    empty = dataclasses.replace(cfg.data, synthetic=dataclasses.replace(cfg.data.synthetic, mix={}))
+    assert synthetic_shares(empty, names[:3]) == {n: 1.0 for n in names[:3]}
+    assert synthetic_shares(compose_config(["conf=wan21_8gpu", f"data.index={tmp_path}"]).data, names) is None
