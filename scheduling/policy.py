@@ -350,6 +350,11 @@ def fixed_batch(cfg: SchedulingConfig, tokens: Mapping[str, int], shares: Mappin
 
             setting, sizes, M = max(cands, key=rate)
             out, why = {knob: setting[knob], "micro_batches": M}, "chosen for tokens_per_step (predicted tokens/s)"
+            if s == "balanced":
+                notes.append(f"scheduling.tokens_per_step={g:g}: the calibration records no simulated choice, so M "
+                             f"and the target are the best predicted on one step, at window {cfg.window}; "
+                             "`python scripts/simulate_cluster.py --calibration <it> --write-chosen` records the "
+                             "simulator's M, target and window, tuned over whole simulated steps")
     if s == "dual_constraint" and p is not None:
         out["p"] = p
     M = out["micro_batches"]

@@ -474,6 +474,7 @@ def test_the_8gpu_preset_holds_two_long_clips_a_step_with_the_simulators_choice(
                         tokens, shape, 8, shares)
     assert base.values["m_tokens"] == 75600 and abs(base.values["tokens_per_step"] - g) <= 0.1 * g
 
+
 def test_the_bucket_report_of_the_8gpu_preset_shows_the_batch_it_holds(monkeypatch, capsys, tmp_path):
     """`scripts/show_buckets.py conf=wan21_8gpu` takes the synthetic mix's shares for tokens_per_step: on an H200 the
     14B calibration's balanced table at M = 3, on a CPU (no calibration) the equal-token table at M = 2; a real
@@ -484,6 +485,7 @@ def test_the_bucket_report_of_the_8gpu_preset_shows_the_batch_it_holds(monkeypat
 
     monkeypatch.chdir(ROOT)
     cfg = compose_config(["conf=wan21_8gpu", f"run_dir={tmp_path}"])
+    monkeypatch.setattr(sb, "device_name", lambda device: "CPU (x86_64, 2 threads)")  # also on a GPU machine
     print_buckets(cfg)
     out = capsys.readouterr().out
     assert "strategy equal_token" in out and "'micro_batches': 2" in out and "expected for g=151200" in out
@@ -493,3 +495,21 @@ def test_the_bucket_report_of_the_8gpu_preset_shows_the_batch_it_holds(monkeypat
     assert "calibration_h200_14b.json" in out and "strategy balanced" in out and "'micro_batches': 3" in out
     print_buckets(compose_config(["conf=wan21_8gpu", f"run_dir={tmp_path}", f"data.index={tmp_path}"]))
     assert "held with the corpus' own bucket shares" in capsys.readouterr().out
+
+
+def test_a_fresh_calibration_holds_the_batch_and_says_the_simulator_would_tune_it(monkeypatch, tmp_path):
+    """A calibration measured on first use has no simulated choice: balanced still holds tokens_per_step (M and the
+    target by predicted tokens/s) and its note says how to record the simulator's."""
+    from tests.helpers import ROOT
+    from scheduling.simulate import DEFAULT_MIX
+
+    monkeypatch.chdir(ROOT)
+    cal = Calibration.load("results/calibration_h200_14b.json")
+    del cal.data["chosen"]
+    fresh = cal.save(str(tmp_path / "calibration.json"))
+    s = resolve_schedule(SchedulingConfig("balanced", calibration=fresh, tokens_per_step=151200),
+                         {n: S for n, S, _ in DEFAULT_MIX}, ModelShape(1, 40, 5120, 512), checkpointing="full",
+                         world_size=8, shares={n: share for n, _, share in DEFAULT_MIX})
+    assert s.sources["micro_batches"] == "chosen for tokens_per_step (predicted tokens/s)"
+    assert abs(s.values["tokens_per_step"] - 151200) <= 0.1 * 151200
+    assert any("records no simulated choice" in n and "--write-chosen" in n for n in s.notes)

@@ -417,6 +417,10 @@ def replay(args: ReplayOptions, command: str) -> dict:
     shapes = [buckets[n].latent_shape(cfg.model.in_channels) for n in names]
     R = int(args.ranks or defaults.get("ranks") or 8)
     M_default = int(args.micro_batches or defaults.get("micro_batches") or cfg.train.micro_batches)
+    if cfg.scheduling.tokens_per_step is not None and not (args.micro_batches or defaults.get("micro_batches")):
+        log(f"note: scheduling.tokens_per_step={cfg.scheduling.tokens_per_step:g} is not replayed: M = {M_default} "
+            "(train.micro_batches) unless an entry gives M; give --micro-batches and the knob (or a settings file) "
+            "for the batch a run holds")
     calibration = args.calibration or defaults.get("calibration") or cfg.scheduling.calibration
     seed = cfg.train.seed if args.seed is None else args.seed
     layers = cfg.model.num_layers
