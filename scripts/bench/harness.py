@@ -46,6 +46,19 @@ def add_op_options(parser, name: str, kernels: list) -> None:
     parser.add_argument("--rep-ms", type=float, default=100.0, help="milliseconds of repetitions a timing")
 
 
+def wan_inputs(cfg: dict, shape, dev, dtype, text_len: int, seed: int = 0):
+    """(latents [B, C, F, H, W], timesteps [B], text [B, text_len, text_dim]) of a Wan step at shape (B, F, H, W),
+    seeded on the CPU so every column and device sees the same values; cfg: diffusers' Wan config."""
+    import torch
+
+    B, F, H, W = shape
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, cfg["in_channels"], F, H, W, generator=g).to(dev, dtype)
+    t = (torch.rand(B, generator=g) * 1000).to(dev)
+    ctx = torch.randn(B, text_len, cfg["text_dim"], generator=g).to(dev, dtype)
+    return x, t, ctx
+
+
 def run_meta(device=None) -> dict:
     """The run's context: date, command, torch version and device (a GPU's name, or cpu)."""
     meta = {"date": datetime.date.today().isoformat(), "command": " ".join([os.path.basename(sys.executable)]

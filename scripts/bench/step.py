@@ -106,12 +106,7 @@ def time_step(run, dev, warmup: int, reps: int) -> tuple[float, float]:
 
 
 def inputs(cfg, shape, dev, dtype, seed=0):
-    B, F, H, W = shape
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(B, cfg["in_channels"], F, H, W, generator=g).to(dev, dtype)
-    t = (torch.rand(B, generator=g) * 1000).to(dev)
-    ctx = torch.randn(B, TEXT_LEN, cfg["text_dim"], generator=g).to(dev, dtype)
-    return x, t, ctx
+    return harness.wan_inputs(cfg, shape, dev, dtype, TEXT_LEN, seed)
 
 
 def build(cfg, dev):
