@@ -394,13 +394,17 @@ def _sources(data_cfg) -> Optional[list[tuple[str, dict]]]:
     return None
 
 
+def _synthetic_mix(data_cfg, bucket_names) -> dict:
+    """The synthetic corpus' mix as its generator draws it: data.synthetic.mix, or every bucket alike when empty."""
+    return dict(data_cfg.synthetic.mix) or {n: 1.0 for n in bucket_names}
+
+
 def synthetic_shares(data_cfg, bucket_names) -> Optional[dict[str, float]]:
-    """The synthetic corpus' bucket shares ({name: share}, as the generator draws them) when the config names no
-    corpus; None when it names one (its shares are its samples' counts)."""
+    """The synthetic corpus' bucket shares ({name: share}) when the config names no corpus; None when it names one
+    (its shares are its samples' counts)."""
     if _sources(data_cfg) is not None:
         return None
-    mix = dict(data_cfg.synthetic.mix) or {n: 1.0 for n in bucket_names}
-    return {n: float(v) for n, v in mix.items() if n in bucket_names}
+    return {n: float(v) for n, v in _synthetic_mix(data_cfg, bucket_names).items() if n in bucket_names}
 
 
 def _check_latent_meta(root: str, meta: dict, latent_channels: Optional[int], text_dim: Optional[int]) -> None:
@@ -449,7 +453,7 @@ def open_corpus(data_cfg, buckets: dict[str, Bucket], latent_channels: int, text
         from data.synthetic import ensure_synthetic_corpus
 
         syn = data_cfg.synthetic
-        spec = dict(mix=dict(syn.mix) or {n: 1.0 for n in buckets}, num_samples=syn.num_samples,
+        spec = dict(mix=_synthetic_mix(data_cfg, buckets), num_samples=syn.num_samples,
                     num_val=syn.num_val, latent_channels=latent_channels, text_dim=text_dim, seed=syn.seed,
                     num_classes=syn.num_classes, samples_per_shard=syn.samples_per_shard, dtype=syn.dtype)
         if pooled_dim:  # only then: the spec hash (the cache key) of other corpora stays as it was

@@ -404,7 +404,7 @@ def launch_point(plain: dict) -> Point:
                  ms_runs=[float(plain["ms"])], optim_ms=plain.get("optim_ms"), why="launch: a plain step, outside the scan")
 
 
-def _launch_point(rec: dict, ext: Optional[dict]) -> Optional[Point]:
+def _stored_launch_point(rec: dict, ext: Optional[dict]) -> Optional[Point]:
     """The record's launch point; for a slice written before launch points, its plain step at the scan's depth."""
     if rec.get("launch_point"):
         return Point(**rec["launch_point"])
@@ -424,7 +424,7 @@ def refit(cal: Calibration, min_tokens: Optional[float]) -> Calibration:
         sliced = "slice_memory" in rec  # an FSDP slice: its memory model and optim_ms come from beyond the points
         new = fit_mode(points, scale=scale, L=cost.get("L"), joint=bool(cost.get("joint")),
                        memory_valid=old_mem is not None and not sliced, min_tokens=min_tokens,
-                       launch=_launch_point(rec, cal.data.get("extrapolation")))
+                       launch=_stored_launch_point(rec, cal.data.get("extrapolation")))
         if old_mem is not None and (sliced or new.get("memory_model") is None or not old_mem.get("measured", True)):
             new["memory_model"] = old_mem  # an estimate (no peaks among the points) or a slice's FSDP model stays
         if rec.get("optim_ms") is None or sliced:
