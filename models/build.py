@@ -23,6 +23,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.n
     """The full model on `device`: random (under the caller's torch seed) or from `cfg.pretrained`, with its fused ops
     and fine-tuning applied (steps 1–3 of the module docstring)."""
     from models.fused_wan import apply_fused_ops
+    from models.layers import apply_attention_backend
     from models.lora import apply_finetune
 
     if cfg.name == "mmdit":
@@ -44,6 +45,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.n
         with torch.device(device):
             model = Model(**cfg.diffusers_kwargs(), adaln_backend=cfg.adaln_backend)
     apply_fused_ops(model, cfg.fused_ops)
+    apply_attention_backend(model, cfg.attention_backend)
     if cfg.offload_checkpoints:
         model.offload_checkpoints = True
     return apply_finetune(model, cfg)  # LoRA / frozen before parallelize

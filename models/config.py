@@ -68,6 +68,8 @@ class RunKnobs:
     precision: str = "bf16"               # matmuls under autocast on GPU; fp32 on CPU; master weights stay fp32
     adaln_backend: str = "auto"
     fused_ops: str = "auto"               # models/fused_wan.py's blocks: torch | triton | auto (Triton on CUDA)
+    attention_backend: str = "auto"       # SDPA's kernel: auto (cuDNN on Hopper+, else flash) | cudnn | flash |
+                                          # efficient | math (ops/attention_backend.py)
     glue_backend: Optional[str] = None    # deprecated alias of fused_ops (one release): when set, it overrides it
     checkpointing: str = "none"
     offload_checkpoints: bool = False     # recomputed blocks' inputs wait in pinned host memory (one process)
@@ -88,6 +90,9 @@ class RunKnobs:
             self.fused_ops, self.glue_backend = self.glue_backend, None
         if self.fused_ops not in FUSED_OPS:
             raise ValueError(f"model.fused_ops must be one of {FUSED_OPS}, got {self.fused_ops!r}")
+        from ops.attention_backend import check_backend  # its names live beside the kernels' order
+
+        check_backend(self.attention_backend)
         if self.checkpointing not in CHECKPOINTING:
             raise ValueError(f"model.checkpointing must be one of {CHECKPOINTING}, got {self.checkpointing!r}")
         if self.keep_attention and self.checkpointing == "none":

@@ -105,10 +105,11 @@ class FusedWanAttention(WanAttention):
             q = qk_norm_rope(q, self.norm_q.weight, *rope_q, self.norm_q.eps, backend=backend)
             k = qk_norm_rope(k, self.norm_k.weight, *rope_k, self.norm_k.eps, backend=backend)
             out = self.to_out[0](attention(q.unflatten(-1, (self.heads, -1)), k.unflatten(-1, (self.heads, -1)),
-                                           v.unflatten(-1, (self.heads, -1))))
+                                           v.unflatten(-1, (self.heads, -1)), self.attention_backend))
         else:
             out = self.to_out[0](rope_attention(q, k, v, self.heads, self.norm_q.weight, self.norm_k.weight, rope_q,
-                                                rope_k, self.norm_q.eps, self.norm_k.eps, backend=backend))
+                                                rope_k, self.norm_q.eps, self.norm_k.eps, backend=backend,
+                                                sdpa_backend=self.attention_backend))
         return (out, x_res) if residual else out
 
 

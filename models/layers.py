@@ -15,14 +15,13 @@ keep diffusers' state-dict keys. Formulas:
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ops.attention_backend import check_backend, sdpa
 from models.config import warn_deprecated
 from ops.triton_setup import BACKENDS
 
@@ -141,9 +140,10 @@ def apply_rope(x_BNHD: torch.Tensor, cos_NK: torch.Tensor, sin_NK: torch.Tensor)
     return out.flatten(-2).type_as(x_BNHD)
 
 
-def attention(q_BNHD: torch.Tensor, k_BLHD: torch.Tensor, v_BLHD: torch.Tensor) -> torch.Tensor:
-    """Non-causal multi-head attention through SDPA (flash / memory-efficient kernels on GPU) → (B, N, H·D)."""
-    o_BHND = F.scaled_dot_product_attention(q_BNHD.transpose(1, 2), k_BLHD.transpose(1, 2), v_BLHD.transpose(1, 2))
+def attention(q_BNHD: torch.Tensor, k_BLHD: torch.Tensor, v_BLHD: torch.Tensor,
+              backend: str = "auto") -> torch.Tensor:
+    """Non-causal multi-head attention through SDPA under `backend` (ops/attention_backend.py) → (B, N, H·D)."""
+    o_BHND = sdpa(q_BNHD.transpose(1, 2), k_BLHD.transpose(1, 2), v_BLHD.transpose(1, 2), backend=backend)
     return o_BHND.transpose(1, 2).flatten(2).type_as(q_BNHD)
 
 
@@ -174,23 +174,24 @@ class SiLUFeedForward(FeedForward):
 
 
 def masked_attention(q_BNHD: torch.Tensor, k_BLHD: torch.Tensor, v_BLHD: torch.Tensor,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
-    """attention() with an optional boolean mask broadcastable to (B, heads, N, L); True = may attend.
-
-    Without a mask SDPA may pick its flash kernel; with one it falls back to the memory-efficient kernel. cuDNN's
-    kernel is excluded on CUDA: on the H200 (torch 2.11, bf16) its backward returned non-finite gradients for joint
-    text+video lengths (344 tokens) and failed outright at 14160, while flash, efficient and math were exact.
-    """
-    with _no_cudnn_sdpa(q_BNHD):
-        o_BHND = F.scaled_dot_product_attention(q_BNHD.transpose(1, 2), k_BLHD.transpose(1, 2),
-                                                v_BLHD.transpose(1, 2), attn_mask=mask)
+                     mask: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+    """attention() with an optional boolean mask broadcastable to (B, heads, N, L); True = may attend. A mask never
+    goes to cuDNN (ops/attention_backend.py MASKED_CUDNN): such a call runs the next kernel of the order, said once
+    in the log."""
+    o_BHND = sdpa(q_BNHD.transpose(1, 2), k_BLHD.transpose(1, 2), v_BLHD.transpose(1, 2), mask, backend)
     return o_BHND.transpose(1, 2).flatten(2).type_as(q_BNHD)
 
 
-def _no_cudnn_sdpa(t: torch.Tensor):
-    if not t.is_cuda:
-        return contextlib.nullcontext()
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+def apply_attention_backend(model: nn.Module, backend: str = "auto") -> nn.Module:
+    """Every attention module of `model` (a class with an `attention_backend` attribute) runs the SDPA kernel
+    `backend` (ops/attention_backend.py: auto | cudnn | flash | efficient | math), in place, as diffusers'
+    `set_attention_backend`. No parameter or state-dict key changes. Returns the model."""
+    check_backend(backend)
+    for m in model.modules():
+        if hasattr(type(m), "attention_backend"):
+            m.attention_backend = backend
+    model.attention_backend = backend
+    return model
 
 
 DIFFUSERS_WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"

@@ -102,6 +102,8 @@ class Attention(nn.Module):
     per-head RMSNorm on every q and k;  single stream (out=False): to_q/k/v and q/k norms, no output projection.
     """
 
+    attention_backend = "auto"  # SDPA's kernel: model.attention_backend (layers.apply_attention_backend)
+
     def __init__(self, dim: int, heads: int, qk_norm: bool = True, context: bool = False, out: bool = True):
         super().__init__()
         self.heads = heads
@@ -138,7 +140,7 @@ class Attention(nn.Module):
             q, k, v = torch.cat([q, cq], 1), torch.cat([k, ck], 1), torch.cat([v, cv], 1)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        o_BSD = masked_attention(q, k, v, mask)
+        o_BSD = masked_attention(q, k, v, mask, self.attention_backend)
         if ctx_BLD is not None:
             N = x_BND.shape[1]
             return self.to_out[0](o_BSD[:, :N]), self.to_add_out(o_BSD[:, N:])

@@ -39,6 +39,8 @@ from ops.adaln import adaln_modulate
 class WanAttention(nn.Module):
     """Multi-head attention with RMSNorm on q and k across all heads (Wan's qk norm), optional 3-D RoPE."""
 
+    attention_backend = "auto"  # SDPA's kernel: model.attention_backend (layers.apply_attention_backend)
+
     def __init__(self, dim: int, heads: int, eps: float):
         super().__init__()
         self.heads = heads
@@ -59,7 +61,7 @@ class WanAttention(nn.Module):
         k = self.norm_k(self.to_k(kv_BLD)).unflatten(-1, (self.heads, -1))  # (B, L, H, Dh)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return self.to_out[0](attention(q, k, v))
+        return self.to_out[0](attention(q, k, v, self.attention_backend))
 
 
 class WanBlock(nn.Module):

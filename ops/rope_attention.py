@@ -22,23 +22,20 @@ under TRITON_INTERPRET=1) and "auto" (Triton where ops.qk_norm_rope would take i
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ops.attention_backend import kernel_for, sdpa
 from ops.qk_norm_rope import (qk_norm_rope, qk_norm_rope_backward, qk_norm_rope_forward, qk_norm_rope_reference,
                               triton_supported)
 from ops.triton_setup import BACKENDS
 
-_MATH, _FLASH, _EFFICIENT, _CUDNN = 0, 1, 2, 3  # torch.nn.attention.SDPBackend's values
-
-
-def _kernel_kind(q, k, v) -> str | None:
-    """The fused kernel SDPA would run for q, k, v [B, H, N, Dh] under autograd, or None (math, or unknown)."""
+def _kernel_kind(q, k, v, sdpa_backend: str = "auto") -> str | None:
+    """The fused kernel SDPA would run for q, k, v [B, H, N, Dh] under autograd and `sdpa_backend`
+    (ops/attention_backend.py), or None (math, or unknown)."""
     with torch.enable_grad():
-        views = [t.detach().requires_grad_() for t in (q, k, v)]
-        choice = torch._fused_sdp_choice(*views)
+        kind = kernel_for(sdpa_backend, *(t.detach().requires_grad_() for t in (q, k, v)))
     if q.device.type == "cpu":
-        return "cpu_flash" if choice == _FLASH else None
-    return {_FLASH: "flash", _EFFICIENT: "efficient", _CUDNN: "cudnn"}.get(choice)
+        return "cpu_flash" if kind == "flash" else None
+    return kind if kind in ("flash", "efficient", "cudnn") else None
 
 
 def _attention_forward(kind, q, k, v):
@@ -108,17 +105,18 @@ class _RoPEAttention(torch.autograd.Function):
 def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, wq: torch.Tensor,
                    wk: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor],
                    rope_k: tuple[torch.Tensor, torch.Tensor], eps_q: float = 1e-6, eps_k: float = 1e-6,
-                   backend: str = "auto") -> torch.Tensor:
+                   backend: str = "auto", sdpa_backend: str = "auto") -> torch.Tensor:
     """Attention of q [B, N, D] over k, v [B, L, D] (D = heads · Dh) after qk_norm_rope of q and k → [B, N, D].
 
-    wq/wk: the RMSNorm weights [D]; rope_q/rope_k: (cos, sin) [N or L, Dh/2] fp32 as ops.qk_norm_rope takes."""
+    wq/wk: the RMSNorm weights [D]; rope_q/rope_k: (cos, sin) [N or L, Dh/2] fp32 as ops.qk_norm_rope takes;
+    sdpa_backend: the attention kernel (model.attention_backend, ops/attention_backend.py)."""
     if backend not in BACKENDS:
         raise ValueError(f"rope_attention backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         backend = "triton" if triton_supported(q, wq, *rope_q) and triton_supported(k, wk, *rope_k) else "torch"
     if backend == "torch":
         qr, kr = qk_norm_rope_reference(q, wq, *rope_q, eps_q), qk_norm_rope_reference(k, wk, *rope_k, eps_k)
-        return _sdpa(qr, kr, v, heads)
+        return _sdpa(qr, kr, v, heads, sdpa_backend)
     if any(t.requires_grad for t in (*rope_q, *rope_k)):
         raise ValueError("rope_attention: the Triton backend gives no gradient to cos/sin (RoPE3D's are constants); "
                          "detach them or use backend='torch'")
@@ -126,13 +124,13 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int
     # head_dim a multiple of 8 on CUDA: SDPA pads other widths before its kernels, whose ops refuse them
     if (not torch.compiler.is_compiling() and q.dtype == k.dtype == v.dtype and q.stride(-1) == 1
             and (q.device.type == "cpu" or q.shape[-1] // heads % 8 == 0)):
-        kind = _kernel_kind(_heads(q, heads), _heads(k, heads), _heads(v, heads))
+        kind = _kernel_kind(_heads(q, heads), _heads(k, heads), _heads(v, heads), sdpa_backend)
     if kind is None:  # SDPA's math path (or a kernel this file does not call): the plain composition
         qr = qk_norm_rope(q, wq, *rope_q, eps_q, backend=backend)
-        return _sdpa(qr, qk_norm_rope(k, wk, *rope_k, eps_k, backend=backend), v, heads)
+        return _sdpa(qr, qk_norm_rope(k, wk, *rope_k, eps_k, backend=backend), v, heads, sdpa_backend)
     return _RoPEAttention.apply(kind, heads, q, k, v, wq, wk, *rope_q, *rope_k, float(eps_q), float(eps_k))
 
 
-def _sdpa(q, k, v, heads):
-    return F.scaled_dot_product_attention(_heads(q, heads), _heads(k, heads), _heads(v, heads)).transpose(1, 2) \
+def _sdpa(q, k, v, heads, sdpa_backend):
+    return sdpa(_heads(q, heads), _heads(k, heads), _heads(v, heads), backend=sdpa_backend).transpose(1, 2) \
         .flatten(2).type_as(q)

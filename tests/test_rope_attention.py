@@ -163,18 +163,19 @@ def test_keep_attention_policy_skips_its_recompute_and_math_falls_back():
         for a, b in zip(gr_c, gr):
             assert torch.equal(a, b)
     assert type(fn(*leaves).grad_fn).__name__ == "_RoPEAttentionBackward"  # the remaking function
-    with sdpa_kernel([SDPBackend.MATH]):  # SDPA would take its math path: so does rope_attention
-        assert type(fn(*leaves).grad_fn).__name__ != "_RoPEAttentionBackward"
-        out_m, gr_m = _run(fn, leaves, dout)
+    fn_m = lambda q, k, v, wq, wk: rope_attention(q, k, v, HEADS, wq, wk, rq, rk, backend="triton",  # noqa: E731
+                                                  sdpa_backend="math")
+    assert type(fn_m(*leaves).grad_fn).__name__ != "_RoPEAttentionBackward"  # SDPA's math path: so does rope_attention
+    out_m, gr_m = _run(fn_m, leaves, dout)
     l64 = [t.detach().double().requires_grad_() for t in leaves]
     out64, gr64 = _run(_reference(rq, rk), l64, dout.double())
     assert rel_err(out_m, out64) < 1e-5 and all(rel_err(a, r) < 1e-5 for a, r in zip(gr_m, gr64))
 
 
 @gpu
-@pytest.mark.parametrize("kernel", [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                                    SDPBackend.EFFICIENT_ATTENTION])
-def test_cuda_kernels_bf16_match_the_unfused_composition(kernel):
+@pytest.mark.parametrize("name,kernel", [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                                         ("efficient", SDPBackend.EFFICIENT_ATTENTION)])
+def test_cuda_kernels_bf16_match_the_unfused_composition(name, kernel):
     """Each CUDA kernel through its aten ops: bf16, Wan's head_dim 128, 333 tokens (not a multiple of the tiles)."""
     heads, N, dev = 4, 333, torch.device("cuda")
     g = torch.Generator().manual_seed(6)
@@ -186,12 +187,13 @@ def test_cuda_kernels_bf16_match_the_unfused_composition(kernel):
         leaves[4] += 1
     rq = rk = RoPE3D((44, 42, 42))(3, 111, 1, dev)
     dout = torch.randn(1, N, heads * 128, generator=g).to(dev, torch.bfloat16)
-    fused = lambda q, k, v, wq, wk: rope_attention(q, k, v, heads, wq, wk, rq, rk, backend="triton")  # noqa: E731
-    with sdpa_kernel([kernel]):
-        assert type(fused(*leaves).grad_fn).__name__ == "_RoPEAttentionBackward"  # through the kernel's own ops
-        out, gr = _run(fused, leaves, dout)
+    fused = lambda q, k, v, wq, wk: rope_attention(q, k, v, heads, wq, wk, rq, rk, backend="triton",  # noqa: E731
+                                                   sdpa_backend=name)
+    assert type(fused(*leaves).grad_fn).__name__ == "_RoPEAttentionBackward"  # through the kernel's own ops
+    out, gr = _run(fused, leaves, dout)
+    with sdpa_kernel([kernel]):  # the unfused composition, SDPA restricted to that kernel
         out_u, gr_u = _run(_unfused(rq, rk, heads), leaves, dout)
-    assert torch.equal(out, out_u)  # the kernel SDPA ran, called through its op
+    assert torch.equal(out, out_u)  # the kernel model.attention_backend names, called through its op
     l64 = [t.detach().double().requires_grad_() for t in leaves]
     _, gr64 = _run(_reference(rq, rk, heads), l64, dout.double())
     for name, a, u, r in zip("q k v wq wk".split(), gr, gr_u, gr64):

@@ -1,0 +1,125 @@
+"""Which SDPA kernel runs attention (`model.attention_backend`), chosen per call and never silently replaced.
+
+    auto       cuDNN on CUDA GPUs of compute capability 9.0 and later (Hopper, Blackwell), flash on older ones;
+               on a CPU, torch's own choice (its flash kernel for CPU, else math)
+    cudnn      torch's cuDNN attention          flash      FlashAttention-2 (torch's default on CUDA)
+    efficient  the memory-efficient kernel      math       the composed reference (any dtype, any mask)
+
+Every call runs under `sdpa_kernel(order, set_priority=True)`: the chosen kernel first, then the others in the order
+cudnn, flash, efficient, math (on a CPU, flash then math, or math alone). Where the chosen kernel cannot serve a call (its dtype, head_dim, mask or device) SDPA
+takes the next that can, and `sdpa` says so once in the log for each (asked, served, dtype, head_dim, masked): a
+fallback is never silent and the numbers are always those of a kernel that serves the shape.
+
+A boolean mask never goes to cuDNN (MASKED_CUDNN): on the H200 (torch 2.11, bf16) its backward returned non-finite
+gradients for joint text+video lengths and failed at 14,160 tokens, while flash, efficient and math were exact.
+The MMDiT trims text padding first (models/mmdit.py), so only a micro-batch whose samples' texts differ in length
+carries a mask.
+
+The models hold the choice as a module attribute (`attention_backend` on every attention module, set by
+models/layers.py apply_attention_backend, as diffusers' `set_attention_backend`) and hand it to every call: an
+activation-checkpointed block's recompute runs the kernel its forward ran, and the selective policy that keeps
+attention outputs (models/checkpointing.py) sees the same aten op. ops/rope_attention.py asks kernel_for which
+kernel to call directly.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
+ORDER = ("cudnn", "flash", "efficient", "math")
+_SDP = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+_CHOICE = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}  # torch._fused_sdp_choice's values (SDPBackend)
+MASKED_CUDNN = False  # cuDNN takes boolean masks: see the module docstring
+CUDNN_MIN_CAPABILITY = 9  # auto prefers cuDNN from Hopper on (measured: results/attention_h200.md)
+
+log = logging.getLogger(__name__)
+_seen: set = set()      # fallbacks already logged
+_served: dict = {}      # (asked, shape, dtype, device, masked) → the kernel that serves it
+
+
+def check_backend(name: str, field: str = "model.attention_backend") -> str:
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"{field} must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    return name
+
+
+def preferred(name: str, device: torch.device) -> str:
+    """The kernel `name` asks for on `device` (auto resolved)."""
+    check_backend(name)
+    if name != "auto":
+        return name
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= CUDNN_MIN_CAPABILITY:
+        return "cudnn"
+    return "flash"
+
+
+def order(name: str, device: torch.device, masked: bool = False) -> list[str]:
+    """The kernels SDPA may run for one call, first choice first (cuDNN left out under a mask: MASKED_CUDNN). A CPU
+    has two, and SDPA there takes flash wherever it is enabled and serves (it reads no priority): math alone when
+    math is asked for."""
+    first = preferred(name, device)
+    if device.type == "cpu":
+        return ["math"] if first == "math" else ["flash", "math"]
+    kinds = [first] + [k for k in ORDER if k != first]
+    return [k for k in kinds if not (masked and k == "cudnn" and not MASKED_CUDNN)]
+
+
+def describe(name: str, device: torch.device) -> str:
+    """One line for the run's log: what model.attention_backend resolves to on this device, and why."""
+    first = preferred(name, device)
+    if name != "auto":
+        why = "as configured"
+    elif device.type != "cuda":
+        why = f"auto on {device.type}: torch's own kernel for the device (its flash kernel where it serves, else math)"
+        return f"attention: model.attention_backend=auto → {why}"
+    else:
+        major, minor = torch.cuda.get_device_capability(device)
+        why = f"auto on {torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+    return (f"attention: model.attention_backend={name} → {first} ({why}); a shape it cannot serve falls back "
+            f"in the order {', '.join(k for k in ORDER if k != first)}, logged once")
+
+
+def sdpa(q_BHND: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, mask: torch.Tensor | None = None,
+         backend: str = "auto") -> torch.Tensor:
+    """F.scaled_dot_product_attention under `backend` (module docstring); q, k, v [B, H, N or L, Dh]."""
+    kinds = order(backend, q_BHND.device, mask is not None)
+    with sdpa_kernel([_SDP[k] for k in kinds], set_priority=True):
+        if not torch.compiler.is_compiling():
+            kernel_for(backend, q_BHND, k_BHLD, v_BHLD, mask)
+        return F.scaled_dot_product_attention(q_BHND, k_BHLD, v_BHLD, attn_mask=mask)
+
+
+def kernel_for(backend: str, q_BHND: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
+               mask: torch.Tensor | None = None) -> str:
+    """The kernel SDPA runs for these tensors under `backend` as autograd would call it (no compute; cached per
+    shape), with the fallback logged once when it is not the one asked for (not for auto on a CPU: torch chooses)."""
+    dev = q_BHND.device
+    key = (backend, tuple(q_BHND.shape), tuple(k_BHLD.shape), q_BHND.dtype, dev.type,
+           None if mask is None else (mask.dtype, tuple(mask.shape)), torch.is_grad_enabled())
+    if key not in _served:
+        kinds = order(backend, dev, mask is not None)
+        with sdpa_kernel([_SDP[k] for k in kinds], set_priority=True), torch.enable_grad():
+            views = [t.detach().requires_grad_(torch.is_grad_enabled()) for t in (q_BHND, k_BHLD, v_BHLD)]
+            _served[key] = _CHOICE.get(int(torch._fused_sdp_choice(*views, attn_mask=mask)), "math")
+    got, asked = _served[key], preferred(backend, dev)
+    if got != asked and not (backend == "auto" and dev.type != "cuda"):
+        _log_fallback(backend, asked, got, q_BHND, mask)
+    return got
+
+
+def _log_fallback(backend, asked, got, q, mask) -> None:
+    key = (asked, got, q.dtype, q.shape[-1], mask is not None, q.device.type)
+    if key in _seen:
+        return
+    _seen.add(key)
+    why = ("it takes no boolean mask (ops/attention_backend.py MASKED_CUDNN)" if mask is not None
+           and asked == "cudnn" and not MASKED_CUDNN
+           else f"it cannot serve {q.dtype} q [B, H, N, Dh] = {list(q.shape)} on {q.device.type}"
+           + (" with a mask" if mask is not None else ""))
+    log.warning("attention: model.attention_backend=%s asks for %s, but %s; %s serves these calls", backend, asked,
+                why, got)
