@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 ADALN_BACKENDS = ("auto", "triton", "torch")
 FUSED_OPS = ADALN_BACKENDS
@@ -73,7 +73,8 @@ class RunKnobs:
     glue_backend: Optional[str] = None    # deprecated alias of fused_ops (one release): when set, it overrides it
     checkpointing: str = "none"
     offload_checkpoints: bool = False     # recomputed blocks' inputs wait in pinned host memory (one process)
-    keep_attention: bool = False          # recomputed blocks keep SDPA's outputs (full: all; auto: as memory allows)
+    keep_attention: Union[bool, str] = False  # recomputed blocks keep self-attention's output: false | true (every
+                                          # recomputed block) | auto (as many as the memory budget allows)
     compile: bool = False
     pretrained: Optional[str] = None      # a local diffusers-format folder (config.json + safetensors)
     freeze: list[str] = field(default_factory=list)  # regexes (re.search) of parameter names that do not train
@@ -95,9 +96,11 @@ class RunKnobs:
         check_backend(self.attention_backend)
         if self.checkpointing not in CHECKPOINTING:
             raise ValueError(f"model.checkpointing must be one of {CHECKPOINTING}, got {self.checkpointing!r}")
-        if self.keep_attention and self.checkpointing == "none":
+        if not (isinstance(self.keep_attention, bool) or self.keep_attention == "auto"):
+            raise ValueError(f"model.keep_attention must be true, false or auto, got {self.keep_attention!r}")
+        if self.keep_attention is True and self.checkpointing == "none":
             raise ValueError("model.keep_attention=true keeps the attention outputs of recomputed blocks: set "
-                             "model.checkpointing to full or auto")
+                             "model.checkpointing to full or auto (keep_attention=auto: as memory allows)")
         if self.offload_checkpoints and self.checkpointing == "none":
             raise ValueError("model.offload_checkpoints=true moves the inputs of recomputed blocks to host memory: "
                              "set model.checkpointing to full or auto")

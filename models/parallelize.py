@@ -42,19 +42,22 @@ class FSDPOptions:
 
 
 def checkpoint_policy(mode: str, recompute_blocks: Optional[Callable[[int, int], object]] = None,
-                      keep_attention: bool = False, layers: int = 0) -> Callable[[int, int], object]:
+                      keep_attention: bool | str = False, layers: int = 0) -> Callable[[int, int], object]:
     """(B, S) → which blocks this micro-batch recomputes in backward: True all, False none, k the first k, or
-    (k, j): the last j of them keep their attention outputs (set_activation_checkpointing's arguments). auto takes
-    the memory model's answer (scheduling.policy); full with keep_attention keeps it in every block."""
+    (k, j): the last j of them keep their attention outputs (set_activation_checkpointing's arguments).
+    recompute_blocks is the memory model's answer per micro-batch (scheduling/policy.py: checkpointing=auto, or
+    keep_attention=auto); without one, full recomputes every block, and keep_attention=true keeps every block's
+    attention (auto keeps none: it needs the memory model)."""
     if mode == "none":
         return lambda B, S: False
-    if mode == "full" or recompute_blocks is None:
-        if mode == "auto":
-            log.info("model.checkpointing=auto needs a calibration with both modes, `none` and `full` (python "
-                     "scripts/calibrate.py conf=... model.checkpointing=auto scans both): until then every "
-                     "micro-batch recomputes every block")
-        return (lambda B, S: (layers, layers)) if keep_attention else (lambda B, S: True)
-    return recompute_blocks
+    if recompute_blocks is not None:
+        return recompute_blocks
+    if mode == "auto" or keep_attention == "auto":
+        log.info("model.checkpointing=%s, keep_attention=%s: choosing per micro-batch needs a calibration with the "
+                 "modes none, full and keep (python scripts/calibrate.py conf=... model.checkpointing=auto "
+                 "model.keep_attention=auto scans them): until then every micro-batch recomputes every block%s",
+                 mode, keep_attention, " and keeps its attention" if keep_attention is True else "")
+    return (lambda B, S: (layers, layers)) if keep_attention is True else (lambda B, S: True)
 
 
 def parallelize(model: torch.nn.Module, *, compile: bool = False, world_size: int = 1,

@@ -72,22 +72,35 @@ class Schedule:
 @dataclass
 class PartialRecompute:
     """model.checkpointing=auto: recompute the fewest leading blocks whose saved activations must go for a
-    micro-batch to fit the memory budget (models/checkpointing.py CheckpointingMixin.set_activation_checkpointing(k)).
+    micro-batch to fit the memory budget (models/checkpointing.py CheckpointingMixin.set_activation_checkpointing(k)),
+    and spend what memory is left on keeping the recomputed blocks' self-attention outputs (model.keep_attention).
 
-    With k of L blocks recomputed, the peak and the step time move linearly between the calibration's two measured
-    modes (each block saves the same activations and costs the same):
-        peak(k) = none(T) − k/L·(none(T) − full(T)),  t(k) = t_none + k/L·(t_full − t_none),  T = B·S
-    so k = ⌈L·(none(T) − budget) / (none(T) − full(T))⌉, clipped to [0, L] (L when even full recompute does not fit:
-    the batch-size rules keep B·S within full's m_mem). Wan's blocks are alike; MMDiT's dual-stream blocks (first)
-    and single-stream blocks differ somewhat, which the linear rule averages over."""
+    The calibration measures three policies at every point it can: none (no block recomputed), full (every block)
+    and keep (every block recomputed around its kept attention). Each block saves and costs alike, so with k of L
+    blocks recomputed, j of them keeping their attention, T = B·S:
+        peak(k, j) = none(T) − k/L·(none(T) − full(T)) + j/L·(keep(T) − full(T))
+        t(k, j)    = t_none + k/L·(t_full − t_none) − j/L·(t_full − t_keep)
+    keep(T) − full(T) is a·T·L where keep was not measured (a: kept_bytes_per_token), and t_keep = t_full then (no
+    credit). k = ⌈L·(none(T) − budget) / (none(T) − full(T))⌉ clipped to [0, L] (L when even full recompute does
+    not fit: the batch-size rules keep B·S within full's m_mem); all_blocks (checkpointing=full with
+    keep_attention=auto) holds k = L. Wan's blocks are alike; MMDiT's dual-stream blocks (first) and single-stream
+    blocks differ somewhat, which the linear rule averages over."""
     layers: int
     budget: float
     none_mem: object
     full_mem: object
     none_cost: object
     full_cost: object
-    attention_bytes: float = 0.0  # > 0 (model.keep_attention): bytes a token per block that keeping attention costs
+    attention_bytes: float = 0.0  # > 0: model.keep_attention is on; bytes a token per block where keep was not measured
     S_min: Optional[float] = None  # the shortest bucket's S (a memory model's per-sample term weighs most there)
+    keep_mem: object = None       # the keep policy's memory and cost models, where the calibration measured them
+    keep_cost: object = None
+    all_blocks: bool = False      # checkpointing=full: every block recomputes, only j is chosen
+
+    @property
+    def keep(self) -> bool:
+        """model.keep_attention (true or auto): the memory left goes to kept attention."""
+        return self.attention_bytes > 0
 
     @property
     def none_tokens(self) -> int:
@@ -97,19 +110,30 @@ class PartialRecompute:
     def blocks(self, B: int, S: int) -> int:
         return self.decide(B, S)[0]
 
+    def kept_bytes(self, B: int, S: int) -> float:
+        """Bytes one recomputed block holds more when it keeps its attention, at this micro-batch."""
+        if self.keep_mem is not None:
+            return max(0.0, (float(self.keep_mem.predict(B, S)) - float(self.full_mem.predict(B, S))) / self.layers)
+        return self.attention_bytes * B * S
+
     def decide(self, B: int, S: int) -> tuple[int, int]:
         """(k blocks recomputed, j of them keeping their attention outputs). Keeping attention costs a·B·S bytes a
         block for its costliest op — far more time per byte than leaving a whole block un-recomputed — so j = k
         wherever that fits: k = ⌈(none(T) − budget) / ((none(T) − full(T))/L − a·T)⌉; beyond, k = L and j as many
         as the budget leaves."""
         none, full = float(self.none_mem.predict(B, S)), float(self.full_mem.predict(B, S))
+        L = self.layers
+        kept = self.kept_bytes(B, S) if self.keep else 0.0
+        if self.all_blocks:
+            return L, (L if kept <= 0 else max(0, min(L, math.floor((self.budget - full) / kept)))) if self.keep \
+                else 0
         if none <= self.budget or none <= full:  # fits, or recompute saves nothing in this calibration
             return 0, 0
-        L = self.layers
         k = min(L, math.ceil(L * (none - self.budget) / (none - full) - 1e-9))
-        if self.attention_bytes <= 0:
+        if not self.keep:
             return k, 0
-        kept = self.attention_bytes * B * S
+        if kept <= 0:
+            return k, k
         net = (none - full) / L - kept
         if net > 0:
             k_kept = math.ceil((none - self.budget) / net - 1e-9)
@@ -118,10 +142,41 @@ class PartialRecompute:
         return L, max(0, min(L, math.floor((self.budget - full) / kept)))
 
     def predict(self, B, S) -> float:
-        """Predicted ms: linear in k between the two modes. Kept attention is not credited (no calibration measures
-        it yet), so micro-batches that keep it are predicted a little slow."""
-        f = self.blocks(B, S) / self.layers
-        return float((1 - f) * self.none_cost.predict(B, S) + f * self.full_cost.predict(B, S))
+        """Predicted ms of the policy decide() runs, interpolated between the measured policies."""
+        k, j = self.decide(B, S)
+        t_full = float(self.full_cost.predict(B, S))
+        t_none = float(self.none_cost.predict(B, S)) if k < self.layers else t_full
+        t_keep = float(self.keep_cost.predict(B, S)) if self.keep_cost is not None and j else t_full
+        return t_none + k / self.layers * (t_full - t_none) - j / self.layers * (t_full - t_keep)
+
+
+def _partial_recompute(cfg: SchedulingConfig, cal: Calibration, shape: ModelShape, checkpointing, keep_attention,
+                       world_size, full_mem, full_cost, S_min) -> Optional[PartialRecompute]:
+    """The per-micro-batch policy where the config asks for one (checkpointing=auto, or full with
+    keep_attention=auto) and the calibration holds what it needs (auto: none's and full's memory models; keep's
+    models where measured, else the kept bytes computed); None otherwise (checkpoint_policy then runs full)."""
+    modes = set(cal.modes)
+    auto = checkpointing == "auto" and {"none", "full"} <= modes and cal.memory_model("none") is not None
+    keep_only = checkpointing == "full" and keep_attention == "auto"
+    budget = (cfg.mem_budget_gib * 2**30 if cfg.mem_budget_gib
+              else HBM_FRACTION * cal.hbm_bytes if cal.hbm_bytes else None)
+    if not (auto or keep_only) or full_mem is None or budget is None:
+        return None
+    measured_keep = "keep" in modes and cal.memory_model("keep") is not None
+    return PartialRecompute(
+        shape.layers, budget, cal.memory_model("none", world_size) if auto else full_mem, full_mem,
+        cal.cost_model("none") if auto else full_cost, full_cost, S_min=S_min,
+        attention_bytes=kept_bytes_per_token(shape.dim) if keep_attention in (True, "auto") else 0.0,
+        keep_mem=cal.memory_model("keep", world_size) if measured_keep else None,
+        keep_cost=cal.cost_model("keep") if "keep" in modes else None,
+        all_blocks=keep_only)
+
+
+def _keep_source(partial: PartialRecompute) -> str:
+    if not partial.keep:
+        return ""
+    return ("; kept attention's memory and time measured (keep)" if partial.keep_mem is not None
+            else "; kept attention's bytes computed, its time not credited (no keep policy measured)")
 
 
 def schedule_for(cfg, tokens: Mapping[str, int], shape: ModelShape, world_size: int,
@@ -183,7 +238,7 @@ def _fsdp_source(memory, cal: Calibration, mode: str) -> str:
 
 def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: ModelShape,
                      proxy_tflops: float = 100.0, checkpointing: Optional[str] = None,
-                     world_size: Optional[int] = None, keep_attention: bool = False,
+                     world_size: Optional[int] = None, keep_attention: bool | str = False,
                      shares: Optional[Mapping[str, float]] = None) -> Schedule:
     """tokens: bucket name → S, in bucket order; checkpointing: model.checkpointing (picks the calibration's
     record); world_size: picks the simulator's choice made for the nearest cluster size; keep_attention: the
@@ -208,18 +263,18 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
         cost_fn = cost_model.predict
         src["cost"] = f"calibration:{mode}:{cost_model.form}"
         chosen = cal.chosen(cfg.strategy, world_size)
-        if checkpointing == "auto" and {"none", "full"} <= set(cal.modes) and cal.memory_model("none") and memory:
-            none_mem = cal.memory_model("none", world_size)
-            budget = (cfg.mem_budget_gib * 2**30 if cfg.mem_budget_gib
-                      else HBM_FRACTION * cal.hbm_bytes if cal.hbm_bytes else None)
-            if budget is not None:
-                partial = PartialRecompute(shape.layers, budget, none_mem, memory,
-                                           cal.cost_model("none"), cost_model, S_min=S_min,
-                                           attention_bytes=kept_bytes_per_token(shape.dim)
-                                           if keep_attention else 0.0)
-                recompute, cost_fn = (partial.decide if keep_attention else partial.blocks), partial.predict
+        partial = _partial_recompute(cfg, cal, shape, checkpointing, keep_attention, world_size, memory, cost_model,
+                                     S_min)
+        if partial is not None:
+            recompute, cost_fn = (partial.decide if partial.keep else partial.blocks), partial.predict
+            if partial.all_blocks:
+                src["cost"] = (f"calibration:full, every block recomputed, as many keeping their attention as "
+                               f"{partial.budget / 2**30:.1f} GiB allows" + _keep_source(partial))
+            else:
                 src["cost"] = (f"calibration:auto(no recompute up to {partial.none_tokens} tokens, then as few "
-                               f"of {shape.layers} blocks as {budget / 2**30:.1f} GiB allows)")
+                               f"of {shape.layers} blocks as {partial.budget / 2**30:.1f} GiB allows"
+                               + ("" if not partial.keep else ", memory left keeping attention"
+                                  + _keep_source(partial)) + ")")
 
     # m_mem: config > mem_budget_gib × memory model > chosen > memory model at 90 % of HBM
     if cfg.m_mem is not None:

@@ -47,6 +47,37 @@ def test_a_calibration_fits_only_its_model_device_mode_and_world():
     assert mismatch(with_mem, cfg.model, cpu, 2) is None  # an FSDP model rescales to any R
 
 
+def test_a_calibration_fits_only_the_policies_and_execution_the_run_will_use():
+    """A run that may keep attention needs the keep policy measured; and the micro-batches must have run as this
+    run's will: the same attention kernel, CUDA graphs or not, fused ops, precision, compile."""
+    import torch
+
+    from training.shape_benchmark import execution, policies_to_measure
+
+    cfg = compose_config()
+    cpu = "CPU (x86_64, 1 threads)"
+    want = execution(cfg, torch.device("cpu"), 1)
+    assert want == {"attention": "flash", "fused_ops": "auto", "cuda_graphs": False, "precision": "bf16",
+                    "compile": False}
+    assert mismatch(_cal(), cfg.model, cpu, 1, want) is None
+    assert mismatch(_cal(), cfg.model, cpu, 1, dict(want, attention="cudnn")) == \
+        "another execution (attention flash there, cudnn here)"
+    assert mismatch(_cal(), cfg.model, cpu, 1, dict(want, cuda_graphs=True)) == \
+        "another execution (cuda_graphs False there, True here)"
+    assert "does not record how its micro-batches ran" in mismatch(_cal(execution=None), cfg.model, cpu, 1, want)
+    auto = compose_config(["model.checkpointing=auto", "model.keep_attention=auto"])
+    assert policies_to_measure(auto.model) == ["none", "full", "keep"]
+    assert policies_to_measure(compose_config(["model.checkpointing=full"]).model) == ["full"]
+    assert policies_to_measure(compose_config(["model.checkpointing=full", "model.keep_attention=auto"]).model) \
+        == ["full", "keep"]
+    both = _cal()
+    both.data["modes"]["full"] = both.data["modes"]["none"]
+    assert mismatch(both, auto.model, cpu, 1) == ("policies ['none', 'full'] measured, not ['keep'] "
+                                                  "(model.checkpointing=auto, keep_attention=auto)")
+    both.data["modes"]["keep"] = both.data["modes"]["none"]
+    assert mismatch(both, auto.model, cpu, 1, want) is None
+
+
 def test_fit_warnings_name_the_mode_the_error_and_what_to_do():
     cal = _cal()
     rec = cal.data["modes"]["none"]

@@ -48,6 +48,7 @@ from models.parallelize import parallelize
 from scheduling.calibrate import (HBM_FRACTION, Calibration, Infeasible, Point, StepResult, fit_mode, launch_point,
                                   new_calibration, refit, run_point, scan, timed_point)
 from scheduling.fsdp_memory import slice_record
+from ops.attention_backend import preferred as preferred_attention
 from training.cuda_graphs import graph_blockers, graphs_for
 from training.dist import init_distributed
 from training.inputs import model_inputs
@@ -101,9 +102,10 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def make_step_fn(model, objective, optimizer, buckets, model_cfg, device, autocast, checkpointing: bool,
+def make_step_fn(model, objective, optimizer, buckets, model_cfg, device, autocast, checkpointing,
                  graphs=None, peaks: dict | None = None):
-    """step_fn(bucket, B) → StepResult: one real training step on synthetic inputs (docs/contracts.md §6). With `graphs`
+    """step_fn(bucket, B) → StepResult: one real training step on synthetic inputs (docs/contracts.md §6), under
+    `checkpointing` (what set_activation_checkpointing takes: a bool, or (k, j) blocks recomputed, keeping). With `graphs`
     (training/cuda_graphs.py, as the trainer runs) each (bucket, B) is captured before it is timed: the capture
     and its eager warm-up run untimed, and the peak is the capture's (a replay allocates nothing). With `peaks` (a
     dict), each eager step on a CUDA device appends to peaks[(bucket, B)] its peak up to the forward's end, its peak
@@ -135,7 +137,8 @@ def make_step_fn(model, objective, optimizer, buckets, model_cfg, device, autoca
             x = {"x0": x0, "text": torch.randn(B, model_cfg.text_len, model_cfg.text_dim, device=device),
                  "t": torch.rand(B, device=device), "noise": torch.randn_like(x0),
                  "mask": torch.ones(B, model_cfg.text_len, dtype=torch.bool, device=device)}
-            model.set_activation_checkpointing(checkpointing)
+            model.set_activation_checkpointing(*(checkpointing if isinstance(checkpointing, tuple) else
+                                                 (checkpointing,)))
             key, tokens = (name, B, checkpointing), B * buckets[name].tokens
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
@@ -281,7 +284,7 @@ def calibrate_config(cfg, opts: CalibrateOptions | dict | None = None, command: 
     hbm = float(torch.cuda.get_device_properties(ctx.device).total_memory) if cuda else None
     budget = (cfg.scheduling.mem_budget_gib * 2**30 if cfg.scheduling.mem_budget_gib
               else HBM_FRACTION * hbm if hbm else None)
-    modes = ["none", "full"] if cfg.model.checkpointing == "auto" else [cfg.model.checkpointing]
+    modes = policies_to_measure(cfg.model)
     setup = _Setup(cfg, opts, ctx, table, tokens, autocast, objective, budget)
     if opts.check:
         if k != layers or ctx.world_size > 1 or R:
@@ -333,6 +336,7 @@ def calibrate_config(cfg, opts: CalibrateOptions | dict | None = None, command: 
                         "params": full_depth_params(cfg.model)},
         source="measured", device=device, date=datetime.date.today().isoformat(), command=command,
         hbm_bytes=hbm, extrapolation=ext, notes=notes, world_size=ctx.world_size)
+    cal.data["execution"] = {**execution(cfg, ctx.device, ctx.world_size), "cuda_graphs": graphs is not None}
     if not cuda:
         cal.data["chosen"] = {"m_mem": CPU_M_MEM_FACTOR * max(tokens.values()),
                               "why": f"CPU: no device memory to bound; m_mem = {CPU_M_MEM_FACTOR}·S_max"}
@@ -389,13 +393,34 @@ def _build(cfg, k: int, ctx):
 def _step_fns(model, objective, optimizer, table, model_cfg, device, autocast, mode, graphs, sliced: bool):
     """(the scan's step_fn, a plain one, the peaks dict the first records into): for a slice the scan's step
     records its peaks; without one, all three are the plain step_fn and None."""
-    full = mode == "full"
-    plain = make_step_fn(model, objective, optimizer, table, model_cfg, device, autocast, full, graphs)
+    policy = {"none": False, "full": True, "keep": (len(model.blocks), len(model.blocks))}[mode]
+    plain = make_step_fn(model, objective, optimizer, table, model_cfg, device, autocast, policy, graphs)
     if not sliced:
         return plain, plain, None
     peaks: dict = {}
-    return make_step_fn(model, objective, optimizer, table, model_cfg, device, autocast, full, graphs,
+    return make_step_fn(model, objective, optimizer, table, model_cfg, device, autocast, policy, graphs,
                         peaks=peaks), plain, peaks
+
+
+def policies_to_measure(model_cfg) -> list[str]:
+    """The checkpointing policies a calibration of this config measures, each a record of its own: the configured
+    mode (none or full), or for auto both; and keep (every block recomputed around its kept attention) where
+    model.keep_attention is true or auto, so that scheduling/policy.py prices and bounds the policy each micro-batch
+    runs."""
+    modes = ["none", "full"] if model_cfg.checkpointing == "auto" else [model_cfg.checkpointing]
+    if model_cfg.keep_attention in (True, "auto") and model_cfg.checkpointing != "none":
+        modes.append("keep")
+    return modes
+
+
+def execution(cfg, device: torch.device, world_size: int) -> dict:
+    """How a micro-batch runs, as a calibration must have measured it to price this run: the attention kernel
+    model.attention_backend resolves to here, the fused ops, CUDA graphs (as the trainer would run them: off over
+    several processes), precision and compile."""
+    m = cfg.model
+    graphs = graphs_for(cfg.train.cuda_graphs, device, world_size, graph_blockers(m), cfg.train.graph_max_tokens)
+    return {"attention": preferred_attention(m.attention_backend, device), "fused_ops": m.fused_ops,
+            "cuda_graphs": graphs is not None, "precision": m.precision, "compile": m.compile}
 
 
 def _plain_step(plain, name: str, table, field: str, blocks: int) -> dict:
@@ -555,10 +580,12 @@ CACHE = "calibration.json"  # in the run folder: what scheduling.calibration=aut
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
 
 
-def mismatch(cal: Calibration, model_cfg, device: str, world_size: int) -> str | None:
+def mismatch(cal: Calibration, model_cfg, device: str, world_size: int, want: dict | None = None) -> str | None:
     """Why `cal` cannot price this run's micro-batches (None when it can): another model (name, width, depth, text
-    length, precision), another device (GPU name; any CPU for a CPU), no record for model.checkpointing, or memory
-    measured on another number of processes without an FSDP model to rescale."""
+    length, precision), another device (GPU name; any CPU for a CPU), a checkpointing policy the run may choose that
+    it did not measure (policies_to_measure), memory measured on another number of processes without an FSDP model to
+    rescale, or another execution (`want`, this run's `execution`: attention kernel, fused ops, CUDA graphs,
+    precision, compile; a file that does not record one was measured before they were recorded)."""
     m = cal.data.get("model") or {}
     ours = {"name": model_cfg.name, "dim": model_cfg.dim, "num_layers": model_cfg.attention_layers,
             "text_len": model_cfg.text_len, "precision": model_cfg.precision}
@@ -572,17 +599,29 @@ def mismatch(cal: Calibration, model_cfg, device: str, world_size: int) -> str |
         mode = cal.mode_name(model_cfg.checkpointing)
     except ValueError:
         return f"checkpointing modes {cal.modes}, not {model_cfg.checkpointing}"
+    missing = [p for p in policies_to_measure(model_cfg) if p not in cal.modes]
+    if missing:
+        return (f"policies {cal.modes} measured, not {missing} (model.checkpointing={model_cfg.checkpointing}, "
+                f"keep_attention={model_cfg.keep_attention})")
     mem = cal.data["modes"][mode].get("memory_model")
     ranks = int(cal.data.get("world_size") or 1)
     if mem and ranks != world_size and mem.get("kind") != "fsdp":
         return f"its memory was measured on {ranks} process(es) without an FSDP model to rescale to {world_size}"
+    if want is not None:
+        ran = cal.data.get("execution")
+        if ran is None:
+            return "it does not record how its micro-batches ran (attention kernel, CUDA graphs, fused ops)"
+        diff = [f"{k} {ran.get(k)} there, {v} here" for k, v in want.items() if ran.get(k) != v]
+        if diff:
+            return "another execution (" + ", ".join(diff) + ")"
     return None
 
 
-def find_calibration(cfg, device: str, world_size: int, search: str | None = RESULTS
+def find_calibration(cfg, device: str, world_size: int, search: str | None = RESULTS, want: dict | None = None
                      ) -> tuple[str | None, str | list[str]]:
-    """(path, how) of the first file that fits this run (`mismatch`): the run folder's cached one, else one in
-    `search`; (None, [why each file was passed over]) when none does. Unreadable files are passed over, never fatal."""
+    """(path, how) of the first file that fits this run (`mismatch`; want: the run's `execution`): the run folder's
+    cached one, else one in `search`; (None, [why each file was passed over]) when none does. Unreadable files are
+    passed over, never fatal."""
     cached = os.path.join(cfg.run_dir, CACHE)
     rejected = []
     files = [cached] + (sorted(glob.glob(os.path.join(search, "calibration_*.json"))) if search else [])
@@ -590,7 +629,7 @@ def find_calibration(cfg, device: str, world_size: int, search: str | None = RES
         if not os.path.exists(path):
             continue
         try:
-            why = mismatch(Calibration.load(path), cfg.model, device, world_size)
+            why = mismatch(Calibration.load(path), cfg.model, device, world_size, want)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             why = f"unreadable ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})"
         if why is None:
@@ -608,7 +647,7 @@ def calibration_for_run(cfg, ctx, log, search: str | None = RESULTS) -> tuple[st
     dev = device_name(ctx.device)
     found = None
     if ctx.is_main:
-        path, how = find_calibration(cfg, dev, ctx.world_size, search)
+        path, how = find_calibration(cfg, dev, ctx.world_size, search, execution(cfg, ctx.device, ctx.world_size))
         if path is not None:
             found = (path, how)
         else:
