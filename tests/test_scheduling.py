@@ -390,3 +390,44 @@ def test_conf_groups_compose_and_resolve_on_the_tiny_model(monkeypatch):
         assert s.strategy == group and min(s.batch_sizes.values()) >= 1 and s.window == 2
         if group != "equal_token":
             assert s.sources["cost"].startswith("calibration:none")
+
+
+def test_measured_keep_policy_prices_and_bounds_every_micro_batch(tmp_path):
+    """With the keep policy measured, auto chooses (k, j) from the three measured policies: the predicted peak stays
+    within the budget, one more kept block would not fit (where not all keep), and the cost is the interpolation
+    t_none + k/L·(t_full − t_none) − j/L·(t_full − t_keep); checkpointing=full with keep_attention=auto holds k = L."""
+    cal = four_block_h200_calibration()
+    full_rec = cal.data["modes"]["full"]
+    none, keep = json.loads(json.dumps(full_rec)), json.loads(json.dumps(full_rec))
+    none["cost_model"]["params"] = {k: v * 0.75 for k, v in none["cost_model"]["params"].items()}
+    none["memory_model"]["c1"] *= 4
+    keep["cost_model"]["params"] = {k: v * 0.85 for k, v in keep["cost_model"]["params"].items()}
+    keep["memory_model"]["c1"] *= 1.5
+    cal.data["modes"].update(none=none, keep=keep)
+    path = cal.save(str(tmp_path / "three.json"))
+    L, budget = WAN13.layers, 60 * 2**30
+    mem = {m: MemoryModel.from_dict(cal.data["modes"][m]["memory_model"]) for m in ("none", "full", "keep")}
+    cost = {m: CostModel.from_dict(cal.data["modes"][m]["cost_model"]) for m in ("none", "full", "keep")}
+
+    def peak(T, k, j):
+        n, f, kp = (float(mem[m].predict(1, T)) for m in ("none", "full", "keep"))
+        return n - k / L * (n - f) + j / L * (kp - f)
+
+    s = resolve_schedule(SchedulingConfig("cost", calibration=path, mem_budget_gib=60.0), WAN_TOKENS, WAN13,
+                         checkpointing="auto", keep_attention="auto")
+    assert "kept attention's memory and time measured" in s.sources["cost"]
+    seen = set()
+    for T in np.linspace(mem["none"].m_mem(budget) + 1, mem["full"].m_mem(budget), 15).astype(int):
+        k, j = s.recompute_blocks(1, int(T))
+        assert 0 < k <= L and 0 <= j <= k and peak(T, k, j) <= budget * (1 + 1e-9)
+        assert j == k or peak(T, k, j + 1) > budget
+        t = (cost["none"].predict(1, T) + k / L * (cost["full"].predict(1, T) - cost["none"].predict(1, T))
+             - j / L * (cost["full"].predict(1, T) - cost["keep"].predict(1, T)))
+        assert s.cost_fn(1, int(T)) == pytest.approx(float(t), rel=1e-9)
+        seen.add("all kept" if j == k else "some kept")
+    assert seen == {"all kept", "some kept"}
+    full = resolve_schedule(SchedulingConfig("cost", calibration=path, mem_budget_gib=60.0), WAN_TOKENS, WAN13,
+                            checkpointing="full", keep_attention="auto")
+    T = int(mem["full"].m_mem(budget) * 0.8)
+    k, j = full.recompute_blocks(1, T)
+    assert k == L and 0 < j < L and peak(T, L, j) <= budget < peak(T, L, j + 1)
