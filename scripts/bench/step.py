@@ -2,12 +2,14 @@
 
     python scripts/bench/step.py --out DIR                    (one H200: 1.3B config, ~6 min; default runs/bench/step)
     python scripts/bench/step.py --tiny --out /tmp/step_cpu   (a tiny config on the CPU: checks the script)
+    python scripts/bench/step.py --model 14b --blocks 10 ...  (a full-width slice of Wan 14B; MFU counts its blocks)
 
 Side by side in one run, forward + backward, no optimizer, random weights (the same in both models):
   diffusers@default   diffusers' model, bf16 parameters and gradients, gradient checkpointing, its default attention
   diffusers@fast      the same at the fastest attention backend found (`set_attention_backend`)
+  diffusers@compile   diffusers@fast with each block compiled (block.compile(); compile time untimed)
   ours@fast           our model, bf16 parameters and gradients (the fp32 modules of diffusers' list kept fp32), full
-                      checkpointing, the same attention backend (torch's sdpa_kernel)
+                      checkpointing, the same attention kernel (model.attention_backend of the same name)
   ours@glue           the same with model.fused_ops=triton (fused gated residual, q/k RMSNorm-RoPE)
   ours@saved          ours@glue saving AdaLN's outputs and the rotated q/k for backward (FusedWanBlock.recompute_norms off)
   ours@notail         ours@glue with the MLP and its gated residual as two ops (ops/gated_ffn.py off): the recompute
@@ -52,6 +54,7 @@ from scheduling.efficiency import model_flops  # noqa: E402
 WAN_1P3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
                 text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
                 qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+WAN_14B = dict(WAN_1P3B, num_attention_heads=40, ffn_dim=13824, num_layers=40)
 TINY = dict(WAN_1P3B, num_attention_heads=2, attention_head_dim=16, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2)
 # (B, latent frames, latent H, latent W): S = F·H/2·W/2 → 1560, 7800, 14040, 32760, 75600
 SHAPES = ((16, 1, 60, 104), (4, 5, 60, 104), (2, 9, 60, 104), (1, 21, 60, 104), (1, 21, 90, 160))
@@ -73,19 +76,26 @@ OURS_COLUMNS_LATE = {
 }
 KNOB_MODULES = {"GATED_TAIL_MIN_TOKENS": gated_ffn, "CHUNK_BYTES": gelu_ffn}
 # the table's column order
-TABLE_COLUMNS = ("diffusers@default", "diffusers@fast", "ours@fast", "ours@saved", "ours@notail", "ours@glue",
+TABLE_COLUMNS = ("diffusers@default", "diffusers@fast", "diffusers@compile", "ours@fast", "ours@saved", "ours@notail", "ours@glue",
                  "ours@compile", "ours@offload", "ours@unchunked", "ours@policy", "ours@keep", "ours@keep+unchunked",
                  "ours@trainer", "diffusers@again")
 
 
-def sdpa_context(backend: str):
-    """Our model calls torch's SDPA: pin it to the kernel diffusers' backend of the same name uses."""
-    from contextlib import nullcontext
+OURS_BACKEND = {"native": "flash", "_native_flash": "flash", "_native_efficient": "efficient",
+                "_native_cudnn": "cudnn", "_native_math": "math"}  # diffusers' backend → model.attention_backend
 
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    name = SDPA[backend]
-    return nullcontext() if name is None else sdpa_kernel([getattr(SDPBackend, name)])
+@contextlib.contextmanager
+def sdpa_context(model, backend: str):
+    """Our model runs the kernel diffusers' backend of the same name runs (torch's default, native, is flash on
+    CUDA): model.attention_backend (ops/attention_backend.py) for the columns inside, auto after."""
+    from models.layers import apply_attention_backend
+
+    apply_attention_backend(model, OURS_BACKEND[backend])
+    try:
+        yield
+    finally:
+        apply_attention_backend(model, "auto")
 
 
 LAST_TIMES: list = []  # every rep of the last time_step, in ms (recorded with each row: outliers show)
@@ -308,6 +318,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     harness.add_out(ap, "step")
     ap.add_argument("--tiny", action="store_true", help="tiny config and shapes (checks the script on a CPU)")
+    ap.add_argument("--model", choices=("1.3b", "14b"), default="1.3b", help="Wan 2.1's config (default 1.3B)")
+    ap.add_argument("--blocks", type=int, default=None, help="a slice: this many of the model's blocks (full width)")
     ap.add_argument("--shapes", default=None, help="comma-separated indices into the shape list (default: all)")
     ap.add_argument("--impls", default="diffusers@default,diffusers@fast,ours@fast,ours@glue,ours@compile,"
                     "ours@offload,ours@policy,ours@keep,ours@trainer", help="which columns to run")
@@ -333,7 +345,9 @@ def main(argv=None) -> None:
     global GC_OFF
     GC_OFF = args.gc_off
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg, shapes = (TINY, TINY_SHAPES) if args.tiny else (WAN_1P3B, SHAPES)
+    cfg, shapes = (TINY, TINY_SHAPES) if args.tiny else (WAN_14B if args.model == "14b" else WAN_1P3B, SHAPES)
+    if args.blocks:
+        cfg = dict(cfg, num_layers=args.blocks)
     ref_shape = shapes[3] if not args.tiny else shapes[-1]  # the longest-sequence reference (S = 32760)
     if args.shapes:
         shapes = tuple(shapes[int(i)] for i in args.shapes.split(","))
@@ -448,11 +462,25 @@ def main(argv=None) -> None:
         else:  # the default backend is the fastest: one measurement, both columns
             record("diffusers@fast", shape, ms, peak, same_as="diffusers@default")
         diff_peak[shape] = round(peak, 2)
+        if "diffusers@compile" in impls:  # diffusers at its best: its fastest backend and its blocks compiled
+            try:
+                for block in theirs.blocks:
+                    block.compile()
+                t0 = time.perf_counter()
+                step_fn(theirs, *args_, True, False, dev)()  # compile (not timed)
+                compile_s = round(time.perf_counter() - t0, 1)
+                record("diffusers@compile", shape, *timed(step_fn(theirs, *args_, True, False, dev)),
+                       compile_s=compile_s)
+            except Exception as e:  # noqa: BLE001 - where compile breaks is a result
+                print(f"diffusers@compile at {shape}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                meta.setdefault("compile_errors", {})[f"diffusers {shape}"] = f"{type(e).__name__}: {str(e)[:300]}"
+            for block in theirs.blocks:
+                block._compiled_call_impl = None
         if args.profile and shape == shapes[0]:
             meta.setdefault("profile", {})["diffusers@fast"] = profile(step_fn(theirs, *args_, True, False, dev))
         park(theirs)
         unpark(ours)
-        with sdpa_context(best):
+        with sdpa_context(ours, best):
             for impl, (options, knobs) in OURS_COLUMNS.items():
                 if impl in impls:
                     column(impl, shape, timed, options, knobs)
@@ -515,7 +543,7 @@ def main(argv=None) -> None:
 
     if "ours@trainer" in impls:  # fp32 master weights, bf16 autocast (a third column, not held to memory targets)
         ours._cast_params(torch.float32)
-        with sdpa_context(best):
+        with sdpa_context(ours, best):
             for shape in shapes:
                 B, F_, H, W = shape
                 warmup, reps = (1, 1) if B * F_ * H * W // 4 > args.long_tokens else (args.warmup, args.reps)
@@ -531,7 +559,7 @@ def main(argv=None) -> None:
         offload = args.longest == "ours@offload"
 
         def measure(frames):
-            with sdpa_context(best):
+            with sdpa_context(ours, best):
                 peak = time_step(ours_run((1, frames, ref_shape[2], ref_shape[3]), True, fused_ops,
                                           offload=offload), dev, 0, 1)[1]
             print(f"longest: {frames} frames → {peak:.2f} GiB (limit {limit})", flush=True)
@@ -565,16 +593,20 @@ def table(rows) -> str:
         by.setdefault(r["S"], {})[r["impl"]] = r
     impls = list(TABLE_COLUMNS)
     chunks = sorted({i for d in by.values() for i in d if i.startswith("ours@chunk")}, key=lambda i: int(i[10:]))
-    impls = impls[:9] + chunks + impls[9:]
+    impls = impls[:10] + chunks + impls[10:]
     impls = [i for i in impls if any(i in d for d in by.values())]  # the columns this run measured
-    lines = ["| S | " + " | ".join(f"{i} ms (tok/s, GiB)" for i in impls) + " | ours@fast / diffusers@fast |",
-             "|---|" + "---|" * (len(impls) + 1)]
+    lines = ["| S | " + " | ".join(f"{i} ms (tok/s, GiB)" for i in impls)
+             + " | ours@glue ÷ diffusers' best | ours' best within diffusers' peak ÷ diffusers' best |",
+             "|---|" + "---|" * (len(impls) + 2)]
     for S, d in sorted(by.items()):
         cells = [f"{d[i]['ms']:.0f} ({d[i]['tokens_per_s']:.0f}, {d[i]['peak_gib']})" if i in d else "—"
                  for i in impls]
-        ratio = (d["ours@fast"]["tokens_per_s"] / d["diffusers@fast"]["tokens_per_s"]
-                 if "ours@fast" in d and "diffusers@fast" in d else float("nan"))
-        lines.append(f"| {S} | " + " | ".join(cells) + f" | {ratio:.2f}× |")
+        theirs = max((d[i]["tokens_per_s"] for i in ("diffusers@fast", "diffusers@compile") if i in d), default=None)
+        like = d["ours@glue"]["tokens_per_s"] / theirs if theirs and "ours@glue" in d else float("nan")
+        fit = [d[i]["tokens_per_s"] for i in ("ours@glue", "ours@policy", "ours@keep") if i in d
+               and d[i].get("fits", True) and (i != "ours@glue" or d[i]["peak_gib"] <= d["diffusers@fast"]["peak_gib"])]
+        best = max(fit) / theirs if theirs and fit else float("nan")
+        lines.append(f"| {S} | " + " | ".join(cells) + f" | {like:.2f}× | {best:.2f}× |")
     return "\n".join(lines)
 
 

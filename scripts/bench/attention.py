@@ -1,0 +1,113 @@
+"""SDPA's kernels on this GPU: forward + backward time of each backend at Wan's shapes (the attention ceiling of the
+step's ceiling table), and whether cuDNN serves a boolean key-padding mask correctly (a script, not a test).
+
+    python scripts/bench/attention.py --out DIR            (one H200: ~1 min)
+    python scripts/bench/attention.py --tiny --out DIR     (a CPU: checks the script)
+
+Timed: q, k, v [B, H, S, 128] bf16, no mask, forward + backward (median by CUDA events), FLOPs counted as 3.5 × the
+forward's 4·B·H·S²·Dh (flash's backward recomputes the scores: 2.5 × the forward). The mask check: MMDiT-like joint
+lengths (video + padded text), a (B, 1, 1, L) key mask with one sample's text shorter; each backend's output and
+gradients against fp32 math on the same inputs, and whether they are finite.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo root
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+import harness  # noqa: E402
+
+KERNELS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+           "efficient": SDPBackend.EFFICIENT_ATTENTION}
+SHAPES = ((21, 1560, 12), (4, 7800, 12), (2, 14040, 12), (1, 32760, 12), (1, 75600, 12), (1, 32760, 40),
+          (1, 75600, 40))  # (B, S, heads): Wan 1.3B's buckets, then the 14B's widest
+MASKED = ((2, 344, 24), (1, 14160, 24), (2, 14160, 24))  # (B, joint length, heads): where cuDNN failed on 2.11
+
+
+def timed(fn, dev, reps):
+    times, _ = harness.time_reps(fn, dev, 2, reps)
+    return harness.median(times)
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    harness.add_out(ap, "attention")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    shapes, masked = ((2, 64, 2),), ((2, 40, 2),)
+    if not args.tiny:
+        shapes, masked = SHAPES, MASKED
+    kernels = KERNELS if dev.type == "cuda" else {"math": SDPBackend.MATH}
+    rows, checks = [], []
+    g = torch.Generator(device=dev).manual_seed(0)
+    for B, S, H in shapes:
+        q, k, v = (torch.randn(B, H, S, 128, device=dev, dtype=dtype, generator=g).requires_grad_() for _ in range(3))
+        do = torch.randn(B, H, S, 128, device=dev, dtype=dtype, generator=g)
+        flops = 3.5 * 4 * B * H * S * S * 128
+        for name, kernel in kernels.items():
+            def step():
+                with sdpa_kernel([kernel]):
+                    o = F.scaled_dot_product_attention(q, k, v)
+                torch.autograd.grad(o, (q, k, v), do)
+            try:
+                ms = timed(step, dev, args.reps)
+                row = dict(kernel=name, B=B, S=S, heads=H, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1))
+            except RuntimeError as e:
+                row = dict(kernel=name, B=B, S=S, heads=H, error=str(e).splitlines()[0][:200])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del q, k, v, do
+    for B, L, H in masked:
+        q, k, v = (torch.randn(B, H, L, 128, device=dev, dtype=dtype, generator=g).requires_grad_() for _ in range(3))
+        do = torch.randn(B, H, L, 128, device=dev, dtype=dtype, generator=g)
+        mask = torch.ones(B, 1, 1, L, dtype=torch.bool, device=dev)
+        mask[-1, ..., L - L // 8:] = False  # the last sample's text is shorter
+        ref = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        with sdpa_kernel([SDPBackend.MATH]):
+            o_ref = F.scaled_dot_product_attention(*ref, attn_mask=mask)
+        g_ref = torch.autograd.grad(o_ref, ref, do.float())
+        for name, kernel in kernels.items():
+            try:
+                with sdpa_kernel([kernel]):
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                gr = torch.autograd.grad(o, (q, k, v), do)
+                finite = bool(torch.isfinite(o).all()) and all(bool(torch.isfinite(t).all()) for t in gr)
+                row = dict(kernel=name, B=B, L=L, heads=H, finite=finite,
+                           out_rel_err=rel(o, o_ref) if finite else None,
+                           grad_rel_err=[rel(a, b) for a, b in zip(gr, g_ref)] if finite else None)
+            except RuntimeError as e:
+                row = dict(kernel=name, B=B, L=L, heads=H, error=str(e).splitlines()[0][:200])
+            checks.append(row)
+            print(json.dumps(row), flush=True)
+        del q, k, v, do, ref, o_ref, g_ref
+    meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "attention.json"), "w") as fh:
+        json.dump({"meta": meta, "timed": rows, "masked": checks}, fh, indent=1)
+    print("| B | S | heads | " + " | ".join(f"{k} ms (TFLOP/s)" for k in kernels) + " |")
+    by = {}
+    for r in rows:
+        by.setdefault((r["B"], r["S"], r["heads"]), {})[r["kernel"]] = r
+    for (B, S, H), d in by.items():
+        print(f"| {B} | {S} | {H} | " + " | ".join(
+            f"{d[k]['ms']:.2f} ({d[k]['tflops']:.0f})" if "ms" in d.get(k, {}) else "—" for k in kernels) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The trainer at the GPU's limit (results/attention_h200.md, results/step_h200.md), one device call per part:
+#   t  the GPU tests of model.attention_backend (every backend against fp32 math, Wan and the MMDiT), the fused
+#      attention's kernels and Wan's parity with diffusers (~2 min)
+#   k  SDPA's kernels at Wan's shapes and the cuDNN key-mask check (scripts/bench/attention.py, ~1.5 min)
+#   a  the 1.3B step against diffusers at its best (cuDNN; with compiled blocks) at S = 32760, 14040, 75600, with the
+#      device-time profile at the first (~5 min)
+#   b  the same at 16×1560 and 4×7800 (~3 min)
+#   m  the MMDiT at HunyuanVideo width against diffusers' default and cuDNN backends (~1.5 min)
+#   w  a 10-block full-width slice of Wan 14B at 720p 81 frames: MFU, ours against diffusers@cudnn (~4 min)
+# Results land in $OUT (default ./h200_attention_out); copy them to results/. Needs .whl/ (bash scripts/make_wheels.sh).
+set -uo pipefail
+source scripts/h200_env.sh h200_attention_out
+PART=${PART:-tk}
+if [[ $PART == *t* ]]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_attention_backend.py tests/test_rope_attention.py \
+    tests/test_wan_parity.py tests/test_wan_fused.py -k "cuda or gpu or every_backend or fused_ops_model" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -6
+fi
+if [[ $PART == *k* ]]; then
+  timeout 150 python3 scripts/bench/attention.py --out "$OUT" --reps 5 2>&1 | tee "$OUT/attention.log" \
+    | grep -E "^\||error|Error" | tail -20
+fi
+if [[ $PART == *a* ]]; then
+  timeout 330 python3 scripts/bench/step.py --out "$OUT/a" --shapes 3,2,4 --fast-backend _native_cudnn --reps 3 \
+    --gc-off --profile --longest '' --impls "${IMPLS_A:-diffusers@default,diffusers@fast,ours@glue,ours@policy,ours@keep}" \
+    2>&1 | tee "$OUT/bench_a.log" | grep -E "^\||Error|error" | cut -c1-400 | tail -12
+fi
+if [[ $PART == *b* ]]; then
+  timeout 240 python3 scripts/bench/step.py --out "$OUT/b" --shapes 0,1 --fast-backend _native_cudnn --reps 3 \
+    --gc-off --longest '' --impls "${IMPLS_B:-diffusers@default,diffusers@fast,diffusers@compile,ours@glue,ours@policy,ours@keep}" \
+    2>&1 | tee "$OUT/bench_b.log" | grep -E "^\||Error|error" | cut -c1-400 | tail -12
+fi
+if [[ $PART == *m* ]]; then
+  timeout 150 python3 scripts/bench/mmdit.py --out "$OUT/m" 2>&1 | tee "$OUT/mmdit.log" | grep -E "impl|Error" | tail -12
+fi
+if [[ $PART == *w* ]]; then
+  timeout 300 python3 scripts/bench/step.py --model 14b --blocks "${K:-10}" --out "$OUT/w" --shapes 4 \
+    --fast-backend _native_cudnn --reps 1 --gc-off --longest '' --impls diffusers@fast,ours@glue,ours@keep 2>&1 \
+    | tee "$OUT/bench_w.log" | grep -E "^\||Error|error" | cut -c1-400 | tail -8
+fi
