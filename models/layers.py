@@ -175,10 +175,10 @@ class SiLUFeedForward(FeedForward):
 
 def masked_attention(q_BNHD: torch.Tensor, k_BLHD: torch.Tensor, v_BLHD: torch.Tensor,
                      mask: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
-    """attention() with an optional boolean mask broadcastable to (B, heads, N, L); True = may attend. A mask never
-    goes to cuDNN (ops/attention_backend.py MASKED_CUDNN): such a call runs the next kernel of the order, said once
-    in the log."""
-    o_BHND = sdpa(q_BNHD.transpose(1, 2), k_BLHD.transpose(1, 2), v_BLHD.transpose(1, 2), mask, backend)
+    """attention() with an optional boolean mask broadcastable to (B, heads, N, L); True = may attend: the MMDiT's.
+    It never runs cuDNN (ops/attention_backend.py: its gradients were wrong for this attention on the H200); asked
+    for, the next kernel of the order serves, said once in the log."""
+    o_BHND = sdpa(q_BNHD.transpose(1, 2), k_BLHD.transpose(1, 2), v_BLHD.transpose(1, 2), mask, backend, cudnn=False)
     return o_BHND.transpose(1, 2).flatten(2).type_as(q_BNHD)
 
 

@@ -10,10 +10,12 @@ cudnn, flash, efficient, math (on a CPU, flash then math, or math alone). Where 
 takes the next that can, and `sdpa` says so once in the log for each (asked, served, dtype, head_dim, masked): a
 fallback is never silent and the numbers are always those of a kernel that serves the shape.
 
-A boolean mask never goes to cuDNN (MASKED_CUDNN): on the H200 (torch 2.11, bf16) its backward returned non-finite
-gradients for joint text+video lengths and failed at 14,160 tokens, while flash, efficient and math were exact.
-The MMDiT trims text padding first (models/mmdit.py), so only a micro-batch whose samples' texts differ in length
-carries a mask.
+cuDNN is left out of a call that passes `cudnn=False`: the MMDiT's attention (models/layers.py masked_attention), whose
+gradients under cuDNN were wrong on the H200 (torch 2.11, bf16) — its patch embedding's 134 % off fp32 math at
+260 joint tokens without a mask (tests/test_attention_backend.py), and non-finite with masks in an earlier check —
+while flash, efficient and math were within bf16 rounding; and a call with a boolean mask, unless MASKED_CUDNN (a
+key-padding mask through cuDNN was within 0.3 % of fp32 math in results/attention_h200.md, but nothing the trainer
+runs needs it). Flash takes no mask: a masked call runs the memory-efficient kernel.
 
 The models hold the choice as a module attribute (`attention_backend` on every attention module, set by
 models/layers.py apply_attention_backend, as diffusers' `set_attention_backend`) and hand it to every call: an
@@ -34,7 +36,7 @@ ORDER = ("cudnn", "flash", "efficient", "math")
 _SDP = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 _CHOICE = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}  # torch._fused_sdp_choice's values (SDPBackend)
-MASKED_CUDNN = False  # cuDNN takes boolean masks: see the module docstring
+MASKED_CUDNN = False  # cuDNN takes boolean masks (the module docstring)
 CUDNN_MIN_CAPABILITY = 9  # auto prefers cuDNN from Hopper on (measured: results/attention_h200.md)
 
 log = logging.getLogger(__name__)
@@ -48,25 +50,25 @@ def check_backend(name: str, field: str = "model.attention_backend") -> str:
     return name
 
 
-def preferred(name: str, device: torch.device) -> str:
-    """The kernel `name` asks for on `device` (auto resolved)."""
+def preferred(name: str, device: torch.device, cudnn: bool = True) -> str:
+    """The kernel `name` asks for on `device` (auto resolved; cudnn=False: a caller that cuDNN must not serve)."""
     check_backend(name)
     if name != "auto":
         return name
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= CUDNN_MIN_CAPABILITY:
+    if cudnn and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= CUDNN_MIN_CAPABILITY:
         return "cudnn"
     return "flash"
 
 
-def order(name: str, device: torch.device, masked: bool = False) -> list[str]:
-    """The kernels SDPA may run for one call, first choice first (cuDNN left out under a mask: MASKED_CUDNN). A CPU
-    has two, and SDPA there takes flash wherever it is enabled and serves (it reads no priority): math alone when
-    math is asked for."""
-    first = preferred(name, device)
+def order(name: str, device: torch.device, masked: bool = False, cudnn: bool = True) -> list[str]:
+    """The kernels SDPA may run for one call, first choice first (cuDNN left out where `cudnn` is false, and under a
+    mask unless MASKED_CUDNN). A CPU has two, and SDPA there takes flash wherever it is enabled and serves (it reads
+    no priority): math alone when math is asked for."""
+    first = preferred(name, device, cudnn)
     if device.type == "cpu":
         return ["math"] if first == "math" else ["flash", "math"]
     kinds = [first] + [k for k in ORDER if k != first]
-    return [k for k in kinds if not (masked and k == "cudnn" and not MASKED_CUDNN)]
+    return [k for k in kinds if not (k == "cudnn" and (not cudnn or masked and not MASKED_CUDNN))]
 
 
 def describe(name: str, device: torch.device) -> str:
@@ -85,41 +87,44 @@ def describe(name: str, device: torch.device) -> str:
 
 
 def sdpa(q_BHND: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, mask: torch.Tensor | None = None,
-         backend: str = "auto") -> torch.Tensor:
+         backend: str = "auto", cudnn: bool = True) -> torch.Tensor:
     """F.scaled_dot_product_attention under `backend` (module docstring); q, k, v [B, H, N or L, Dh]."""
-    kinds = order(backend, q_BHND.device, mask is not None)
+    kinds = order(backend, q_BHND.device, mask is not None, cudnn)
     with sdpa_kernel([_SDP[k] for k in kinds], set_priority=True):
         if not torch.compiler.is_compiling():
-            kernel_for(backend, q_BHND, k_BHLD, v_BHLD, mask)
+            kernel_for(backend, q_BHND, k_BHLD, v_BHLD, mask, cudnn)
         return F.scaled_dot_product_attention(q_BHND, k_BHLD, v_BHLD, attn_mask=mask)
 
 
 def kernel_for(backend: str, q_BHND: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
-               mask: torch.Tensor | None = None) -> str:
+               mask: torch.Tensor | None = None, cudnn: bool = True) -> str:
     """The kernel SDPA runs for these tensors under `backend` as autograd would call it (no compute; cached per
     shape), with the fallback logged once when it is not the one asked for (not for auto on a CPU: torch chooses)."""
     dev = q_BHND.device
     key = (backend, tuple(q_BHND.shape), tuple(k_BHLD.shape), q_BHND.dtype, dev.type,
-           None if mask is None else (mask.dtype, tuple(mask.shape)), torch.is_grad_enabled())
+           None if mask is None else (mask.dtype, tuple(mask.shape)), torch.is_grad_enabled(), cudnn)
     if key not in _served:
-        kinds = order(backend, dev, mask is not None)
+        kinds = order(backend, dev, mask is not None, cudnn)
         with sdpa_kernel([_SDP[k] for k in kinds], set_priority=True), torch.enable_grad():
             views = [t.detach().requires_grad_(torch.is_grad_enabled()) for t in (q_BHND, k_BHLD, v_BHLD)]
             _served[key] = _CHOICE.get(int(torch._fused_sdp_choice(*views, attn_mask=mask)), "math")
-    got, asked = _served[key], preferred(backend, dev)
+    got, asked = _served[key], preferred(backend, dev, cudnn)
     if got != asked and not (backend == "auto" and dev.type != "cuda"):
-        _log_fallback(backend, asked, got, q_BHND, mask)
+        _log_fallback(backend, asked, got, q_BHND, mask, cudnn)
     return got
 
 
-def _log_fallback(backend, asked, got, q, mask) -> None:
-    key = (asked, got, q.dtype, q.shape[-1], mask is not None, q.device.type)
+def _log_fallback(backend, asked, got, q, mask, cudnn) -> None:
+    key = (asked, got, q.dtype, q.shape[-1], mask is not None, q.device.type, cudnn)
     if key in _seen:
         return
     _seen.add(key)
-    why = ("it takes no boolean mask (ops/attention_backend.py MASKED_CUDNN)" if mask is not None
-           and asked == "cudnn" and not MASKED_CUDNN
-           else f"it cannot serve {q.dtype} q [B, H, N, Dh] = {list(q.shape)} on {q.device.type}"
-           + (" with a mask" if mask is not None else ""))
+    if asked == "cudnn" and not cudnn:
+        why = "this model's attention must not run it (ops/attention_backend.py: wrong gradients)"
+    elif asked == "cudnn" and mask is not None and not MASKED_CUDNN:
+        why = "it is not given boolean masks (ops/attention_backend.py MASKED_CUDNN)"
+    else:
+        why = (f"it cannot serve {q.dtype} q [B, H, N, Dh] = {list(q.shape)} on {q.device.type}"
+               + (" with a mask" if mask is not None else ""))
     log.warning("attention: model.attention_backend=%s asks for %s, but %s; %s serves these calls", backend, asked,
                 why, got)

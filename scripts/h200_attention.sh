@@ -8,6 +8,9 @@
 #   b  the same at 16×1560 and 4×7800 (~3 min)
 #   m  the MMDiT at HunyuanVideo width against diffusers' default and cuDNN backends (~1.5 min)
 #   w  a 10-block full-width slice of Wan 14B at 720p 81 frames: MFU, ours against diffusers@cudnn (~4 min)
+#   d  which kernel torch's default SDPA choice is at Wan's shapes (the baseline's backend; seconds)
+#   c  the 1.3B calibrated with the policies model.checkpointing=auto, keep_attention=auto choose among (none,
+#      full, keep), under the preset's execution (cuDNN, CUDA graphs where they serve) (~7 min)
 # Results land in $OUT (default ./h200_attention_out); copy them to results/. Needs .whl/ (bash scripts/make_wheels.sh).
 set -uo pipefail
 source scripts/h200_env.sh h200_attention_out
@@ -16,6 +19,22 @@ if [[ $PART == *t* ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_attention_backend.py tests/test_rope_attention.py \
     tests/test_wan_parity.py tests/test_wan_fused.py -k "cuda or gpu or every_backend or fused_ops_model" 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -6
+fi
+if [[ $PART == *d* ]]; then
+  python3 - <<'PY' 2>&1 | tee "$OUT/default_choice.txt"
+import torch
+names = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}
+for B, S in ((16, 1560), (1, 32760), (1, 75600)):
+    x = torch.randn(B, S, 12, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    print(f"torch {torch.__version__} default SDPA choice, bf16 q [B={B}, H=12, S={S}, 128] (BSHD memory):",
+          names[int(torch._fused_sdp_choice(x, x, x))])
+PY
+fi
+if [[ $PART == *c* ]]; then
+  timeout 520 python3 scripts/calibrate.py conf=wan21_1p3b model.checkpointing=auto model.keep_attention=auto \
+    "+calibrate.buckets=[i480,v480_17f,v480_33f,v480_81f,v720_49f,v720_81f]" +calibrate.max_points=6 \
+    +calibrate.repeats=1 +calibrate.time_budget_s=${BUDGET_S:-110} +calibrate.out="$OUT/calibration_h200.json" 2>&1 \
+    | tee "$OUT/calibrate.log" | grep -vE '^\s*$' | cut -c1-300 | tail -25
 fi
 if [[ $PART == *k* ]]; then
   timeout 150 python3 scripts/bench/attention.py --out "$OUT" --reps 5 2>&1 | tee "$OUT/attention.log" \
