@@ -31,10 +31,28 @@ for B, S in ((16, 1560), (1, 32760), (1, 75600)):
 PY
 fi
 if [[ $PART == *c* ]]; then
-  timeout 520 python3 scripts/calibrate.py conf=wan21_1p3b model.checkpointing=auto model.keep_attention=auto \
-    "+calibrate.buckets=[i480,v480_17f,v480_33f,v480_81f,v720_49f,v720_81f]" +calibrate.max_points=6 \
-    +calibrate.repeats=1 +calibrate.time_budget_s=${BUDGET_S:-110} +calibrate.out="$OUT/calibration_h200.json" 2>&1 \
+  timeout ${CAL_S:-300} python3 scripts/calibrate.py conf=wan21_1p3b model.checkpointing=auto model.keep_attention=auto \
+    "+calibrate.buckets=[i480,v480_17f,v480_33f,v480_81f,v720_49f,v720_81f]" +calibrate.max_points=8 \
+    +calibrate.top_tokens=${TOP:-40000} +calibrate.repeats=1 +calibrate.time_budget_s=${BUDGET_S:-100} \
+    +calibrate.out="$OUT/calibration_h200_policies.json" 2>&1 \
     | tee "$OUT/calibrate.log" | grep -vE '^\s*$' | cut -c1-300 | tail -25
+fi
+if [[ $PART == *r* ]]; then  # train.py, this commit against the previous main unpacked in ./prev, same batches
+  common=(conf=wan21_1p3b scheduling=equal_token scheduling.m_tokens=32760 train.steps=${STEPS:-7} train.val_every=1000
+          train.progress=false checkpoint.every=0 checkpoint.at_end=false logging.wandb=disabled data.cache_dir=/tmp/cache)
+  timeout ${NEW_S:-150} python3 train.py "${common[@]}" name=new run_dir="$OUT/new" model.checkpointing=auto \
+    model.keep_attention=auto scheduling.calibration="${CAL:-results/calibration_h200_policies.json}" 2>&1 | tee "$OUT/train_new.log" \
+    | grep -E "attention:|scheduling:|perf|Error" | cut -c1-300 | tail -6
+  [ -d prev ] && (cd prev && timeout ${OLD_S:-120} python3 train.py "${common[@]}" name=old run_dir="$OUT/old" \
+    scheduling.calibration=results/calibration_h200.json 2>&1 \
+    | tee "$OUT/train_old.log" | grep -E "scheduling:|Error" | cut -c1-300 | tail -4)
+  for r in new old; do python3 -c "
+import json, statistics as st
+rows = [json.loads(l) for l in open('$OUT/$r/metrics.jsonl') if 'perf/mfu' in l]
+steady = rows[3:] or rows
+print('$r', len(rows), 'steps; median after 3: mfu', round(st.median(r['perf/mfu'] for r in steady), 4),
+      'tokens/s', round(st.median(r['perf/tokens_per_s'] for r in steady)), 'peak GiB',
+      max(r.get('memory/peak_gib', 0) for r in rows))" 2>&1 | tail -1; done
 fi
 if [[ $PART == *k* ]]; then
   timeout 150 python3 scripts/bench/attention.py --out "$OUT" --reps 5 2>&1 | tee "$OUT/attention.log" \

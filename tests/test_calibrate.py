@@ -436,10 +436,32 @@ def test_the_committed_14b_calibration_prices_every_point_and_the_8gpu_preset_fi
     assert again["params"] == pytest.approx(rec["cost_model"]["params"], rel=1e-6)
     assert again["loo_rel_rmse"] == pytest.approx(rec["cost_model"]["loo_rel_rmse"], rel=1e-6)
     cfg = compose_config(["conf=wan21_8gpu", f"run_dir={tmp_path}"])
-    path, how = find_calibration(cfg, "NVIDIA H200", 8)
+    eager = {"attention": "cudnn", "fused_ops": "auto", "cuda_graphs": False, "precision": "bf16", "compile": False}
+    path, how = find_calibration(cfg, "NVIDIA H200", 8, want=eager)  # what train.py's execution() gives there
     assert path.endswith("calibration_h200_14b.json") and how.startswith("measured on this model")
+    path, why = find_calibration(cfg, "NVIDIA H200", 8, want=dict(eager, attention="flash"))
+    assert path is None and any("_14b.json: another execution (attention cudnn there, flash here)" in w for w in why)
     path, _ = find_calibration(compose_config(["conf=wan21_1p3b", f"run_dir={tmp_path}"]), "NVIDIA H200", 1)
     assert not path.endswith("_14b.json")
+
+
+def test_the_1p3b_preset_finds_the_calibration_of_its_policies_and_execution(monkeypatch, tmp_path):
+    """conf=wan21_1p3b (checkpointing=auto, keep_attention=auto, CUDA graphs on one GPU) on an H200 takes the file
+    that measured none, full and keep under cuDNN with graphs; the eager scan of full alone is passed over, and an
+    eager run (graphs off) finds none of them."""
+    from tests.helpers import ROOT, compose_config
+    from training.shape_benchmark import find_calibration
+
+    monkeypatch.chdir(ROOT)
+    cfg = compose_config(["conf=wan21_1p3b", f"run_dir={tmp_path}"])
+    assert (cfg.model.checkpointing, cfg.model.keep_attention) == ("auto", "auto")
+    graphs = {"attention": "cudnn", "fused_ops": "auto", "cuda_graphs": True, "precision": "bf16", "compile": False}
+    path, how = find_calibration(cfg, "NVIDIA H200", 1, want=graphs)
+    assert path.endswith("calibration_h200_policies.json") and how.startswith("measured on this model")
+    assert set(Calibration.load(path).modes) == {"none", "full", "keep"}
+    path, why = find_calibration(cfg, "NVIDIA H200", 1, want=dict(graphs, cuda_graphs=False))
+    assert path is None
+    assert any("calibration_h200.json: policies ['full'] measured, not ['none', 'keep']" in w for w in why), why
 
 
 def test_the_8gpu_preset_holds_two_long_clips_a_step_with_the_simulators_choice(monkeypatch, tmp_path):
