@@ -18,7 +18,7 @@ abandoned or half-written one), a wandb run and its id, the resolved config, sam
 
 A refused run leaves nothing behind: not the folder (when it made it), not its lock file.
 
-No links. A run folder's entries (RUN_FILES, train.log, run.lock) that are symbolic links are refused when the run
+No links. A run folder's entries (RUN_FILES, train.log, run.lock, calibration.json) that are symbolic links are refused when the run
 starts, and every file of it is opened with `open_in`: O_NOFOLLOW at every component below the folder (the folder
 itself may be a link: `runs/` on a scratch disk), and only regular files. `write_whole` writes a file through a
 temporary name and a rename, so a reader sees the old file or the new one; a full disk raises
@@ -264,8 +264,8 @@ def run_files(run_dir: str) -> list[str]:
 
 
 def links_in(run_dir: str) -> list[str]:
-    """The run-folder entries (RUN_FILES, train.log, run.lock) that are symbolic links."""
-    names = set(run_files(run_dir)) | {LOG_FILE, LOCK}
+    """The run-folder entries (RUN_FILES, train.log, run.lock, calibration.json) that are symbolic links."""
+    names = set(run_files(run_dir)) | {LOG_FILE, LOCK, "calibration.json"}
     return sorted(n for n in names if os.path.islink(os.path.join(run_dir, n)))
 
 
