@@ -332,3 +332,36 @@ def test_two_runs_started_together_into_one_folder_one_runs_the_other_is_refused
     assert steps == list(range(7)), steps  # each step once
     assert sorted(os.listdir(run_dir)) == ["config.yaml", "metrics.jsonl", "step_6", "train.log"]  # no lock left
     assert "in use by another run" not in open(os.path.join(run_dir, "train.log")).read()
+
+
+def test_no_regular_checkpoint_is_written_inside_a_streak_of_bad_steps(tmp_path, cache, monkeypatch, caplog):
+    """Steps 3-4 are bad and the run ends there: the checkpoint due at step 4 waits for a good step that never
+    comes, and the run's end writes none either; step_2, from before the streak, is the last good one."""
+    import torch
+
+    from models.flow_matching import FlowMatching
+
+    real, calls = FlowMatching.per_sample_loss, {"n": 0}
+
+    def poisoned(model, x0, text, t, noise):
+        loss = real(model, x0, text, t, noise)
+        if torch.is_grad_enabled():
+            calls["n"] += 1
+            if calls["n"] > 4:
+                return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(FlowMatching, "per_sample_loss", staticmethod(poisoned))
+    run_dir = str(tmp_path / "streak")
+    with caplog.at_level("WARNING"):
+        run_training(tiny_overrides(run_dir, cache, "train.steps=4", "train.max_bad_steps=5", "checkpoint.every=2",
+                                    "checkpoint.keep_last=2", "train.val_every=4"))
+    assert [s for s, _ in list_checkpoints(run_dir)] == [2]
+    assert "the run ends inside 2 bad step(s) in a row: no checkpoint at step 4" in caplog.text
+
+
+def test_a_name_that_is_not_a_plain_folder_name_is_refused_before_anything_is_made(tmp_path):
+    for name in ("..", ".", "a/b"):
+        rc, lines = _train_cli(f"name={name}", f"hydra.sweep.dir={tmp_path}/s", "logging=disabled", timeout=120)
+        assert rc == 2 and any("name must be a plain folder name" in line and repr(name) in line for line in lines)
+    assert not os.path.exists(os.path.join(ROOT, "runs", "a"))
