@@ -122,6 +122,11 @@ def test_open_in_follows_no_link_and_opens_only_regular_files(tmp_path):
         open_in(str(tmp_path), "fifo")  # would block forever in a plain open()
     with pytest.raises(LinkRefused, match="not a path inside"):
         open_in(str(tmp_path), "../x")
+    os.link(tmp_path / "real" / "f", tmp_path / "hardlink")  # another name of a file that may live anywhere
+    assert open_in(str(tmp_path), "hardlink").read() == "x"  # read: the bytes are the same either way
+    with pytest.raises(LinkRefused, match="has 2 hard links"):
+        open_in(str(tmp_path), "hardlink", "a")
+    assert (tmp_path / "real" / "f").read_text() == "x"
     # write_whole replaces a link by the file, never writing through it
     write_whole(str(tmp_path), "filelink", "new")
     assert (tmp_path / "real" / "f").read_text() == "x" and not os.path.islink(tmp_path / "filelink")

@@ -91,8 +91,9 @@ def _parts(rel: str) -> list[str]:
 
 
 def open_fd(root: str, rel: str, mode: str = "r") -> int:
-    """An fd of root/rel opened with `mode` (r, w, a, x, r+, c: read-write, made if missing; a 'b' is ignored), following no link below root and
-    refusing anything but a regular file (a FIFO or device would block or never end)."""
+    """An fd of root/rel opened with `mode` (r, w, a, x, r+, c: read-write, made if missing; a 'b' is ignored),
+    following no link below root and refusing anything but a regular file (a FIFO or device would block or never
+    end); a file opened for writing must have no other hard link (its other name could be any file of the user's)."""
     flags = _FLAGS[mode.replace("b", "")] | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     parts = _parts(rel)
     where = os.path.join(root, *parts)
@@ -117,9 +118,13 @@ def open_fd(root: str, rel: str, mode: str = "r") -> int:
             raise
     finally:
         os.close(dfd)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise LinkRefused(f"{where} is not a regular file")
+    if mode.replace("b", "") != "r" and st.st_nlink > 1:
+        os.close(fd)
+        raise LinkRefused(f"{where} has {st.st_nlink} hard links: {_LINK_FIX}")
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     return fd
 
