@@ -145,9 +145,11 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str) -> dict:
     def checkpoint(diverged: bool = False) -> str:
         bad = merge_bad_states(ctx.gather_objects(corpus.bad_state()))  # every rank's, so a resume knows them all
         meta = state.meta() | {"lr_scheduler": scheduler.state_dict(), "data": bad, "lineage": lineage}
+        earlier = diverged and os.path.lexists(os.path.join(cfg.run_dir, f"diverged_step_{state.step}"))
         path = save_checkpoint(cfg.run_dir, state.step, model, optimizer, parts.ema, meta, config_yaml, ctx,
                                cfg.checkpoint.keep_last, trainable_only=adapter_only, diverged=diverged)
-        if has_lora(model):  # step_N/lora/: what WanPipeline.load_lora_weights reads (every rank gathers)
+        if has_lora(model) and not earlier:  # step_N/lora/: what WanPipeline.load_lora_weights reads (every rank
+            # gathers); a diverged_step_N written before is kept as it was
             save_lora(model, os.path.join(path, "lora"), ctx.is_main)
         return path
 
