@@ -29,9 +29,9 @@ from ops.attention_backend import describe as attention_line
 from scheduling.planner import advance, plan_step
 from scheduling.policy import ModelShape, schedule_for
 from training.busy import StepProfiler
-from training.checkpoint import LoopState, load_checkpoint, save_checkpoint
+from training.checkpoint import CheckpointError, LoopState, load_checkpoint, save_checkpoint
 from training.cli import user_errors
-from training.config import TrainConfig, load_config
+from training.config import TrainConfig, config_warnings, load_config
 from training.cuda_graphs import graph_blockers, graphs_for
 from training.dist import (check_devices, cpu_threads, fsdp_options_from_env, init_distributed, launcher,
                            maybe_launch, shutdown)
@@ -39,7 +39,7 @@ from training.inputs import model_inputs
 from training.metrics import MetricsLogger, StepMetrics, busy_every
 from training.optim import EMA, build_optimizer
 from training.resume import apply_optim_config, check_config, optim_hyperparameters, resume
-from training.run_folder import claim, multirun_job, run_files
+from training.run_folder import RunFolder, multirun_job, write_whole
 from training.sampling import ValidationSampler
 from training.shape_benchmark import calibration_for_run
 from training.step import TrainParts, autocast_for, collector_every, train_step, validation_loss
@@ -60,14 +60,19 @@ class StopRequest:
 def run(cfg: TrainConfig, config_yaml: str, preset: str = "default") -> dict:
     """Train as configured; returns the last logged metrics (for tests and scripts). preset: the conf=NAME chosen
     (a wandb tag)."""
-    with collector_every(cfg.train.gc_every) as gc_tick:  # Python's collector between steps, not inside them
-        return _run(cfg, config_yaml, gc_tick, preset)
-
-
-def _run(cfg: TrainConfig, config_yaml: str, gc_tick, preset: str) -> dict:
-    # 1. process group and run folder: a fresh run never writes into another run's folder (training/run_folder.py)
+    # 1. process group and run folder: locked for this run's life before anything is written, refused when another
+    # run holds it or (a fresh run) holds another run's files (training/run_folder.py)
     check_devices(cfg.launch.num_processes, cfg.launch.device)
     ctx = init_distributed()
+    folder = RunFolder(cfg.run_dir, cfg.resume, cfg.overwrite, ctx)
+    try:
+        with collector_every(cfg.train.gc_every) as gc_tick:  # Python's collector between steps, not inside them
+            return _run(cfg, ctx, config_yaml, gc_tick, preset)
+    finally:
+        folder.close()
+
+
+def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str) -> dict:
     threads = cpu_threads(cfg.launch.cpu_threads) if ctx.device.type == "cpu" else None
     if ctx.is_main:
         backend = torch.distributed.get_backend() if ctx.distributed else "none"
@@ -76,15 +81,9 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick, preset: str) -> dict:
         if launcher() == "accelerate launch" and ctx.world_size == 1 and ctx.device.type == "cpu":
             log.warning("accelerate launch started one process: on CPUs it starts one whatever --num_processes "
                         "says; use torchrun --nproc_per_node N (or launch.num_processes=N) for several")
+        for warning in config_warnings(cfg):
+            log.warning("%s", warning)
     torch.manual_seed(cfg.train.seed)
-    if not cfg.resume and not cfg.overwrite and run_files(cfg.run_dir):
-        claim(cfg.run_dir, cfg.resume, cfg.overwrite)  # every rank refuses alike, before anything is built
-    if ctx.is_main:
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        aside = claim(cfg.run_dir, cfg.resume, cfg.overwrite)
-        if aside:
-            log.warning("overwrite=true: the run that was in %s moved to %s", cfg.run_dir, aside)
-    ctx.barrier()
 
     # 2. the corpus, first: what it can check without the model (patterns, index, empty prompt) fails before the build
     buckets = bucket_table(cfg.data.buckets, patch=cfg.model.patch)
@@ -132,11 +131,15 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick, preset: str) -> dict:
     def load(path: str) -> dict:
         check_config(path, cfg, cfg.resume_force, ctx.is_main)
         meta = load_checkpoint(path, model, optimizer, parts.ema, ctx, trainable_only=adapter_only)
-        scheduler.load_state_dict(meta["lr_scheduler"])
+        try:
+            scheduler.load_state_dict(meta["lr_scheduler"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{path}/meta.json: lr_scheduler does not load ({type(e).__name__}: {e})") from None
         apply_optim_config(optimizer, scheduler, fresh_hparams)  # this run's lr, betas, ... at the restored step
         return meta
 
     ckpt, meta = resume(cfg.resume, cfg.run_dir, ctx, load)
+    lineage = (meta or {}).get("lineage") or {}  # the rollback point keep_last keeps (training/resume.py)
     if ckpt:
         state = LoopState.from_meta(meta)
         bad = meta.get("data", {})  # placeholders were summed over ranks: one rank carries the sum on
@@ -144,17 +147,18 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick, preset: str) -> dict:
 
     def checkpoint(diverged: bool = False) -> str:
         bad = merge_bad_states(ctx.gather_objects(corpus.bad_state()))  # every rank's, so a resume knows them all
-        meta = state.meta() | {"lr_scheduler": scheduler.state_dict(), "data": bad}
+        meta = state.meta() | {"lr_scheduler": scheduler.state_dict(), "data": bad, "lineage": lineage}
+        earlier = diverged and os.path.lexists(os.path.join(cfg.run_dir, f"diverged_step_{state.step}"))
         path = save_checkpoint(cfg.run_dir, state.step, model, optimizer, parts.ema, meta, config_yaml, ctx,
                                cfg.checkpoint.keep_last, trainable_only=adapter_only, diverged=diverged)
-        if has_lora(model):  # step_N/lora/: what WanPipeline.load_lora_weights reads (every rank gathers)
+        if has_lora(model) and not earlier:  # step_N/lora/: what WanPipeline.load_lora_weights reads (every rank
+            # gathers); a diverged_step_N written before is kept as it was
             save_lora(model, os.path.join(path, "lora"), ctx.is_main)
         return path
 
     # 8. logging, data, validation, signals
     if ctx.is_main:  # after resume: a refused resume leaves the run's config as it was
-        with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
-            f.write(config_yaml)
+        write_whole(cfg.run_dir, "config.yaml", config_yaml)
     tags = (f"preset:{preset}", f"strategy:{schedule.strategy}", f"model:{cfg.model.name}-{cfg.model.dim}x"
             f"{cfg.model.attention_layers}", f"world:{ctx.world_size}")
     logger = MetricsLogger(cfg.run_dir, cfg.logging, cfg.name, OmegaConf.to_container(OmegaConf.create(config_yaml)),
@@ -188,6 +192,7 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick, preset: str) -> dict:
         from tqdm import tqdm
         bar = tqdm(total=cfg.train.steps, initial=state.step, desc=cfg.name, dynamic_ncols=True)
     last: dict = {}
+    due = False  # a checkpoint fell due and waits for the end of a streak of bad steps
     model.train()
     if state.step == 0:  # the starting point of the val/loss curve, and each bucket's batch size and tokens
         table = {f"schedule/{k}/{n}": v for n in corpus.bucket_names
@@ -235,15 +240,28 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick, preset: str) -> dict:
                 f"{state.bad_in_a_row} steps in a row had a NaN/Inf loss or gradient (train.max_bad_steps="
                 f"{cfg.train.max_bad_steps}); the diverged state is in {kept}. `resume=auto` restarts from the last "
                 f"good checkpoint; add a lower rate to continue past this point, e.g. optim.lr={cfg.optim.lr / 2:g}")
+        # while a streak of bad steps is open the weights may be diverging: no regular checkpoint holds them (a
+        # due one waits for a good step; a signal stops without one, resume=auto takes the last good)
+        streak = state.bad_in_a_row > 0
         if ctx.all_reduce_max(float(stop.received is not None)):
-            log.warning("signal received: checkpointing at step %d and stopping", state.step)
-            last["checkpoint"] = checkpoint()
+            if streak:
+                log.warning("signal received during %d bad step(s) in a row: stopping without a checkpoint at step "
+                            "%d; resume=auto restarts from the last good one", state.bad_in_a_row, state.step)
+            else:
+                log.warning("signal received: checkpointing at step %d and stopping", state.step)
+                last["checkpoint"] = checkpoint()
             break
-        if cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0:
+        due = due or bool(cfg.checkpoint.every and state.step % cfg.checkpoint.every == 0)
+        if due and not streak:
             checkpoint()
+            due = False
     else:
         if cfg.checkpoint.at_end and not os.path.exists(os.path.join(cfg.run_dir, f"step_{state.step}")):
-            checkpoint()
+            if state.bad_in_a_row:
+                log.warning("the run ends inside %d bad step(s) in a row: no checkpoint at step %d",
+                            state.bad_in_a_row, state.step)
+            else:
+                checkpoint()
 
     # 10. close
     if bar is not None:

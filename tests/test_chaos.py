@@ -1,5 +1,7 @@
 """Chaos: the tiny default trained on a corpus of good and bad samples of every kind the data tests know, killed with
-SIGKILL during a step and during a checkpoint write, its newest checkpoint then damaged, and resumed each time.
+SIGKILL during a step and during a checkpoint write, its newest checkpoint then damaged, and resumed each time; and
+the tiny default run through a disk that fills during a checkpoint, a kill, a rollback to an older checkpoint and
+another kill.
 
 The per-step losses after every resume are bit-identical to the same run left alone, every bad sample is counted
 as it is there, and no step is lost. The faults are injected from outside (a wrapper that patches the trainer in its
@@ -43,6 +45,25 @@ elif mode == "checkpoint":  # SIGKILL while step_<at> is being written: its shar
             os.kill(os.getpid(), signal.SIGKILL)
         return real_manifest(path, ctx)
     ck.write_manifest = manifest
+elif mode == "enospc":  # the disk fills while step_<at>'s shards are written: a write fails part-way with ENOSPC
+    import contextlib, errno
+    from torch.distributed.checkpoint import filesystem
+    real_stream = filesystem.FileSystem.create_stream
+
+    class Full:
+        def __init__(self, stream):
+            self.stream = stream
+        def __getattr__(self, k):
+            return getattr(self.stream, k)
+        def write(self, b):
+            self.stream.write(bytes(b)[:100])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    @contextlib.contextmanager
+    def create_stream(self, path, m):
+        with real_stream(self, path, m) as s:
+            yield Full(s) if "w" in m and f"step_{{at}}.tmp" in str(path) else s
+    filesystem.FileSystem.create_stream = create_stream
 sys.argv = [os.path.join({root!r}, "train.py"), *sys.argv[1:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 '''
@@ -137,3 +158,52 @@ def test_kills_and_a_damaged_checkpoint_lose_nothing_and_change_no_loss(tmp_path
     assert b[12]["val/loss"] == a[12]["val/loss"] and counts(b[12]) == skipped
     assert not [d for d in os.listdir(run) if d.endswith(".tmp") and d != "step_9.tmp"]
     assert os.path.isdir(os.path.join(run, "step_12"))
+
+
+def test_a_full_disk_a_rollback_and_kills_lose_nothing_and_change_no_loss(tmp_path):
+    """A disk that fills while step_6 is written (the run stops saying so; step_4 stays, no step_6.tmp), a kill, a
+    rollback to step_8 that abandons step_10, a kill after the branch wrote its own step_10: resume=auto takes the
+    branch's step_10 (not the abandoned one), keep_last=1 keeps the rollback point, and every step's loss equals the
+    run left alone, bit for bit."""
+    cache = str(tmp_path / "cache")
+    common = ["train.steps=12", "checkpoint.every=2", "checkpoint.keep_last=2", "train.val_every=6"]
+    straight = str(tmp_path / "straight")
+    run_training(tiny_overrides(straight, cache, *common))
+    a = last_rows(straight)
+
+    run = str(tmp_path / "chaos")
+    wrapper = tmp_path / "chaos_train.py"
+    wrapper.write_text(WRAPPER.format(root=ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+
+    def chaos(fault: str, *extra):
+        args = [sys.executable, str(wrapper), *tiny_overrides(run, cache, *common, *extra)]
+        return subprocess.run(args, cwd=ROOT, env=dict(env, CHAOS=fault), capture_output=True, text=True,
+                              timeout=300)
+
+    # 1. the disk fills during step_6's write: the run stops naming it, step_4 (and step_2) stay, no step_6.tmp
+    done = chaos("enospc:6")
+    assert done.returncode != 0 and f"no space left on {run}/step_6.tmp while writing step_6" in done.stderr, \
+        done.stderr[-3000:]
+    assert "the last good checkpoint" in done.stderr and f"{run}/step_4 is kept" in done.stderr
+    assert sorted(d for d in os.listdir(run) if d.startswith("step_")) == ["step_2", "step_4"]
+    # 2. resumed, killed in step 11 (its first micro-batch; M = 2, from step 5): step_8 and step_10 are there
+    done = chaos("step:13", "resume=auto")
+    assert done.returncode == -9, done.stderr[-3000:]
+    assert sorted(d for d in os.listdir(run) if d.startswith("step_")) == ["step_10", "step_8"]
+    # 3. rolled back to step_8 (keep_last=1 now), killed in step 12 after the branch wrote its own step_10
+    done = chaos("step:7", f"resume={run}/step_8", "checkpoint.keep_last=1")
+    assert done.returncode == -9, done.stderr[-3000:]
+    (aside,) = [d for d in os.listdir(run) if d.startswith("abandoned-")]
+    assert os.listdir(os.path.join(run, aside)) == ["step_10"]
+    assert sorted(d for d in os.listdir(run) if d.startswith("step_")) == ["step_10", "step_8"]  # step_8: kept
+    # 4. resume=auto: the branch's step_10, to the end
+    run_training(tiny_overrides(run, cache, *common, "resume=auto", "checkpoint.keep_last=1"))
+    b = last_rows(run)
+    assert sorted(b) == sorted(a) == list(range(13))
+    for s in range(1, 13):
+        assert b[s]["train/loss"] == a[s]["train/loss"], (s, a[s]["train/loss"], b[s]["train/loss"])
+        assert b[s]["samples_seen"] == a[s]["samples_seen"]
+    assert b[12]["val/loss"] == a[12]["val/loss"]
+    assert sorted(d for d in os.listdir(run) if d.startswith("step_")) == ["step_12", "step_8"]
+    assert not [d for d in os.listdir(run) if d.endswith(".tmp")]

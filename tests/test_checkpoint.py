@@ -8,11 +8,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from training.checkpoint import (CheckpointError, MANIFEST, list_checkpoints, load_checkpoint, read_metadata,
-                                 safe_load, save_checkpoint, verify_checkpoint, write_manifest)
+from training.checkpoint import (SAFE_GLOBALS, CheckpointError, MANIFEST, _MetadataUnpickler, list_checkpoints,
+                                 load_checkpoint, read_metadata, safe_load, save_checkpoint, verify_checkpoint,
+                                 write_manifest)
 from training.dist import DistContext
 from training.optim import EMA, OptimConfig, build_optimizer
-from training.resume import apply_optim_config, changes_plan, config_changes, optim_hyperparameters, resume
+from training.resume import (apply_optim_config, changes_plan, check_config, config_changes, optim_hyperparameters,
+                             resume)
+from training.run_folder import NoSpaceLeft
 
 CTX = DistContext()
 
@@ -43,8 +46,8 @@ def _trained(lr=1e-2, steps=2):
     return model, opt, sched, ema
 
 
-def _save(run_dir, step, model, opt, sched, ema, keep_last=5, diverged=False):
-    meta = {"epoch": 0, "pos": step, "lr_scheduler": sched.state_dict()}
+def _save(run_dir, step, model, opt, sched, ema, keep_last=5, diverged=False, lineage=None):
+    meta = {"epoch": 0, "pos": step, "lr_scheduler": sched.state_dict(), "lineage": lineage or {}}
     return save_checkpoint(str(run_dir), step, model, opt, ema, meta, "train: {}\n", CTX, keep_last,
                            diverged=diverged)
 
@@ -193,13 +196,14 @@ def test_resume_auto_without_any_loadable_checkpoint_is_an_error(tmp_path):
     assert resume("auto", str(tmp_path / "empty"), CTX, lambda p: {}) == (None, None)
 
 
-def test_a_legacy_checkpoint_without_manifest_still_loads(tmp_path):
+def test_a_checkpoint_whose_manifest_was_deleted_is_damaged_not_trusted(tmp_path):
     model, opt, sched, ema = _trained()
     path = _save(tmp_path, 2, model, opt, sched, ema)
     os.remove(os.path.join(path, MANIFEST))
-    assert verify_checkpoint(path, CTX) is None
-    m2, o2, s2, e2 = _fresh()
-    assert load_checkpoint(path, m2, o2, e2, CTX)["step"] == 2
+    problem = verify_checkpoint(path, CTX)
+    assert problem is not None and "no manifest.json: its files cannot be verified" in problem
+    with pytest.raises(ValueError, match="no manifest.json"):
+        resume(path, str(tmp_path), CTX, lambda p: {})
 
 
 def test_a_diverged_checkpoint_never_evicts_a_good_one(tmp_path):
@@ -321,3 +325,223 @@ def test_rng_state_is_restored_only_at_the_world_size_it_was_saved_with(tmp_path
 def _fresh_for_load():
     model, opt, _, ema = _fresh()
     return model, opt, ema
+
+
+# -- the guards, each fed the one input it exists to refuse ------------------------------------------------------------
+
+class _Getattr:
+    """Unpickling this calls builtins.getattr: the first half of any gadget chain (getattr(module, 'system'))."""
+
+    def __reduce__(self):
+        return getattr, ("a string", "upper")
+
+
+@pytest.mark.parametrize("module, name", [("builtins", "getattr"), ("builtins", "eval"), ("torch", "load"),
+                                          ("torch", "Tensor"), ("torch.serialization", "load"), ("os", "system")])
+def test_the_metadata_unpickler_admits_nothing_but_its_allow_list(tmp_path, module, name):
+    """The allow-list is pinned: one global more (builtins.getattr) or a dtype check loosened to "any attribute of
+    torch" (torch.load, torch.Tensor) is refused here, through the file and through find_class."""
+    with pytest.raises(pickle.UnpicklingError, match=f"names {module}.{name}"):
+        _MetadataUnpickler(open(os.devnull, "rb")).find_class(module, name)
+    assert ("builtins", "getattr") not in SAFE_GLOBALS and not any(m == "builtins" for m, _ in SAFE_GLOBALS)
+    assert _MetadataUnpickler(open(os.devnull, "rb")).find_class("torch", "float32") is torch.float32
+    model, opt, sched, ema = _trained()
+    path = _save(tmp_path, 2, model, opt, sched, ema)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(_Getattr(), f)
+    with pytest.raises(CheckpointError, match="builtins.getattr"):
+        read_metadata(path)
+
+
+def test_dcp_metadata_naming_a_file_outside_the_folder_is_refused(tmp_path):
+    model, opt, sched, ema = _trained()
+    path = _save(tmp_path, 2, model, opt, sched, ema)
+    md = read_metadata(path)
+    info = next(iter(md.storage_data.values()))
+    outside = tmp_path / "outside.distcp"
+    outside.write_bytes(open(os.path.join(path, info.relative_path), "rb").read())
+    for k, v in md.storage_data.items():
+        md.storage_data[k] = type(v)(relative_path="../outside.distcp", offset=v.offset, length=v.length)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+    _rehash(path)
+    assert verify_checkpoint(path, CTX) is None
+    with pytest.raises(CheckpointError, match="names the file '../outside.distcp', not a file of this folder"):
+        load_checkpoint(path, *_fresh_for_load(), CTX)
+
+
+@pytest.mark.parametrize("entry, says", [("../outside", "not a file of this folder"),
+                                         ("sub/inner", "not a file of this folder"),
+                                         ("absent.bin", "absent.bin is missing")])
+def test_a_manifest_entry_that_is_not_a_file_here_is_damage(tmp_path, entry, says):
+    """The names check and the missing-file check: the entry's bytes and hash are right wherever it points, so only
+    the check itself can refuse it."""
+    import hashlib
+
+    model, opt, sched, ema = _trained()
+    path = _save(tmp_path, 2, model, opt, sched, ema)
+    data = b"x" * 10
+    if entry != "absent.bin":
+        os.makedirs(os.path.join(path, "sub"), exist_ok=True)
+        with open(os.path.normpath(os.path.join(path, entry)), "wb") as f:
+            f.write(data)
+    manifest = json.load(open(os.path.join(path, MANIFEST)))
+    manifest["files"][entry] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    json.dump(manifest, open(os.path.join(path, MANIFEST), "w"))
+    problem = verify_checkpoint(path, CTX)
+    assert problem is not None and says in problem, problem
+
+
+@pytest.mark.parametrize("what", ["shard", "meta.json"])
+def test_a_checkpoint_file_replaced_by_a_link_is_never_read_through_it(tmp_path, what):
+    model, opt, sched, ema = _trained()
+    path = _save(tmp_path, 2, model, opt, sched, ema)
+    name = next(n for n in os.listdir(path) if n.endswith(".distcp")) if what == "shard" else what
+    target = tmp_path / "elsewhere"
+    os.rename(os.path.join(path, name), target)  # the same bytes: size and hash still match
+    os.symlink(target, os.path.join(path, name))
+    problem = verify_checkpoint(path, CTX)
+    assert problem == f"{name} is a link (never read through)", problem
+    if what == "meta.json":
+        with pytest.raises(CheckpointError, match="is a link"):
+            load_checkpoint(path, *_fresh_for_load(), CTX)
+
+
+def _loader(m, o, s, e):
+    """train.py's load(): config check, DCP read, then the LR schedule from meta.json."""
+    def load(p):
+        check_config(p, _cfg(), True, False)  # (the saved config is a stub: every plan value "changed")
+        meta = load_checkpoint(p, m, o, e, CTX)
+        s.load_state_dict(meta["lr_scheduler"])
+        return meta
+    return load
+
+
+def _cfg():
+    from tests.helpers import compose_config
+    return compose_config([])
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("yaml_tag", "config.yaml does not parse"),
+    ("no_lr_scheduler", "has no lr_scheduler state"),
+    ("rng_size", "the torch RNG state is"),
+])
+def test_a_load_failure_after_the_check_falls_back_to_the_previous_checkpoint(tmp_path, caplog, damage, says):
+    """Files that pass the manifest (rewritten with them) but fail to load: resume=auto says why and takes the
+    previous checkpoint; named explicitly, the reason is the error. The model is left as the fallback made it."""
+    model, opt, sched, ema = _trained(steps=1)
+    _save(tmp_path, 1, model, opt, sched, ema)
+    model, opt, sched, ema = _trained(steps=2)
+    newest = _save(tmp_path, 2, model, opt, sched, ema)
+    if damage == "yaml_tag":
+        open(os.path.join(newest, "config.yaml"), "w").write("train: !!python/object/apply:os.system ['true']\n")
+    elif damage == "no_lr_scheduler":
+        meta = json.load(open(os.path.join(newest, "meta.json")))
+        del meta["lr_scheduler"]
+        json.dump(meta, open(os.path.join(newest, "meta.json"), "w"))
+    else:
+        torch.save({"torch": torch.zeros(7, dtype=torch.uint8)}, os.path.join(newest, "rng_rank0.pt"))
+    _rehash(newest)
+    assert verify_checkpoint(newest, CTX) is None
+    m2, o2, s2, e2 = _fresh()
+    with caplog.at_level("WARNING"):
+        path, meta = resume("auto", str(tmp_path), CTX, _loader(m2, o2, s2, e2))
+    assert path.endswith("step_1") and meta["step"] == 1 and s2.last_epoch == 1
+    assert f"skipping {newest}" in caplog.text and says in caplog.text
+    ref, *_ = _trained(steps=1)
+    assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), m2.state_dict().values()))
+    with pytest.raises(ValueError, match=says):
+        resume(newest, str(tmp_path), CTX, _loader(*_fresh()))
+
+
+def test_resume_auto_falls_back_when_loading_raises(tmp_path, caplog):
+    """The fallback itself: the newest passes verification but `load` refuses it."""
+    model, opt, sched, ema = _trained()
+    _save(tmp_path, 1, model, opt, sched, ema)
+    _save(tmp_path, 2, model, opt, sched, ema)
+
+    def load(p):
+        if p.endswith("step_2"):
+            raise CheckpointError("step_2 refused by the loader")
+        return {"step": 1}
+
+    with caplog.at_level("WARNING"):
+        assert resume("auto", str(tmp_path), CTX, load) == (str(tmp_path / "step_1"), {"step": 1})
+    assert "skipping" in caplog.text and "step_2 refused by the loader" in caplog.text
+
+
+def test_a_diverged_checkpoint_is_written_once_and_never_overwritten(tmp_path):
+    model, opt, sched, ema = _trained(steps=1)
+    first = _save(tmp_path, 3, model, opt, sched, ema, diverged=True)
+    before = {n: open(os.path.join(first, n), "rb").read() for n in os.listdir(first)}
+    model, opt, sched, ema = _trained(steps=2)
+    assert _save(tmp_path, 3, model, opt, sched, ema, diverged=True) == first
+    assert {n: open(os.path.join(first, n), "rb").read() for n in os.listdir(first)} == before
+    assert not os.path.exists(first + ".tmp")
+
+
+def test_a_full_disk_during_a_save_says_so_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    model, opt, sched, ema = _trained()
+    good = _save(tmp_path, 2, model, opt, sched, ema, keep_last=1)
+    real = filesystem.FileSystem.create_stream
+
+    class Full:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __getattr__(self, k):
+            return getattr(self.stream, k)
+
+        def write(self, b):
+            self.stream.write(bytes(b)[:100])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with real(self, path, mode) as s:
+            yield Full(s) if "w" in mode else s
+
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", create_stream)
+    with pytest.raises(NoSpaceLeft, match=r"no space left on .*step_3\.tmp while writing step_3.*step_2 is kept"):
+        _save(tmp_path, 3, model, opt, sched, ema, keep_last=1)
+    assert sorted(os.listdir(tmp_path)) == ["step_2"]  # no step_3.tmp, nothing pruned
+    assert verify_checkpoint(good, CTX) is None
+    monkeypatch.undo()
+    # torch's own zip writer (the RNG file) is not used on disk: its error would not say "no space"
+    import training.run_folder as rf
+    real_write = os.write
+    monkeypatch.setattr(rf.os, "write", lambda fd, b: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    with pytest.raises(NoSpaceLeft, match="no space left on"):
+        _save(tmp_path, 3, model, opt, sched, ema, keep_last=1)
+    monkeypatch.setattr(rf.os, "write", real_write)
+    assert sorted(os.listdir(tmp_path)) == ["step_2"]
+
+
+def test_a_rollback_starts_a_branch_and_keep_last_keeps_its_rollback_point(tmp_path, caplog):
+    """resume=<older step> moves the newer checkpoints aside (abandoned, kept), resume=auto then takes the
+    branch's newest, and keep_last never prunes the rollback point."""
+    model, opt, sched, ema = _trained()
+    for step in (2, 4, 6):
+        _save(tmp_path, step, model, opt, sched, ema, keep_last=3)
+    with caplog.at_level("WARNING"):
+        path, meta = resume(str(tmp_path / "step_2"), str(tmp_path), CTX, lambda p: {"step": 2, "lineage": {}})
+    aside = [d for d in os.listdir(tmp_path) if d.startswith("abandoned-")]
+    assert len(aside) == 1 and sorted(os.listdir(tmp_path / aside[0])) == ["step_4", "step_6"]
+    assert meta["lineage"] == {"rollback_point": "step_2", "abandoned": [f"{aside[0]}/step_4", f"{aside[0]}/step_6"]}
+    assert "starts a branch" in caplog.text and "step_4, step_6" in caplog.text
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [2]
+    for step in (3, 5, 7):  # the branch, keep_last=1: the rollback point stays beside the newest
+        _save(tmp_path, step, model, opt, sched, ema, keep_last=1, lineage=meta["lineage"])
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [2, 7]
+    path, meta = resume("auto", str(tmp_path), CTX, lambda p: json.load(open(os.path.join(p, "meta.json"))))
+    assert path.endswith("/step_7") and meta["lineage"]["rollback_point"] == "step_2"
+    # resuming the newest explicitly abandons nothing: the lineage goes on as it was
+    path, meta2 = resume(path, str(tmp_path), CTX, lambda p: json.load(open(os.path.join(p, "meta.json"))))
+    assert meta2["lineage"] == meta["lineage"] and len([d for d in os.listdir(tmp_path) if "abandoned" in d]) == 1

@@ -125,8 +125,9 @@ def test_nan_losses_skip_the_update_then_stop_the_run_and_resume_goes_back_to_go
     # steps 3-5 left the weights as step 2 made them
     val = [rows[s]["val/loss"] for s in range(1, 6)]
     assert val[1] == val[2] == val[3] == val[4] != val[0]
-    # the guard's checkpoint is kept for inspection beside the good one, which it did not evict (keep_last=1)
-    assert [s for s, _ in list_checkpoints(run_dir)] == [4]
+    # the guard's checkpoint is kept for inspection beside the good one, which it did not evict (keep_last=1); the
+    # checkpoint due at step 4, inside the streak of bad steps, was postponed, not written over step 2
+    assert [s for s, _ in list_checkpoints(run_dir)] == [2]
     with open(os.path.join(run_dir, "diverged_step_5", "meta.json")) as f:
         assert json.load(f)["diverged"] is True
     # resume=auto goes back to the last good checkpoint, here with a lower rate (honoured: it is not a plan change)
@@ -290,7 +291,7 @@ def test_a_gpu_preset_on_a_machine_without_its_gpus_stops_at_once_with_one_messa
     assert any("wants 8 GPU process(es) (launch.device=cuda" in line and "launch.device=cpu" in line
                for line in lines)
     assert not any("Traceback" in line for line in lines)
-    assert not set(os.listdir(tmp_path / "r")) & {"config.yaml", "metrics.jsonl", ".hydra"}  # Hydra's train.log only
+    assert not os.path.exists(tmp_path / "r")  # a refused run makes no folder (Hydra's run.dir is not the run's)
 
 
 def test_the_first_twenty_lines_say_what_ran(tmp_path, cache):
@@ -300,3 +301,67 @@ def test_the_first_twenty_lines_say_what_ran(tmp_path, cache):
     head = "\n".join(lines[:20])
     assert "1 process(es) (started by python (one process)), device cpu, backend none, 1 CPU thread(s)" in head
     assert "scheduling: strategy balanced, calibration results/calibration_cpu_tiny.json (config)" in head
+
+
+def test_two_runs_started_together_into_one_folder_one_runs_the_other_is_refused_at_once(tmp_path, cache):
+    """The real race: two train.py processes started at the same moment into one run folder. The folder's lock lets
+    exactly one run; the other exits with status 2 within seconds, naming the holder, and leaves nothing behind.
+    The winner's metrics hold each step once."""
+    run_dir = str(tmp_path / "same")
+    args = [sys.executable, "train.py", *tiny_overrides(run_dir, cache, "train.steps=6", "train.val_every=6")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    env.pop("HYDRA_FULL_ERROR", None)
+    procs = [subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    t0 = time.perf_counter()
+    ended = {}
+    while len(ended) < 2:
+        for p in procs:
+            if p.pid not in ended and p.poll() is not None:
+                ended[p.pid] = time.perf_counter() - t0
+        assert time.perf_counter() - t0 < 300
+        time.sleep(0.05)
+    outs = [p.communicate() for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 2], [o[1][-2000:] for o in outs]
+    (winner, _), = [(p, o) for p, o in zip(procs, outs) if p.returncode == 0]
+    (loser, (_, err)), = [(p, o) for p, o in zip(procs, outs) if p.returncode == 2]
+    assert f"is in use by another run (pid {winner.pid} on host " in err and "Traceback" not in err, err
+    assert ended[loser.pid] < ended[winner.pid]  # refused at once, while the winner still ran
+    steps = [r["step"] for r in read_metrics(run_dir)]
+    assert steps == list(range(7)), steps  # each step once
+    assert sorted(os.listdir(run_dir)) == ["config.yaml", "metrics.jsonl", "step_6", "train.log"]  # no lock left
+    assert "in use by another run" not in open(os.path.join(run_dir, "train.log")).read()
+
+
+def test_no_regular_checkpoint_is_written_inside_a_streak_of_bad_steps(tmp_path, cache, monkeypatch, caplog):
+    """Steps 3-4 are bad and the run ends there: the checkpoint due at step 4 waits for a good step that never
+    comes, and the run's end writes none either; step_2, from before the streak, is the last good one."""
+    import torch
+
+    from models.flow_matching import FlowMatching
+
+    real, calls = FlowMatching.per_sample_loss, {"n": 0}
+
+    def poisoned(model, x0, text, t, noise):
+        loss = real(model, x0, text, t, noise)
+        if torch.is_grad_enabled():
+            calls["n"] += 1
+            if calls["n"] > 4:
+                return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(FlowMatching, "per_sample_loss", staticmethod(poisoned))
+    run_dir = str(tmp_path / "streak")
+    with caplog.at_level("WARNING"):
+        run_training(tiny_overrides(run_dir, cache, "train.steps=4", "train.max_bad_steps=5", "checkpoint.every=2",
+                                    "checkpoint.keep_last=2", "train.val_every=4"))
+    assert [s for s, _ in list_checkpoints(run_dir)] == [2]
+    assert "the run ends inside 2 bad step(s) in a row: no checkpoint at step 4" in caplog.text
+
+
+def test_a_name_that_is_not_a_plain_folder_name_is_refused_before_anything_is_made(tmp_path):
+    for name in ("..", ".", "a/b"):
+        rc, lines = _train_cli(f"name={name}", f"hydra.sweep.dir={tmp_path}/s", "logging=disabled", timeout=120)
+        assert rc == 2 and any("name must be a plain folder name" in line and repr(name) in line for line in lines)
+    assert not os.path.exists(os.path.join(ROOT, "runs", "a"))

@@ -12,10 +12,18 @@ read with `torch.load(weights_only=True)`. A crafted checkpoint can therefore fa
 read; every rank hashes its share of the files and the verdict is agreed.
 
 A checkpoint written because the NaN guard tripped is `diverged_step_N/`: kept for inspection, never counted by
-`keep_last`, never taken by `resume=auto`.
+`keep_last`, never taken by `resume=auto`, written once and never overwritten.
+
+Lineage: meta.json's `lineage.rollback_point` names the checkpoint the current branch started from (a resume from
+an explicit older checkpoint, training/resume.py); `keep_last` never deletes it.
+
+No file of a checkpoint is read or written through a link (training/run_folder.py's `open_in`; the manifest's files
+must be regular files, and DCP's `.metadata` may only name plain file names). A full disk during a save raises
+"no space left on <path>", removes the half-written `step_N.tmp/` and leaves every older checkpoint in place.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -24,6 +32,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
@@ -36,6 +45,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from training.dist import DistContext
+from training.run_folder import NoSpaceLeft, no_space, open_in, read_text, write_whole
 
 log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -70,15 +80,23 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"DCP metadata names {module}.{name}, which a checkpoint never holds")
 
 
+_PLAIN = re.compile(r"[\w.\-]+")  # a file name of a checkpoint folder: no separators
+
+
 def read_metadata(path: str):
     """DCP's `Metadata` of a checkpoint folder, read by the restricted unpickler."""
-    with open(os.path.join(path, ".metadata"), "rb") as f:
+    with open_in(path, ".metadata", "rb") as f:
         try:
-            return _MetadataUnpickler(f).load()
+            md = _MetadataUnpickler(f).load()
         except pickle.UnpicklingError as e:
             raise CheckpointError(f"{path}/.metadata refused: {e}") from None
         except (EOFError, ValueError, TypeError, AttributeError, IndexError) as e:
             raise CheckpointError(f"{path}/.metadata is damaged ({type(e).__name__}: {e})") from None
+    for info in (getattr(md, "storage_data", None) or {}).values():  # DCP opens path / relative_path
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or not _PLAIN.fullmatch(name) or name.startswith(".."):
+            raise CheckpointError(f"{path}/.metadata names the file {name!r}, not a file of this folder")
+    return md
 
 
 class _SafeReader(dcp.FileSystemReader):
@@ -114,9 +132,9 @@ def safe_load(state: dict, path: str) -> None:
 # The manifest
 # ---------------------------------------------------------------------------------------------------------------
 
-def _sha256(path: str) -> str:
+def _sha256(folder: str, name: str) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_in(folder, name, "rb") as f:
         while chunk := f.read(HASH_CHUNK):
             h.update(chunk)
     return h.hexdigest()
@@ -130,46 +148,44 @@ def write_manifest(path: str, ctx: DistContext) -> None:
     """Every rank hashes its share of the folder's files; rank 0 writes manifest.json (collective)."""
     names = sorted(n for n in os.listdir(path) if n != MANIFEST) if ctx.is_main else None
     names = ctx.broadcast_object(names)
-    mine = {n: {"size": os.path.getsize(os.path.join(path, n)), "sha256": _sha256(os.path.join(path, n))}
+    mine = {n: {"size": os.path.getsize(os.path.join(path, n)), "sha256": _sha256(path, n)}
             for n in _my_share(names, ctx)}
     entries = {}
     for part in ctx.gather_objects(mine):
         entries.update(part)
     if ctx.is_main:
-        with open(os.path.join(path, MANIFEST), "w") as f:
-            json.dump({"files": dict(sorted(entries.items()))}, f, indent=1)
+        write_whole(path, MANIFEST, json.dumps({"files": dict(sorted(entries.items()))}, indent=1))
 
 
 def _check_files(path: str, files: dict, names: list[str]) -> Optional[str]:
     for n in names:
-        if not re.fullmatch(r"[\w.\-]+", n):
+        if not _PLAIN.fullmatch(n) or n.startswith(".."):
             return f"manifest names {n!r}, which is not a file of this folder"
         want, p = files[n], os.path.join(path, n)
-        if not os.path.isfile(p):
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
             return f"{n} is missing"
-        if os.path.getsize(p) != want.get("size"):
-            return f"{n} has {os.path.getsize(p)} bytes, the manifest says {want.get('size')}"
-        if _sha256(p) != want.get("sha256"):
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+            return f"{n} is {'a link' if stat.S_ISLNK(st.st_mode) else 'not a regular file'} (never read through)"
+        if st.st_size != want.get("size"):
+            return f"{n} has {st.st_size} bytes, the manifest says {want.get('size')}"
+        if _sha256(path, n) != want.get("sha256"):
             return f"{n} does not match its SHA-256 in the manifest (damaged)"
     return None
 
 
 def verify_checkpoint(path: str, ctx: DistContext) -> Optional[str]:
     """None when `path` is a complete checkpoint whose files match their manifest, else what is wrong (the same
-    answer on every rank). A checkpoint written before manifests existed is accepted with a warning."""
+    answer on every rank). A checkpoint without its manifest is damaged: nothing else says its files are whole."""
     problem = None
-    if not os.path.exists(os.path.join(path, "meta.json")):
+    if not os.path.lexists(os.path.join(path, "meta.json")):
         problem = "no meta.json (not a complete checkpoint)"
-    elif not os.path.exists(os.path.join(path, MANIFEST)):
-        if ctx.is_main:
-            log.warning("%s has no %s (written by an older version): its files are not verified", path, MANIFEST)
-        for n in (".metadata", "meta.json"):
-            if not os.path.exists(os.path.join(path, n)):
-                problem = f"{n} is missing"
+    elif not os.path.lexists(os.path.join(path, MANIFEST)):
+        problem = f"no {MANIFEST}: its files cannot be verified (deleted, or written by a version before manifests)"
     else:
         try:
-            with open(os.path.join(path, MANIFEST)) as f:
-                files = json.load(f)["files"]
+            files = json.loads(read_text(path, MANIFEST))["files"]
             for n in (".metadata", "meta.json"):
                 if n not in files:
                     raise KeyError(n)
@@ -208,13 +224,15 @@ class LoopState:
 # ---------------------------------------------------------------------------------------------------------------
 
 def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of the complete regular checkpoints in run_dir, oldest first (diverged ones are not listed)."""
+    """(step, path) of the complete regular checkpoints in run_dir, oldest first (diverged ones, and links, are not
+    listed)."""
     if not os.path.isdir(run_dir):
         return []
     out = []
     for name in os.listdir(run_dir):
         m = STEP_DIR.match(name)
-        if m and os.path.exists(os.path.join(run_dir, name, "meta.json")):
+        p = os.path.join(run_dir, name)
+        if m and not os.path.islink(p) and os.path.lexists(os.path.join(p, "meta.json")):
             out.append((int(m.group(1)), os.path.join(run_dir, name)))
     return sorted(out)
 
@@ -245,41 +263,72 @@ def _live_state(model, optimizer, ema, trainable_only: bool) -> dict:
     return state
 
 
-def save_checkpoint(run_dir: str, step: int, model, optimizer, ema, meta: dict, config_yaml: str,
-                    ctx: DistContext, keep_last: int, trainable_only: bool = False, diverged: bool = False) -> str:
-    """Write step_N/ (or diverged_step_N/) atomically; a regular one then prunes all but the newest keep_last."""
-    path = os.path.join(run_dir, f"{DIVERGED_PREFIX if diverged else ''}step_{step}")
-    tmp = path + ".tmp"
-    if ctx.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    ctx.barrier()
+def _remove(path: str) -> None:
+    """Remove a file, a link (never what it points to) or a folder."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+
+
+def _write(tmp: str, step: int, model, optimizer, ema, meta: dict, config_yaml: str, ctx: DistContext,
+           trainable_only: bool, diverged: bool) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns that it runs without a process group in one process
         dcp.save(_live_state(model, optimizer, ema, trainable_only), checkpoint_id=tmp)
-    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{ctx.rank}.pt"))
+    rng = io.BytesIO()
+    torch.save(_rng_state(), rng)  # into memory: torch's zip writer would turn a full disk into its own error
+    write_whole(tmp, f"rng_rank{ctx.rank}.pt", rng.getvalue())
     if ctx.is_main:
-        with open(os.path.join(tmp, "config.yaml"), "w") as f:
-            f.write(config_yaml)
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump({"step": step, "world_size": ctx.world_size, "diverged": diverged, **meta}, f, indent=1)
+        write_whole(tmp, "config.yaml", config_yaml)
+        write_whole(tmp, "meta.json", json.dumps({"step": step, "world_size": ctx.world_size, "diverged": diverged,
+                                                  **meta}, indent=1))
     ctx.barrier()
     write_manifest(tmp, ctx)
+
+
+def save_checkpoint(run_dir: str, step: int, model, optimizer, ema, meta: dict, config_yaml: str,
+                    ctx: DistContext, keep_last: int, trainable_only: bool = False, diverged: bool = False) -> str:
+    """Write step_N/ (or diverged_step_N/) atomically; a regular one then prunes all but the newest keep_last and
+    the rollback point (`meta["lineage"]["rollback_point"]`). A diverged_step_N that exists is kept as it is.
+    A full disk raises NoSpaceLeft ("no space left on <path>") with step_N.tmp removed."""
+    path = os.path.join(run_dir, f"{DIVERGED_PREFIX if diverged else ''}step_{step}")
+    if diverged and os.path.lexists(path):
+        if ctx.is_main:
+            log.warning("%s exists: kept as it was first written (a diverged checkpoint is never overwritten)", path)
+        return path
+    tmp = path + ".tmp"
     if ctx.is_main:
-        if os.path.exists(path):
-            shutil.rmtree(path)
+        _remove(tmp)
+        os.makedirs(tmp)
+    ctx.barrier()
+    try:
+        _write(tmp, step, model, optimizer, ema, meta, config_yaml, ctx, trainable_only, diverged)
+    except BaseException as e:
+        if ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        full = no_space(e, tmp)
+        if full is None:
+            raise
+        kept = latest_checkpoint(run_dir)
+        raise NoSpaceLeft(errno.ENOSPC, f"{full.strerror} while writing {os.path.basename(path)}: it was not "
+                          f"written, and {'the last good checkpoint ' + kept + ' is kept' if kept else 'no older checkpoint exists'}"
+                          f". Free space, then resume=auto") from e
+    if ctx.is_main:
+        _remove(path)
         os.rename(tmp, path)
         if not diverged:
+            keep = (meta.get("lineage") or {}).get("rollback_point")
             for _, old in list_checkpoints(run_dir)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                if os.path.basename(old) != keep:
+                    shutil.rmtree(old, ignore_errors=True)
     ctx.barrier()
     return path
 
 
 def read_meta(path: str) -> dict:
     try:
-        with open(os.path.join(path, "meta.json")) as f:
-            meta = json.load(f)
+        meta = json.loads(read_text(path, "meta.json"))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}/meta.json is unreadable ({type(e).__name__}: {e})") from None
     if not isinstance(meta, dict) or not all(isinstance(meta.get(k), int) for k in ("step", "epoch", "pos")):
@@ -291,6 +340,10 @@ def load_checkpoint(path: str, model, optimizer, ema, ctx: DistContext, trainabl
     """Load into the live objects; returns meta.json. RNG states are restored when the world size is unchanged.
     Raises CheckpointError for a folder that is damaged or holds anything but data."""
     meta = read_meta(path)
+    if not isinstance(meta.get("lr_scheduler"), dict):
+        raise CheckpointError(f"{path}/meta.json has no lr_scheduler state")
+    rng = _read_rng(path, ctx) if meta.get("world_size") == ctx.world_size else None
+    read_metadata(path)  # its refusals as they are (inside dcp.load they come wrapped in DCP's exception)
     state = _live_state(model, optimizer, ema, trainable_only)
     try:
         safe_load(state, path)
@@ -303,13 +356,31 @@ def load_checkpoint(path: str, model, optimizer, ema, ctx: DistContext, trainabl
                    options=StateDictOptions(strict=not trainable_only))
     if ema is not None:
         ema.load_state_dict(state["ema"])
-    rng_path = os.path.join(path, f"rng_rank{ctx.rank}.pt")
-    if meta.get("world_size") == ctx.world_size and os.path.exists(rng_path):
-        try:
-            rng = torch.load(rng_path, weights_only=True)
-        except Exception as e:
-            raise CheckpointError(f"{rng_path} refused or damaged ({type(e).__name__}: {e})") from None
+    if rng is not None:
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     return meta
+
+
+def _read_rng(path: str, ctx: DistContext) -> Optional[dict]:
+    """This rank's RNG states, checked against the generators they go into (a wrong-size state is refused here,
+    before anything is loaded, not by torch.set_rng_state after the weights were)."""
+    name = f"rng_rank{ctx.rank}.pt"
+    if not os.path.lexists(os.path.join(path, name)):
+        return None
+    try:
+        with open_in(path, name, "rb") as f:
+            rng = torch.load(f, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path}/{name} refused or damaged ({type(e).__name__}: {e})") from None
+    want = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and "cuda" in rng:
+        want["cuda"] = torch.cuda.get_rng_state()
+    for k, ref in want.items():
+        got = rng.get(k) if isinstance(rng, dict) else None
+        if not isinstance(got, torch.Tensor) or got.dtype != ref.dtype or got.shape != ref.shape:
+            shown = (got.dtype, tuple(got.shape)) if isinstance(got, torch.Tensor) else type(got).__name__
+            raise CheckpointError(f"{path}/{name}: the {k} RNG state is {shown}, this generator's is "
+                                  f"{(ref.dtype, tuple(ref.shape))}")
+    return rng

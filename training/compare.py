@@ -6,9 +6,10 @@ warm-up (rows that carry perf/tokens_per_s); the table is returned and written a
 """
 from __future__ import annotations
 
-import json
 import math
 import os
+
+from training.metrics import read_metrics
 
 SUMMARY = (("perf/tokens_per_s", "tokens/s", "last"), ("perf/samples_per_s", "samples/s", "last"),
            ("perf/mfu", "MFU", "mean"), ("balance/compute_cv_pred", "compute CV (pred)", "mean"),
@@ -21,8 +22,7 @@ def read_rows(run_dir: str) -> list[dict]:
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: is {run_dir} a run folder?")
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = read_metrics(run_dir)  # a torn line is skipped, with a warning
     by_step = {}
     for r in rows:  # a resumed run may log a step twice: keep the last
         by_step[r["step"]] = {**by_step.get(r["step"], {}), **r}

@@ -28,6 +28,10 @@ from training.metrics import LoggingConfig, MetricsConfig
 from training.optim import OptimConfig
 
 
+MAX_PROCESSES = 256  # processes train.py starts on one node (8-16 GPUs; CPU processes for tests)
+MAX_LAYERS = 1024    # transformer blocks: the largest video DiTs have 60; a typo's 10^6 would build for hours
+
+
 @dataclass
 class LaunchConfig:
     num_processes: int = 1  # processes on this node; train.py starts them when no launcher did
@@ -35,8 +39,9 @@ class LaunchConfig:
     cpu_threads: Optional[int] = None  # intra-op threads per CPU process; null: OMP_NUM_THREADS, else 1
 
     def __post_init__(self):
-        if self.num_processes < 1:
-            raise ValueError(f"launch.num_processes must be ≥ 1, got {self.num_processes}")
+        if not 1 <= self.num_processes <= MAX_PROCESSES:
+            raise ValueError(f"launch.num_processes must lie in [1, {MAX_PROCESSES}] (processes on this node; more "
+                             f"nodes: a multi-node launcher), got {self.num_processes}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"launch.device must be auto, cuda or cpu, got {self.device!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
@@ -104,10 +109,28 @@ class TrainConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self):
-        if not self.name or "/" in self.name:
-            raise ValueError(f"name must be a non-empty string without '/', got {self.name!r}")
+        check_name(self.name)
         if self.resume not in (None, "auto") and not isinstance(self.resume, str):
             raise ValueError(f"resume must be null, 'auto' or a checkpoint folder, got {self.resume!r}")
+
+
+def check_name(name: str) -> None:
+    """`name` is a plain folder name: the run's folder is runs/<name>, so `..` would be the repository and `.` the
+    runs/ folder itself."""
+    seps = {"/", "\\", "\0"} | {os.sep} | ({os.altsep} if os.altsep else set())
+    if name in ("", ".", "..") or any(s in name for s in seps) or name != name.strip():
+        raise ValueError(f"name must be a plain folder name (not empty, '.' or '..', no '/' or '\\', no leading or "
+                         f"trailing space): the run's folder is runs/<name>; got name={name!r}")
+
+
+def config_warnings(cfg: "TrainConfig") -> list[str]:
+    """Values that are allowed but probably not meant (train.py logs each)."""
+    out = []
+    if cfg.optim.warmup_steps > cfg.train.steps:
+        out.append(f"optim.warmup_steps={cfg.optim.warmup_steps} is more than train.steps={cfg.train.steps}: the LR "
+                   f"never reaches optim.lr={cfg.optim.lr:g} (it ends at {cfg.train.steps / cfg.optim.warmup_steps:.0%}"
+                   f" of it); lower optim.warmup_steps")
+    return out
 
 
 def _number(tp, value, where: str):
@@ -200,6 +223,13 @@ def _check_cross_fields(cfg: TrainConfig) -> None:
     from data.buckets import bucket_table
 
     m = cfg.model
+    if m.attention_layers > MAX_LAYERS:
+        raise ValueError(f"model.num_layers: {m.attention_layers} transformer blocks is past the {MAX_LAYERS} this "
+                         f"trainer builds; lower model.num_layers (and model.num_single_layers for the MMDiT)")
+    if cfg.optim.warmup_steps > 100 * cfg.train.steps:
+        raise ValueError(f"optim.warmup_steps={cfg.optim.warmup_steps} is more than 100 × train.steps="
+                         f"{cfg.train.steps}: the LR would stay under 1 % of optim.lr for the whole run; lower "
+                         "optim.warmup_steps")
     table = bucket_table(cfg.data.buckets, patch=m.patch)  # validates every bucket against the model's patch
     if m.text_len > cfg.data.encoders.max_text_len:
         # The text encoder keeps at most max_text_len tokens per caption, so every text position past it is zero

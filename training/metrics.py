@@ -14,11 +14,17 @@ MetricsLogger is the one path: log_metrics(step, dict) → console/progress bar,
 when on. Keys are namespaced as contracts §9 (`train/loss`, `perf/tokens_per_s`, `balance/compute_cv_pred`, ...);
 every JSONL row carries `step` and `samples_seen`. Lists (per-micro-batch values such as `batch/S`) go to JSONL as
 they are and to wandb as their mean.
+
+A row is written whole or not at all: one `write` of the whole line (O_APPEND, never through a link); a full disk
+cuts the file back to its last whole row and raises "no space left on <path>". A torn last line (a crash or full
+disk of an older version mid-row) is cut off when the run resumes, and `read_metrics` skips a line that does not
+parse; both with a warning.
 """
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 import time
@@ -33,9 +39,12 @@ from scheduling.efficiency import compute_cv, cv, idle_fraction, model_flops
 from scheduling.planner import StepPlan
 from scheduling.policy import ModelShape
 from training.dist import DistContext
+from training.run_folder import no_space, open_fd, open_in, read_text, write_whole
 from training.step import StepStats
 
+log = logging.getLogger(__name__)
 WANDB_MODES = ("offline", "online", "disabled")
+METRICS_FILE = "metrics.jsonl"
 
 
 @dataclass
@@ -95,8 +104,11 @@ class MetricsLogger:
     def __init__(self, run_dir: str, cfg: LoggingConfig, name: str, config: dict, enabled: bool = True,
                  tags: tuple = ()):
         self.enabled = enabled  # only rank 0 writes
-        self.path = os.path.join(run_dir, "metrics.jsonl")
-        self._file = open(self.path, "a") if enabled else None
+        self.path = os.path.join(run_dir, METRICS_FILE)
+        self._fd = None
+        if enabled:
+            repair_torn_tail(run_dir)
+            self._fd = open_fd(run_dir, METRICS_FILE, "a")
         self._wandb = None
         # the config's mode, unless WANDB_MODE is set (train.py sets it from a command-line logging choice, which
         # so beats the environment; tests set it to disabled)
@@ -115,9 +127,7 @@ class MetricsLogger:
     def log_metrics(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}, "time": time.time()}
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        self._append({"step": step, **{k: _clean(v) for k, v in metrics.items()}, "time": time.time()})
         if self._wandb is not None:
             self._wandb.log({k: _scalar(v) for k, v in metrics.items() if _scalar(v) is not None}, step=step)
 
@@ -125,17 +135,29 @@ class MetricsLogger:
         """{key: mp4 path}: the paths to JSONL, wandb.Video(path) to wandb (it needs no moviepy from a path)."""
         if not self.enabled or not videos:
             return
-        self._file.write(json.dumps({"step": step, **videos, "time": time.time()}) + "\n")
-        self._file.flush()
+        self._append({"step": step, **videos, "time": time.time()})
         if self._wandb is not None:
             import wandb
 
             self._wandb.log({k: wandb.Video(p, format="mp4") for k, p in videos.items()}, step=step)
 
+    def _append(self, row: dict) -> None:
+        """One write of the whole line; a short or failed write is cut back so the file ends on a whole row."""
+        line = (json.dumps(row) + "\n").encode()
+        size = os.fstat(self._fd).st_size
+        try:
+            n = os.write(self._fd, line)
+        except OSError as e:
+            os.ftruncate(self._fd, size)
+            raise (no_space(e, self.path) or e) from None
+        if n != len(line):
+            os.ftruncate(self._fd, size)
+            raise OSError(f"{self.path}: a row was written in part ({n} of {len(line)} bytes; cut back)")
+
     def close(self) -> None:
-        if self._file:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
@@ -151,20 +173,58 @@ def _scalar(v):
 
 def _run_id(run_dir: str) -> str:
     """A stable wandb id per run_dir, so a resumed run continues the same wandb run."""
-    path = os.path.join(run_dir, "wandb_id.txt")
-    if os.path.exists(path):
-        return open(path).read().strip()
+    if os.path.lexists(os.path.join(run_dir, "wandb_id.txt")):
+        return read_text(run_dir, "wandb_id.txt").strip()
     import uuid
 
     rid = uuid.uuid4().hex[:12]
-    with open(path, "w") as f:
-        f.write(rid)
+    write_whole(run_dir, "wandb_id.txt", rid)
     return rid
 
 
+def repair_torn_tail(run_dir: str) -> None:
+    """Cut metrics.jsonl back to its last whole line (one a crash or a full disk tore), with a warning."""
+    if not os.path.lexists(os.path.join(run_dir, METRICS_FILE)):
+        return
+    fd = open_fd(run_dir, METRICS_FILE, "r+")
+    try:
+        size = os.fstat(fd).st_size
+        end, chunk = size, 1 << 16
+        while end > 0:  # the last newline, read backwards
+            start = max(0, end - chunk)
+            at = os.pread(fd, end - start, start).rfind(b"\n")
+            if at >= 0:
+                end = start + at + 1
+                break
+            end = start
+        if end < size:
+            log.warning("%s: its last line was torn (%d bytes without a newline, a crash or a full disk mid-row): "
+                        "cut off", os.path.join(run_dir, METRICS_FILE), size - end)
+            os.ftruncate(fd, end)
+    finally:
+        os.close(fd)
+
+
 def read_metrics(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rows of run_dir/metrics.jsonl in file order; a line that does not parse as a JSON row (torn by a crash
+    or a full disk) is skipped with a warning."""
+    rows, bad = [], []
+    with open_in(run_dir, METRICS_FILE, "rb") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            if isinstance(row, dict) and "step" in row:
+                rows.append(row)
+            else:
+                bad.append(i)
+    if bad:
+        log.warning("%s: %d line(s) that are not whole rows skipped (line %s): torn by a crash or a full disk",
+                    os.path.join(run_dir, METRICS_FILE), len(bad), ", ".join(map(str, bad[:5])))
+    return rows
 
 
 TIMINGS = ("step_s", "data_wait_s", "fwd_s", "bwd_s", "optim_s")

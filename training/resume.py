@@ -1,9 +1,15 @@
 """Resuming a run: which checkpoint, which config values win, and what is refused.
 
 Which checkpoint: `resume=auto` takes the newest regular `step_N/` that passes `verify_checkpoint` and loads;
-a damaged one is skipped with a warning that names what was wrong, and the next older one is tried. Checkpoints
-the NaN guard wrote (`diverged_step_N/`) are never taken by `auto`; name one explicitly to inspect it.
-`resume=PATH` takes that folder or fails with the reason.
+a damaged one — or one whose config.yaml, meta.json or RNG states fail to load after the check — is skipped with a
+warning that names what was wrong, and the next older one is tried. Checkpoints the NaN guard wrote
+(`diverged_step_N/`) are never taken by `auto`; name one explicitly to inspect it. `resume=PATH` takes that folder
+or fails with the reason.
+
+Lineage: a resume from an explicit checkpoint older than run_dir's newest starts a branch (a rollback). The newer
+checkpoints, now abandoned, are moved into `run_dir/abandoned-<date>-<time>/` (kept, and named in the log), so
+`resume=auto` can only take the current branch's. The checkpoint resumed from is the branch's rollback point:
+carried on in every later checkpoint's meta.json (`lineage`), and never deleted by `keep_last`.
 
 Which values win (the checkpoint's `config.yaml` against this run's config):
 - values that change the plan — the corpus and buckets (`data.*` but `data.num_workers` and
@@ -22,11 +28,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from typing import Callable, Optional
 
 import yaml
 
 from training.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
+from training.run_folder import read_text
 from training.config import load_config
 from training.dist import DistContext
 
@@ -90,11 +98,14 @@ def check_config(ckpt: str, now, force: bool, is_main: bool) -> None:
     """Refuse (or, forced, warn about) plan changes; log every other change. `now` is this run's TrainConfig.
     A run resumed without a wandb group keeps the one it was started with (a Hydra multirun's sweep name): its wandb
     run is the same run, so it stays with the runs it is compared to."""
-    path = os.path.join(ckpt, "config.yaml")
-    if not os.path.exists(path):
+    if not os.path.lexists(os.path.join(ckpt, "config.yaml")):
         return
-    with open(path) as f:
-        saved = yaml.safe_load(f) or {}
+    try:
+        saved = yaml.safe_load(read_text(ckpt, "config.yaml")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{ckpt}/config.yaml does not parse ({type(e).__name__}: {str(e)[:300]})") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{ckpt}/config.yaml is not a mapping")
     group = (saved.get("logging") or {}).get("group")
     if now.logging.group is None and group is not None:
         now.logging.group = group
@@ -133,9 +144,13 @@ def resume(resume: Optional[str], run_dir: str, ctx: DistContext, load: Callable
         problem = verify_checkpoint(path, ctx)
         if problem is None:
             try:
-                return path, load(path)
+                meta = load(path)
             except CheckpointError as e:
                 problem = str(e)
+            else:
+                if resume != "auto":
+                    meta["lineage"] = branch(run_dir, path, meta, ctx)
+                return path, meta
         if resume != "auto":
             raise ValueError(f"resume={path}: {problem}")
         log.warning("resume=auto: skipping %s: %s; trying the next older checkpoint", path, problem)
@@ -143,6 +158,28 @@ def resume(resume: Optional[str], run_dir: str, ctx: DistContext, load: Callable
         raise ValueError(f"resume=auto: no checkpoint in {run_dir} could be loaded (each one's problem is logged "
                          f"above); move the damaged ones away to start from scratch")
     return None, None
+
+
+def branch(run_dir: str, path: str, meta: dict, ctx: DistContext) -> dict:
+    """After an explicit resume from `path`: move run_dir's newer checkpoints aside (abandoned) and return the
+    lineage the new branch carries. Without newer ones the run simply continues (its lineage unchanged)."""
+    lineage = dict(meta.get("lineage") or {})
+    newer = [p for s, p in list_checkpoints(run_dir) if s > meta["step"]]
+    if not newer:
+        return lineage
+    inside = os.path.isdir(run_dir) and os.path.samefile(os.path.dirname(os.path.abspath(path)), run_dir)
+    aside = ctx.broadcast_object(os.path.join(run_dir, time.strftime("abandoned-%Y%m%d-%H%M%S")))
+    if ctx.is_main:
+        os.makedirs(aside, exist_ok=True)
+        for p in newer:
+            os.rename(p, os.path.join(aside, os.path.basename(p)))
+        log.warning("resume=%s starts a branch: the newer checkpoints %s are abandoned, moved to %s (kept; "
+                    "resume=auto no longer takes them)%s", path, ", ".join(os.path.basename(p) for p in newer), aside,
+                    f"; {os.path.basename(path)} is kept as the rollback point" if inside else "")
+    ctx.barrier()
+    abandoned = [os.path.join(os.path.basename(aside), os.path.basename(p)) for p in newer]
+    return {"rollback_point": os.path.basename(path) if inside else None,
+            "abandoned": lineage.get("abandoned", []) + abandoned}
 
 
 def optim_hyperparameters(optimizer) -> list[dict]:
