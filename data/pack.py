@@ -25,10 +25,13 @@ writes its own skipped.jsonl beside them), never an error:
     empty_file          a media file of 0 bytes
     unreadable          a file or folder that cannot be read: no permission, a broken link, not a regular file
     hidden              a file or folder whose name starts with "." (.DS_Store, macOS' ._clip.mp4, .git)
-    link_outside        a link to a folder outside the packed folder (not followed: no escaping the folder)
+    link_outside        a link to a file or folder outside the packed folder (not followed, nothing of it read:
+                        no escaping the folder, so a linked ~/.ssh/id_rsa never lands in a shard or a log)
     link_loop           a link to a folder inside the packed folder, or to one already linked (not followed: no
                         loops, no sample twice)
-Links to files are followed wherever they point. An output folder inside the packed folder is not walked.
+Links to files inside the folder are followed. Every file is opened by data/index.py's open_input, so a file swapped
+for an outside link or a device after the walk is refused too. An output folder inside the packed folder is not
+walked.
 
 Shards. `webdataset.ShardWriter` with pax tar headers (keys of any length and script): a shard is closed once it
 holds `maxcount` samples or `maxsize` bytes of members, so a shard may pass maxsize by its last sample. Members
@@ -48,7 +51,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from data.index import CORPUS_FILE, INDEX_FILE
+from data.index import CORPUS_FILE, INDEX_FILE, open_input
 from data.raw import IMAGE_EXTS, PARTS_DIR, SKIPPED_FILE, VIDEO_EXTS, UnreadableCaption, parse_caption
 
 SHARD_PATTERN = "shard-%05d.tar"
@@ -120,6 +123,9 @@ def walk_files(root: str, exclude: Optional[str] = None) -> tuple[list[str], lis
                 else:
                     seen.add(real)
                     stack.append(e.path)
+            elif e.is_symlink() and os.path.commonpath([os.path.realpath(e.path), root_real]) != root_real:
+                # checked before any stat of the target: nothing outside the folder is read, not even its kind
+                skipped.append(_skip(rel, "link_outside", "a link to a file outside the folder (not read)"))
             elif _is_file(e):
                 files.append(rel)
             else:
@@ -209,7 +215,9 @@ def read_captions(root: str, group: Group) -> tuple[Optional[dict[str, bytes]], 
 
 
 def _read(root: str, rel: str) -> bytes:
-    with open(os.path.join(root, rel), "rb") as f:
+    """The bytes of root/rel, opened by open_input: a file swapped for a link out of root, or for a device or a fifo,
+    since the walk is refused (InputRefused, an OSError: skipped as unreadable)."""
+    with os.fdopen(open_input(os.path.join(root, rel), root), "rb") as f:
         return f.read()
 
 

@@ -57,6 +57,7 @@ CAPTION_FIELDS = ("caption", "text", "prompt", "txt")
 PARTS_DIR = ".index_parts"
 SKIPPED_FILE = "skipped.jsonl"
 CLIP_MODES = ("random", "start", "centre")
+SHARD_REASONS = ("unreadable_shard", "link_outside", "not_regular")  # skips that count whole shards
 MAX_CONTROL_SHARE = 0.1  # a caption with more control characters than this is binary, not text
 
 
@@ -230,15 +231,19 @@ def _number(x) -> float:
 
 def probe_shard(path: str, rel: str) -> dict:
     """One shard's part of the index: records (without bucket) and skipped samples, in tar order. A shard that is not
-    a readable tar is one skipped entry (unreadable_shard, its path as the key); a sample whose probe fails in a way
-    the probe does not name is skipped as unreadable."""
+    a readable tar is one skipped entry (unreadable_shard, its path as the key), as is one that is a link leading out
+    of its folder (link_outside) or not a regular file (not_regular: never opened); a sample whose probe fails in a
+    way the probe does not name is skipped as unreadable; a later sample reusing a key of the tar, duplicate_key."""
     scan = scan_tar(path)
     part: dict = {"shard": rel, "records": [], "skipped": []}
     if scan.error:
-        part["skipped"].append({"key": f"<shard {rel}>", "reason": "unreadable_shard", "why": f"{path}: {scan.error}"})
+        part["skipped"].append({"key": f"<shard {rel}>", "reason": scan.reason, "why": f"{path}: {scan.error}"})
         return part
     for key, reason in scan.broken.items():
         part["skipped"].append({"key": key, "reason": reason, "why": "seen in the tar headers"})
+    for key in scan.duplicates:
+        part["skipped"].append({"key": key, "reason": "duplicate_key", "why": "a later sample of this tar with the "
+                                                                              "key of an earlier one (the first is kept)"})
     for key, members in scan.members.items():
         if key in scan.broken:
             continue
@@ -310,7 +315,10 @@ def _part_path(out_dir: str, rel: str) -> str:
 
 
 def _stamp(shard: str) -> list:
-    st = os.stat(shard)
+    try:
+        st = os.stat(shard)
+    except OSError:  # a broken link: probed (and skipped as not_regular) like any other shard
+        return [-1, -1]
     return [st.st_size, st.st_mtime_ns]
 
 
@@ -381,16 +389,17 @@ def index_corpus(shards: Sequence[str], out_dir: str, buckets: Mapping[str, Buck
 
 
 def log_skips(skipped: Sequence[dict], where: str) -> None:
-    """One line per reason, with the first key and how many (the full list is in skipped.jsonl); every shard that is
-    not a readable tar gets its own line, with its path."""
+    """One line per reason, with the first key and how many (the full list is in skipped.jsonl); every skipped shard
+    (SHARD_REASONS) gets its own line, with its path."""
     first: dict[str, dict] = {}
     counts: Counter = Counter()
     for k in skipped:
         counts[k["reason"]] += 1
         first.setdefault(k["reason"], k)
-        if k["reason"] == "unreadable_shard":
-            log.warning("%s: skipped a shard that is not a readable tar: %s", where, k.get("why", k["key"]))
-    counts.pop("unreadable_shard", None)
+        if k["reason"] in SHARD_REASONS:
+            log.warning("%s: skipped a shard (%s): %s", where, k["reason"], k.get("why", k["key"]))
+    for reason in SHARD_REASONS:
+        counts.pop(reason, None)
     for reason, n in sorted(counts.items()):
         k = first[reason]
         log.warning("%s: skipped %d sample(s) as %s, e.g. %s (%s)", where, n, reason, k["key"], k.get("why", ""))

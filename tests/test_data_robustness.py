@@ -448,3 +448,65 @@ def test_merged_bad_states_are_a_union_and_count_placeholders_once_per_rank():
     assert merged["bad"] == [["k1", "corrupt_image"], ["k2", "bad_shape"], ["k3", "nonfinite"]]
     assert merged["skipped"] == {"placeholder": 3}
     assert merge_bad_states([{}, {}]) == {"skipped": {}, "bad": []}
+
+
+# -- 8. links and special files among the inputs ----------------------------------------------------------------------
+
+SECRET = b"aws_secret_access_key=AKIAEXAMPLESECRET"
+
+
+def test_shards_that_link_out_of_their_folder_or_are_not_files_are_skipped_unread(tmp_path, caplog):
+    import signal
+
+    from data.index import InputRefused
+    from data.raw import expand_urls
+
+    corpus, elsewhere = tmp_path / "corpus", tmp_path / "elsewhere"
+    corpus.mkdir()
+    elsewhere.mkdir()
+    write_tar(str(corpus / "shard-00000.tar"), [(f"ok{i}", {"jpg": image(i), "txt": b"a photo"}) for i in range(2)])
+    write_tar(str(elsewhere / "private.tar"), [("secret", {"jpg": image(5), "txt": SECRET})])
+    os.symlink(elsewhere / "private.tar", corpus / "shard-00001.tar")  # link_outside: a tar, but not this folder's
+    os.symlink("/dev/zero", corpus / "shard-00002.tar")                 # link_outside: reading it never ends
+    os.mkfifo(corpus / "shard-00003.tar")                               # not_regular: opening it blocks
+    shards = expand_urls(str(corpus / "shard-*.tar"))
+    assert len(shards) == 4
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("indexing hung on a device or fifo shard"))
+    signal.alarm(60)
+    try:
+        with caplog.at_level(logging.WARNING, logger="data.raw"):
+            index = index_corpus(shards, str(corpus), RAW, RawConfig())
+    finally:
+        signal.alarm(0)
+    assert [r["key"] for r in index.records] == ["ok0", "ok1"]
+    _, counts = select_raw(index, RAW, RawConfig())
+    assert counts == {"link_outside": 2, "not_regular": 1}  # counts shards
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert all(os.path.basename(p) in logged for p in shards[1:])
+    for name in os.listdir(corpus):  # the target's bytes are in no file the indexer wrote, nor in its log
+        if os.path.isfile(corpus / name) and not name.startswith("shard-"):
+            assert b"AKIAEXAMPLE" not in (corpus / name).read_bytes(), name
+    assert "AKIAEXAMPLE" not in logged
+    # a shard swapped for a link out of its folder after indexing is refused at load, unread (a counted skip)
+    os.replace(corpus / "shard-00000.tar", elsewhere / "moved.tar")
+    os.symlink(elsewhere / "moved.tar", corpus / "shard-00000.tar")
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool, pytest.raises(InputRefused, match="leads out of"):  # a fresh descriptor cache
+        pool.submit(index.read, 0, "txt").result()
+
+
+def test_a_key_that_comes_back_inside_one_tar_is_counted_not_merged(tmp_path):
+    write_tar(str(tmp_path / "shard-00000.tar"), [
+        ("a", {"jpg": image(0), "txt": b"the first a"}),
+        ("b", {"jpg": image(1), "txt": b"b"}),
+        ("a", {"jpg": image(2), "txt": b"a second sample with a's key"}),  # after another key
+        ("c", {"jpg": image(3), "txt": b"c"}),
+        ("c", {"jpg": image(4), "txt": b"c again, right after"}),           # the same extensions twice in a row
+    ])
+    index = index_corpus([str(tmp_path / "shard-00000.tar")], str(tmp_path), RAW, RawConfig())
+    assert [r["key"] for r in index.records] == ["a", "b", "c"]
+    from data.raw import read_caption
+    assert read_caption(index, 0) == "the first a" and read_caption(index, 2) == "c"
+    _, counts = select_raw(index, RAW, RawConfig())
+    assert counts == {"duplicate_key": 2}
