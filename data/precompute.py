@@ -13,14 +13,23 @@ order, so the planner sees the same table), corpus.json and empty_text.pt (empty
 pools); a rerun over a finished --out only rewrites those, which is how a lost empty_text.pt is made again. Samples
 that fail to read or decode (any exception, by the reasons of data/loader.py), or encode to NaN/Inf, are left out
 and counted in corpus.json's "skipped".
+
+Member names. A raw key is a tar member's path, which another tool may have written as `../../x` or `/etc/x`: a
+latent shard stores a sample under `member_key(key)`, the key itself when every `/`-separated part is a plain name
+(letters, digits, `_`, `-`), else the key with each other run of characters replaced by `_` and 8 hex digits of its
+SHA-1 appended; a key already in the shard gets the digest too. So no member of a latent shard climbs out of the
+folder it is extracted into, and two raw samples of one key (from two shards) stay two samples. The record's `json`
+member keeps the raw shard and key (`source`).
 """
 from __future__ import annotations
 
 import glob
+import hashlib
 import io
 import json
 import logging
 import os
+import re
 import tarfile
 import time
 from collections import Counter
@@ -29,6 +38,22 @@ import numpy as np
 
 PARTS = ".precompute_parts"
 log = logging.getLogger("precompute")
+_NOT_NAME = re.compile(r"[^\w\-]+")
+
+
+def member_key(key: str, taken: set[str]) -> str:
+    """The key a latent shard stores raw `key` under (rule in the module docstring); adds it to `taken`."""
+    parts = key.split("/")
+    if all(p and not _NOT_NAME.search(p) for p in parts) and key not in taken:
+        taken.add(key)
+        return key
+    digest = hashlib.sha1(key.encode("utf-8", "surrogateescape")).hexdigest()[:8]
+    base, out, n = _NOT_NAME.sub("_", key).strip("_") or "_", None, 1
+    while out is None or out in taken:
+        out = f"{base}_{digest}" + (f"_{n}" if n > 1 else "")
+        n += 1
+    taken.add(out)
+    return out
 
 
 def _parts(out: str) -> list[dict]:
@@ -85,9 +110,10 @@ def precompute(data_cfg, buckets: dict, latent_channels: int, text_dim: int, see
     pending: list[tuple[str, dict]] = []
     pending_recs: list[dict] = []
     pending_skips: list[dict] = []
+    taken: set[str] = set()  # the member keys of the shard being filled
 
     def flush():
-        nonlocal shard_no, pending, pending_recs, pending_skips
+        nonlocal shard_no, pending, pending_recs, pending_skips, taken
         if not pending and not pending_skips:
             return
         name = f"latents-w{world_size}-r{rank}-{shard_no:05d}.tar"
@@ -100,7 +126,7 @@ def precompute(data_cfg, buckets: dict, latent_channels: int, text_dim: int, see
             json.dump({"records": pending_recs, "skipped": pending_skips}, f)
         os.replace(part + ".tmp", part)  # the shard is done once its part exists
         shard_no += 1
-        pending, pending_recs, pending_skips = [], [], []
+        pending, pending_recs, pending_skips, taken = [], [], [], set()
 
     by_bucket: dict[int, list[int]] = {}
     for g in mine:
@@ -136,8 +162,9 @@ def precompute(data_cfg, buckets: dict, latent_channels: int, text_dim: int, see
                                                "source": f"{rec_raw['shard']}:{rec_raw['key']}"}).encode()}
                 if text.pooled is not None:
                     members["pooled.npy"] = npy_bytes(text.pooled[n].numpy())
-                pending.append((rec_raw["key"], members))
-                pending_recs.append({"key": rec_raw["key"], "kind": "latent", "latent": list(latent.shape),
+                key = member_key(rec_raw["key"], taken)
+                pending.append((key, members))
+                pending_recs.append({"key": key, "kind": "latent", "latent": list(latent.shape),
                                      "bucket": rec_raw["bucket"], "S": rec_raw["S"], "L_text": int(e.shape[0]),
                                      "split": rec_raw.get("split", "train"), "order": g})
                 written += 1
