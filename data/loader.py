@@ -16,13 +16,18 @@ short read, an .npy that does not parse, a shape that does not match) is replace
 bucket and split in id order (at most SEARCH candidates), counted once as data/skipped_<reason>, logged with its key
 (the first LOG_KEYS_PER_REASON per reason) and never read again. Goodness is a property of the files (and of the
 epoch's clip of a video), so every rank and every resumed run makes the same choice; `bad_state` / `restore_bad`
-carry the bad set across a resume. When no replacement is found, a zero placeholder of the bucket's shape with loss
+carry the bad set across a resume. A sample is named by (source, shard, key) — `sample_id` — in the bad set: keys
+repeat across shards when two corpora share a folder. When no replacement is found, a zero placeholder of the bucket's shape with loss
 weight 0 goes in its place: a run never stops on data. At open, buckets of at most CHECK_AT_OPEN training samples are
 read in id order until one proves good; a bucket with none is left out of the plan, with a warning.
 
 Reasons (data/skipped_<reason>; one count per sample unless noted):
     at indexing (data/raw.py; listed in skipped.jsonl, counted when the corpus is opened)
     unreadable_shard    a shard with no readable tar member (not a tar, empty, no permission): counts shards
+    link_outside        a shard that is a link leading out of its folder, never opened: counts shards
+    not_regular         a shard that is not a regular file (a device, fifo, socket, broken link), never opened: counts
+                        shards
+    duplicate_key       a later sample of one tar with the key of an earlier one (the first is kept)
     corrupt_member      a member whose tar header is damaged
     truncated_shard     a member cut off by the end of its shard
     no_media            no image or video member
@@ -242,6 +247,13 @@ class LatentCorpus:
         s, row = self._where[gid]
         return f"{s}/{self.indexes[s].records[row]['key']}" if len(self.indexes) > 1 else self.indexes[s].records[row]["key"]
 
+    def sample_id(self, gid: int) -> tuple[int, str, str]:
+        """(source number, shard, key): what names a sample uniquely. A key alone does not: two corpora written into
+        one folder repeat keys across shards, so bad sets and counts go by this."""
+        s, row = self._where[gid]
+        rec = self.indexes[s].records[row]
+        return s, rec["shard"], rec["key"]
+
     def is_raw(self, gid: int) -> bool:
         return self.record(gid)["kind"] != "latent"
 
@@ -355,32 +367,44 @@ class LatentCorpus:
 
     def bad_state(self) -> dict:
         """What a resumed run needs to neither recount nor retry known-bad samples (JSON-serialisable):
-        {"skipped": counts by reason, "bad": [[key, reason], ...] sorted by key}."""
+        {"skipped": counts by reason, "bad": [[source, shard, key, reason], ...] sorted}."""
         with self._lock:
-            bad = sorted([self.key(g), r] for g, r in self._bad.items())
+            bad = sorted([*self.sample_id(g), r] for g, r in self._bad.items())
         return {"skipped": {r: int(n) for r, n in self.skipped.items()}, "bad": bad}
 
     def restore_bad(self, state: dict) -> None:
-        """Take back a bad_state: its bad samples are known bad here too (keys this corpus lacks are ignored), and
-        its placeholder count continues. The other counts follow from the bad set and this corpus' index, so a
-        sample is never counted twice; empty_bucket stays this open's."""
-        gid_of = {self.key(g): g for g in range(len(self._where))}
+        """Take back a bad_state: its bad samples are known bad here too (samples this corpus lacks are ignored),
+        and its placeholder count continues. The other counts follow from the bad set and this corpus' index, so a
+        sample is never counted twice; empty_bucket stays this open's. A sample is matched by (source, shard, key);
+        an entry of an older checkpoint, [key, reason], only where that key names one sample here (a key that two
+        shards share is retried rather than risk banning its good twin)."""
+        gid_of = {self.sample_id(g): g for g in range(len(self._where))}
+        by_key: dict[str, list[int]] = {}
+        for g in range(len(self._where)):
+            by_key.setdefault(self.key(g), []).append(g)
         with self._lock:
-            for key, reason in state.get("bad", []):
-                if key in gid_of:
-                    self._bad.setdefault(gid_of[key], reason)
+            for entry in state.get("bad", []):
+                *ident, reason = entry
+                if len(ident) == 1:
+                    gids = by_key.get(ident[0], [])
+                    gid = gids[0] if len(gids) == 1 else None
+                else:
+                    gid = gid_of.get(tuple(ident))
+                if gid is not None:
+                    self._bad.setdefault(gid, reason)
             self._events["placeholder"] += int(state.get("skipped", {}).get("placeholder", 0))
 
 
 def merge_bad_states(states: Sequence[dict]) -> dict:
     """One bad_state from every rank's: the union of their bad samples (each rank reads other samples) and the sum
     of their placeholders; restore_bad rebuilds the other counts from the union, so nothing is counted twice."""
-    bad: dict[str, str] = {}
+    bad: dict[tuple, str] = {}
     for st in states:
-        for key, reason in st.get("bad", []):
-            bad.setdefault(key, reason)
+        for *ident, reason in st.get("bad", []):
+            bad.setdefault(tuple(ident), reason)
     placeholders = sum(int(st.get("skipped", {}).get("placeholder", 0)) for st in states)
-    return {"skipped": {"placeholder": placeholders} if placeholders else {}, "bad": sorted(map(list, bad.items()))}
+    return {"skipped": {"placeholder": placeholders} if placeholders else {},
+            "bad": sorted([*ident, reason] for ident, reason in bad.items())}
 
 
 def _sources(data_cfg) -> Optional[list[tuple[str, dict]]]:

@@ -266,7 +266,8 @@ def test_bad_state_round_trips_so_a_resumed_run_neither_recounts_nor_retries(tmp
         first.load_checked(row)
     first.placeholder(bad[0])
     state = json.loads(json.dumps(first.bad_state()))  # what meta.json holds
-    assert state["bad"] == sorted([index.records[row]["key"], "unreadable"] for row in bad)
+    assert state["bad"] == sorted([0, index.records[row]["shard"], index.records[row]["key"], "unreadable"]
+                                  for row in bad)
     assert state["skipped"] == {"unreadable": 3, "placeholder": 1}
 
     resumed = open_latent(tmp_path)
@@ -279,8 +280,46 @@ def test_bad_state_round_trips_so_a_resumed_run_neither_recounts_nor_retries(tmp
         got, _, _ = resumed.load_checked(row)
         assert got == first.load_checked(row)[0]  # the same replacement as before the resume
     assert not set(bad) & set(tried) and resumed.skipped == first.skipped
-    resumed.restore_bad({"bad": [["no-such-key", "unreadable"]], "skipped": {}})  # another corpus' keys: ignored
-    assert resumed.skipped == {"unreadable": 3, "placeholder": 1}
+    resumed.restore_bad({"bad": [["no-such-key", "unreadable"], [0, "x.tar", "k", "unreadable"]], "skipped": {}})
+    assert resumed.skipped == {"unreadable": 3, "placeholder": 1}  # another corpus' samples: ignored
+    older = open_latent(tmp_path)  # a checkpoint written before samples were named by shard: [key, reason]
+    older.restore_bad({"bad": [[index.records[row]["key"], "unreadable"] for row in bad], "skipped": {}})
+    assert older.skipped == {"unreadable": 3}
+
+
+def twin_corpus(root, write=latent_corpus):
+    """A latent corpus (`write(root)`) whose first shard is also in the folder under another name, with the same keys
+    (two corpora made into one folder); one training sample of the original shard is made unreadable.
+    (index, bad row, its twin's row)"""
+    import shutil
+
+    index = write(root)
+    first = index.records[0]["shard"]
+    shutil.copy(os.path.join(root, first), os.path.join(root, "twin.tar"))
+    rows = [i for i, r in enumerate(index.records) if r["shard"] == first]
+    index.records += [{**index.records[i], "shard": "twin.tar"} for i in rows]
+    index.save()
+    bad = next(i for i in rows if index.records[i]["split"] == "train")
+    clobber(index, bad, "latent.npy")
+    twin = len(index.records) - len(rows) + rows.index(bad)
+    assert index.records[twin]["key"] == index.records[bad]["key"]
+    return index, bad, twin
+
+
+def test_a_bad_sample_and_its_good_twin_of_the_same_key_stay_apart_across_a_resume(tmp_path):
+    index, bad, twin = twin_corpus(tmp_path)
+    first = open_latent(tmp_path)
+    assert first.read_checked(twin).gid == twin and first.read_checked(bad).gid != bad
+    state = json.loads(json.dumps(first.bad_state()))
+    assert state["bad"] == [[0, index.records[bad]["shard"], index.records[bad]["key"], "unreadable"]]
+    resumed = open_latent(tmp_path)
+    resumed.restore_bad(state)
+    tried = []
+    real = resumed.load
+    resumed.load = lambda gid, epoch=0: (tried.append(gid), real(gid, epoch))[1]
+    assert resumed.read_checked(twin).gid == twin  # the good twin is not banned
+    assert resumed.read_checked(bad).gid != bad and bad not in tried  # the bad one is not retried
+    assert resumed.skipped == {"unreadable": 1}  # nor counted twice
 
 
 # -- 5. other silent gaps ---------------------------------------------------------------------------------------------
@@ -442,10 +481,13 @@ def test_an_encoder_folder_without_safetensors_is_refused_unread(tmp_path):
 def test_merged_bad_states_are_a_union_and_count_placeholders_once_per_rank():
     from data.loader import merge_bad_states
 
-    a = {"skipped": {"corrupt_image": 1, "placeholder": 2}, "bad": [["k1", "corrupt_image"], ["k2", "bad_shape"]]}
-    b = {"skipped": {"bad_shape": 1, "placeholder": 1}, "bad": [["k2", "bad_shape"], ["k3", "nonfinite"]]}
+    a = {"skipped": {"corrupt_image": 1, "placeholder": 2},
+         "bad": [[0, "a.tar", "k1", "corrupt_image"], [0, "a.tar", "k2", "bad_shape"]]}
+    b = {"skipped": {"bad_shape": 1, "placeholder": 1},
+         "bad": [[0, "a.tar", "k2", "bad_shape"], [0, "b.tar", "k2", "nonfinite"]]}  # k2 of another shard: another
     merged = merge_bad_states([a, b])
-    assert merged["bad"] == [["k1", "corrupt_image"], ["k2", "bad_shape"], ["k3", "nonfinite"]]
+    assert merged["bad"] == [[0, "a.tar", "k1", "corrupt_image"], [0, "a.tar", "k2", "bad_shape"],
+                             [0, "b.tar", "k2", "nonfinite"]]
     assert merged["skipped"] == {"placeholder": 3}
     assert merge_bad_states([{}, {}]) == {"skipped": {}, "bad": []}
 
@@ -510,3 +552,31 @@ def test_a_key_that_comes_back_inside_one_tar_is_counted_not_merged(tmp_path):
     assert read_caption(index, 0) == "the first a" and read_caption(index, 2) == "c"
     _, counts = select_raw(index, RAW, RawConfig())
     assert counts == {"duplicate_key": 2}
+
+
+def test_a_resume_on_a_corpus_with_twin_keys_trains_as_the_uninterrupted_run(tmp_path):
+    import shutil
+
+    from tests.helpers import compose_config, run_training, tiny_overrides
+    from training.metrics import read_metrics
+
+    cfg = compose_config([])
+    index, bad, twin = twin_corpus(tmp_path / "corpus", lambda root: write_synthetic_corpus(
+        str(root), bucket_table(cfg.data.buckets), {n: 1.0 for n in cfg.data.buckets}, num_samples=32, num_val=4,
+        latent_channels=cfg.model.in_channels, text_dim=cfg.model.text_dim, seed=1, samples_per_shard=8))
+    common = ("train.steps=16", "train.val_every=8", "checkpoint.every=8", f"data.index={index.root}")
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    run_training(tiny_overrides(straight, str(tmp_path / "cache"), *common))
+    os.makedirs(resumed)
+    shutil.copytree(os.path.join(straight, "step_8"), os.path.join(resumed, "step_8"))
+    with open(os.path.join(resumed, "step_8", "meta.json")) as f:
+        assert json.load(f)["data"]["bad"] == [[0, index.records[bad]["shard"], index.records[bad]["key"],
+                                                "unreadable"]]  # found before the checkpoint
+    run_training(tiny_overrides(resumed, str(tmp_path / "cache"), *common, "resume=auto"))
+    a = {r["step"]: r for r in read_metrics(straight)}
+    b = {r["step"]: r for r in read_metrics(resumed)}
+    assert min(b) == 9
+    for step in range(9, 17):
+        assert a[step]["train/loss"] == b[step]["train/loss"], step
+    assert a[16]["data/skipped_unreadable"] == b[16]["data/skipped_unreadable"] == 1
+    assert a[16]["val/loss"] == b[16]["val/loss"]
