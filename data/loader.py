@@ -55,6 +55,8 @@ Reasons (data/skipped_<reason>; one count per sample unless noted):
     events
     placeholder         a planned sample trained as a zero placeholder (loss weight 0): counts occurrences
     empty_bucket        a bucket left out of the plan at open (no readable training sample): counts buckets
+    empty_val_bucket    a bucket whose held-out samples all fail to read, left out of val/loss: counts buckets (per
+                        process that builds the validation batches)
 """
 from __future__ import annotations
 
@@ -323,13 +325,18 @@ class LatentCorpus:
     def read_checked(self, gid: int, epoch: int = 0) -> Item:
         """gid's Item or, when it is bad, the next good sample of its bucket and split in id order (SEARCH tried);
         when none reads, a placeholder. Never raises on data."""
+        item = self.find_readable(gid, epoch)
+        return item if item is not None else self.placeholder(gid)
+
+    def find_readable(self, gid: int, epoch: int = 0) -> Optional[Item]:
+        """gid's Item, or the next good sample's of its bucket and split in id order (SEARCH tried); None if none."""
         same = self._same(gid)
         start = int(np.searchsorted(same, gid))
         for k in range(min(len(same), SEARCH)):
             item = self._try(int(same[(start + k) % len(same)]), epoch)
             if item is not None:
                 return item
-        return self.placeholder(gid)
+        return None
 
     def load_checked(self, gid: int, epoch: int = 0):
         """(id, *load(id)) of read_checked: gid or its replacement."""
@@ -607,19 +614,29 @@ class Loader:
 
     def val_batches(self, max_B: int = 8) -> list[Batch]:
         """The fixed held-out samples, grouped by bucket (no caption dropout; clips placed as in epoch 0). A held-out
-        sample with no readable replacement is left out (validation averages every sample it is given)."""
+        sample with no readable replacement is left out (validation averages every sample it is given); a bucket
+        none of whose held-out samples reads is warned about and counted (data/skipped_empty_val_bucket), and when
+        no held-out sample reads at all, a warning says that no val/loss will be logged (never a 0.0)."""
         by_bucket: dict[int, list[int]] = {}
         for gid in self.corpus.val_ids:
             by_bucket.setdefault(int(self.corpus.bucket_of[gid]), []).append(gid)
         out = []
         for b, gids in sorted(by_bucket.items()):
+            n_before = len(out)
             for i in range(0, len(gids), max_B):
                 chunk = tuple(gids[i:i + max_B])
-                mb = MicroBatch(b, chunk, (1.0,) * len(chunk), int(self.corpus.S_of[chunk[0]]), 0.0)
-                items = [it for it in self._read(mb, 0) if not it.placeholder]
+                S = int(self.corpus.S_of[chunk[0]])
+                # no placeholder here: validation leaves an unreadable sample out and trains nothing in its place
+                items = [it for it in map(self.corpus.find_readable, chunk) if it is not None]
                 if items:
-                    mb = MicroBatch(b, tuple(it.gid for it in items), (1.0,) * len(items), mb.S, 0.0)
+                    mb = MicroBatch(b, tuple(it.gid for it in items), (1.0,) * len(items), S, 0.0)
                     out.append(self._assemble(mb, items, 0, drop=False))
+            if len(out) == n_before:
+                self.corpus._note("empty_val_bucket", gids[0], f"none of the {len(gids)} held-out samples of bucket "
+                                  f"{self.corpus.bucket_names[b]} reads: val/loss leaves the bucket out")
+        if not out:
+            log.warning("no held-out sample is readable (%d tried; skipped so far: %s): val/loss is not logged",
+                        len(self.corpus.val_ids), dict(self.corpus.skipped))
         return out
 
     def close(self) -> None:

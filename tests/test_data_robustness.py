@@ -580,3 +580,41 @@ def test_a_resume_on_a_corpus_with_twin_keys_trains_as_the_uninterrupted_run(tmp
         assert a[step]["train/loss"] == b[step]["train/loss"], step
     assert a[16]["data/skipped_unreadable"] == b[16]["data/skipped_unreadable"] == 1
     assert a[16]["val/loss"] == b[16]["val/loss"]
+
+
+# -- 9. validation that cannot lie ------------------------------------------------------------------------------------
+
+def test_a_held_out_bucket_with_no_readable_sample_is_counted_and_none_at_all_logs_no_val_loss(tmp_path, caplog):
+    from tests.helpers import compose_config, run_training, tiny_overrides
+    from training.metrics import read_metrics
+
+    index = latent_corpus(tmp_path / "small")
+    val = [i for i, r in enumerate(index.records) if r["split"] == "val"]
+    img = [i for i in val if index.records[i]["bucket"] == "img"]
+    assert img and len(img) < len(val)
+    for row in img:
+        clobber(index, row, "latent.npy")
+    corpus = open_corpus(DataConfig(buckets={}, index=str(tmp_path / "small"), val_samples=len(val)), LAT, C, D,
+                         seed=0)
+    batches = Loader(corpus, 6, 0.0, seed=0, rank=0).val_batches()
+    assert [b.bucket for b in batches] == ["vid"]
+    assert corpus.skipped == {"unreadable": len(img), "empty_val_bucket": 1}  # no placeholder: nothing is trained
+
+    cfg = compose_config([])
+    root = tmp_path / "corpus"
+    index = write_synthetic_corpus(str(root), bucket_table(cfg.data.buckets), {n: 1.0 for n in cfg.data.buckets},
+                                   num_samples=24, num_val=4, latent_channels=cfg.model.in_channels,
+                                   text_dim=cfg.model.text_dim, seed=1, samples_per_shard=8)
+    for row, r in enumerate(index.records):
+        if r["split"] == "val":
+            clobber(index, row, "latent.npy")
+    run_dir = str(tmp_path / "run")
+    with caplog.at_level(logging.WARNING, logger="data.loader"):
+        run_training(tiny_overrides(run_dir, str(tmp_path / "cache"), "train.steps=4", "train.val_every=2",
+                                    f"data.index={root}"))
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4]
+    assert not any("val/loss" in r for r in rows)  # never a 0.0 that reads as a perfect model
+    n_buckets = len({r["bucket"] for r in index.records if r["split"] == "val"})
+    assert rows[-1]["data/skipped_empty_val_bucket"] == n_buckets and rows[-1]["data/skipped_unreadable"] == 4
+    assert any("val/loss is not logged" in r.getMessage() for r in caplog.records)
