@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.buckets import bucket_table
-from data.loader import Loader, merge_bad_states, open_corpus
+from data.loader import Loader, corpus_changed, merge_bad_states, open_corpus
 from models.build import build_parallel_model
 from models.flow_matching import FlowMatching
 from models.lora import has_lora, save_lora
@@ -137,6 +137,8 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick, preset: str) -> dict:
     if ckpt:
         state = LoopState.from_meta(meta)
         bad = meta.get("data", {})  # placeholders were summed over ranks: one rank carries the sum on
+        if corpus_changed(corpus, bad, cfg.resume_force):  # another index: refused, or forced from a new epoch
+            state.epoch, state.pos = state.epoch + 1, 0
         corpus.restore_bad(bad if ctx.is_main else {"bad": bad.get("bad", [])})
 
     def checkpoint(diverged: bool = False) -> str:

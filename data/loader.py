@@ -60,6 +60,9 @@ Reasons (data/skipped_<reason>; one count per sample unless noted):
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
 import os
 import threading
@@ -372,12 +375,26 @@ class LatentCorpus:
                         "; further samples skipped for this reason are only counted" if n == LOG_KEYS_PER_REASON
                         else "")
 
+    @functools.cached_property
+    def content_hash(self) -> str:
+        """SHA-256 of every source's records in order — shard, key, kind, bucket, split and member offsets — which
+        the epoch's table, the held-out split and every read are functions of (with the config, which the resume
+        check compares apart). Not the glob or folder that named them: shards added under the same data.urls
+        pattern change it."""
+        h = hashlib.sha256()
+        for index in self.indexes:
+            h.update(json.dumps([[r["shard"], r["key"], r["kind"], r["bucket"], r.get("split", "train"),
+                                  r["members"]] for r in index.records], sort_keys=True).encode())
+            h.update(b"\n")
+        return h.hexdigest()
+
     def bad_state(self) -> dict:
-        """What a resumed run needs to neither recount nor retry known-bad samples (JSON-serialisable):
-        {"skipped": counts by reason, "bad": [[source, shard, key, reason], ...] sorted}."""
+        """What a resumed run needs to neither recount nor retry known-bad samples, and to know it reads the same
+        corpus (JSON-serialisable): {"skipped": counts by reason, "bad": [[source, shard, key, reason], ...] sorted,
+        "corpus": content_hash}."""
         with self._lock:
             bad = sorted([*self.sample_id(g), r] for g, r in self._bad.items())
-        return {"skipped": {r: int(n) for r, n in self.skipped.items()}, "bad": bad}
+        return {"skipped": {r: int(n) for r, n in self.skipped.items()}, "bad": bad, "corpus": self.content_hash}
 
     def restore_bad(self, state: dict) -> None:
         """Take back a bad_state: its bad samples are known bad here too (samples this corpus lacks are ignored),
@@ -410,8 +427,33 @@ def merge_bad_states(states: Sequence[dict]) -> dict:
         for *ident, reason in st.get("bad", []):
             bad.setdefault(tuple(ident), reason)
     placeholders = sum(int(st.get("skipped", {}).get("placeholder", 0)) for st in states)
-    return {"skipped": {"placeholder": placeholders} if placeholders else {},
-            "bad": sorted([*ident, reason] for ident, reason in bad.items())}
+    out = {"skipped": {"placeholder": placeholders} if placeholders else {},
+           "bad": sorted([*ident, reason] for ident, reason in bad.items())}
+    hashes = {st["corpus"] for st in states if st.get("corpus")}
+    assert len(hashes) <= 1, f"the ranks read different corpora: {sorted(hashes)}"
+    if hashes:
+        out["corpus"] = hashes.pop()
+    return out
+
+
+def corpus_changed(corpus: LatentCorpus, state: dict, force: bool) -> bool:
+    """Whether a resume reads another corpus than the checkpoint's `state` (its bad_state) was written on: False
+    when the content hashes agree, or the checkpoint predates them. A different corpus — shards added, removed or
+    re-indexed, even under the same data.urls pattern — is refused (ValueError: the saved plan position indexes
+    another permutation, so the epoch would no longer cover each sample once) unless `force`; then True, with a
+    warning: the caller starts a new epoch."""
+    saved = state.get("corpus")
+    if not saved or saved == corpus.content_hash:
+        return False
+    what = (f"the checkpoint was trained on a corpus whose index hashes to {saved[:16]}, this one hashes to "
+            f"{corpus.content_hash[:16]} ({sum(len(ix.records) for ix in corpus.indexes)} samples): shards were added, "
+            f"removed or re-indexed since")
+    if not force:
+        raise ValueError(f"resume refused: {what}. Its saved position indexes another permutation, so the epoch would "
+                         f"not cover each sample once. Resume on the corpus it was trained on, start a new run "
+                         f"(another name), or set resume_force=true to go on with this corpus from a new epoch.")
+    log.warning("resume_force: %s; starting a new epoch on this corpus", what)
+    return True
 
 
 def _sources(data_cfg) -> Optional[list[tuple[str, dict]]]:

@@ -618,3 +618,45 @@ def test_a_held_out_bucket_with_no_readable_sample_is_counted_and_none_at_all_lo
     n_buckets = len({r["bucket"] for r in index.records if r["split"] == "val"})
     assert rows[-1]["data/skipped_empty_val_bucket"] == n_buckets and rows[-1]["data/skipped_unreadable"] == 4
     assert any("val/loss is not logged" in r.getMessage() for r in caplog.records)
+
+
+# -- 10. the corpus is part of the resume contract --------------------------------------------------------------------
+
+def test_the_corpus_hash_follows_the_records_not_the_folder(tmp_path):
+    import shutil
+
+    latent_corpus(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    a, b = open_latent(tmp_path / "a"), open_latent(tmp_path / "b")
+    assert a.content_hash == b.content_hash and a.bad_state()["corpus"] == a.content_hash
+    twin_corpus(tmp_path / "b", lambda root: SampleIndex.load(str(root)))  # a shard added to the folder
+    assert open_latent(tmp_path / "b").content_hash != a.content_hash
+
+
+def test_a_resume_on_a_grown_index_is_refused_unless_forced_then_starts_a_new_epoch(tmp_path, caplog):
+    from tests.helpers import compose_config, run_training, tiny_overrides
+    from training.metrics import read_metrics
+
+    cfg = compose_config([])
+    root = tmp_path / "corpus"
+    write_synthetic_corpus(str(root), bucket_table(cfg.data.buckets), {n: 1.0 for n in cfg.data.buckets},
+                           num_samples=24, num_val=4, latent_channels=cfg.model.in_channels,
+                           text_dim=cfg.model.text_dim, seed=1, samples_per_shard=8)
+    run_dir, cache = str(tmp_path / "run"), str(tmp_path / "cache")
+    common = ("train.val_every=100", "checkpoint.every=3", f"data.index={root}")
+    run_training(tiny_overrides(run_dir, cache, "train.steps=3", *common))
+    with open(os.path.join(run_dir, "step_3", "meta.json")) as f:
+        saved = json.load(f)
+    twin_corpus(root, lambda r: SampleIndex.load(str(r)))  # more shards in the same folder, the same config
+    with pytest.raises(ValueError, match="resume refused: the checkpoint was trained on a corpus whose index"):
+        run_training(tiny_overrides(run_dir, cache, "train.steps=5", *common, "resume=auto"))
+    assert max(r["step"] for r in read_metrics(run_dir)) == 3  # nothing trained on the other corpus
+    with caplog.at_level(logging.WARNING, logger="data.loader"):
+        run_training(tiny_overrides(run_dir, cache, "train.steps=6", *common, "resume=auto", "resume_force=true"))
+    assert any("starting a new epoch" in r.getMessage() for r in caplog.records)
+    rows = {r["step"]: r for r in read_metrics(run_dir) if "train/loss" in r}
+    assert rows[4]["epoch"] == saved["epoch"] + 1
+    with open(os.path.join(run_dir, "step_6", "meta.json")) as f:  # later checkpoints name the corpus they read
+        assert json.load(f)["data"]["corpus"] == open_corpus(
+            DataConfig(buckets={}, index=str(root)), bucket_table(cfg.data.buckets), cfg.model.in_channels,
+            cfg.model.text_dim, seed=0).content_hash != saved["data"]["corpus"]
