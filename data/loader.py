@@ -44,6 +44,7 @@ Reasons (data/skipped_<reason>; one count per sample unless noted):
     at indexing or at load
     missing_caption     no txt/json member, or an empty caption
     unreadable_caption  a caption that is not text (the rule: data/raw.py module docstring)
+    caption_too_large   a caption member over data/raw.py's MAX_CAPTION_BYTES (1 MiB), never read
     at load (here, and in scripts/precompute_latents.py)
     decode_error        media whose header reads but whose data does not decode (a truncated mp4 or jpg)
     unreadable          a member that cannot be read or parsed (a short read from a shard cut after indexing, not an

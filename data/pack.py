@@ -19,6 +19,7 @@ writes its own skipped.jsonl beside them), never an error:
     empty_caption       the caption data/raw.py reads (the txt when there is one, else the json) is blank, or a
                         json without a caption field
     unreadable_caption  the caption is one data/raw.py's parse_caption refuses (not UTF-8, not text, bad json)
+    caption_too_large   a txt or json file over data/raw.py's MAX_CAPTION_BYTES (1 MiB): not read past the cap
     no_media            a caption file with no media file of its stem
     duplicate_caption   a second caption file of one stem and extension (`clip.txt` beside `clip.TXT`)
     unknown_extension   any other file
@@ -52,7 +53,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from data.index import CORPUS_FILE, INDEX_FILE, open_input
-from data.raw import IMAGE_EXTS, PARTS_DIR, SKIPPED_FILE, VIDEO_EXTS, UnreadableCaption, parse_caption
+from data.raw import (IMAGE_EXTS, MAX_CAPTION_BYTES, PARTS_DIR, SKIPPED_FILE, VIDEO_EXTS, CaptionTooLarge,
+                      UnreadableCaption, parse_caption)
 
 SHARD_PATTERN = "shard-%05d.tar"
 PACK_SKIPPED_FILE = "pack_skipped.jsonl"
@@ -201,7 +203,9 @@ def read_captions(root: str, group: Group) -> tuple[Optional[dict[str, bytes]], 
     members = {}
     for ext, rel in group.captions.items():
         try:
-            members[ext] = _read(root, rel)
+            members[ext] = _read(root, rel, MAX_CAPTION_BYTES)
+        except CaptionTooLarge as e:
+            return None, e.reason, f"{rel}: {e}"
         except OSError as e:
             return None, "unreadable", f"{rel}: {type(e).__name__}: {e}"
     ext = "txt" if "txt" in members else "json"
@@ -214,11 +218,15 @@ def read_captions(root: str, group: Group) -> tuple[Optional[dict[str, bytes]], 
     return members, "", ""
 
 
-def _read(root: str, rel: str) -> bytes:
+def _read(root: str, rel: str, limit: Optional[int] = None) -> bytes:
     """The bytes of root/rel, opened by open_input: a file swapped for a link out of root, or for a device or a fifo,
-    since the walk is refused (InputRefused, an OSError: skipped as unreadable)."""
+    since the walk is refused (InputRefused, an OSError: skipped as unreadable). Over `limit` bytes (captions):
+    CaptionTooLarge, after reading no more than limit + 1."""
     with os.fdopen(open_input(os.path.join(root, rel), root), "rb") as f:
-        return f.read()
+        data = f.read(-1 if limit is None else limit + 1)
+    if limit is not None and len(data) > limit:
+        raise CaptionTooLarge(f"over the {limit}-byte cap on captions")
+    return data
 
 
 # -- the output folder ------------------------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ a non-empty string. It is unreadable (UnreadableCaption, data/skipped_unreadable
 are not strict UTF-8 (a leading BOM is allowed), the json does not parse or is not an object, no caption field holds
 a string but one holds something else (a number, a list, an object), or the text holds a NUL character or more than
 MAX_CONTROL_SHARE of its characters are control characters (Unicode category Cc other than tab, newline, carriage
-return): binary bytes that happen to decode. It is missing (missing_caption) when there is no txt/json member or the
+return): binary bytes that happen to decode. A caption member over MAX_CAPTION_BYTES (1 MiB) is not read at all
+(CaptionTooLarge, data/skipped_caption_too_large), at indexing and at load. It is missing (missing_caption) when there is no txt/json member or the
 caption is empty or blank.
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ import json
 import logging
 import math
 import os
-import unicodedata
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Iterable, Mapping, Optional, Sequence, Union
@@ -59,6 +60,9 @@ SKIPPED_FILE = "skipped.jsonl"
 CLIP_MODES = ("random", "start", "centre")
 SHARD_REASONS = ("unreadable_shard", "link_outside", "not_regular")  # skips that count whole shards
 MAX_CONTROL_SHARE = 0.1  # a caption with more control characters than this is binary, not text
+MAX_CAPTION_BYTES = 1 << 20  # a txt/json member larger than this is not read (caption_too_large): text encoders
+                             # read a few hundred tokens, and checking 10 MB of text cost seconds at every load
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")  # Unicode category Cc but tab, newline, CR
 
 
 @dataclass
@@ -100,6 +104,17 @@ class MissingCaption(DecodeError):
 class UnreadableCaption(DecodeError):
     """A caption member that is not text (see the module docstring for the rule)."""
     reason = "unreadable_caption"
+
+
+class CaptionTooLarge(DecodeError):
+    """A caption member over MAX_CAPTION_BYTES: skipped unread."""
+    reason = "caption_too_large"
+
+
+def check_caption_size(size: int, ext: str) -> None:
+    """CaptionTooLarge when a caption member of `size` bytes is over MAX_CAPTION_BYTES (checked before reading it)."""
+    if size > MAX_CAPTION_BYTES:
+        raise CaptionTooLarge(f"the {ext} member holds {size} bytes, over the {MAX_CAPTION_BYTES}-byte cap on captions")
 
 
 # -- shards -----------------------------------------------------------------------------------------------------------
@@ -146,7 +161,7 @@ def _rel(path: str, root: str) -> str:
 def _check_text(text: str) -> str:
     if "\0" in text:
         raise UnreadableCaption("the caption holds NUL characters")
-    control = sum(unicodedata.category(c) == "Cc" and c not in "\t\n\r" for c in text)
+    control = len(_CONTROL.findall(text))
     if control > MAX_CONTROL_SHARE * len(text):
         raise UnreadableCaption(f"{control} of the caption's {len(text)} characters are control characters")
     return text.strip()
@@ -192,8 +207,9 @@ def probe_sample(path: str, key: str, members: Mapping[str, Sequence[int]]) -> t
     if cap_ext is None:
         return None, "missing_caption", "no txt or json member"
     try:
+        check_caption_size(members[cap_ext][1], cap_ext)
         caption, meta = parse_caption(read_range(path, *members[cap_ext]), cap_ext)
-    except UnreadableCaption as e:
+    except (UnreadableCaption, CaptionTooLarge) as e:
         return None, e.reason, str(e)
     if not caption:
         return None, "missing_caption", f"empty caption in {cap_ext}"
@@ -454,8 +470,10 @@ def select_raw(index: SampleIndex, buckets: Mapping[str, Bucket], cfg: RawConfig
 # -- loading ----------------------------------------------------------------------------------------------------------
 
 def read_caption(index: SampleIndex, row: int) -> str:
-    """The caption of a raw sample; UnreadableCaption or MissingCaption (both DecodeErrors) when it has none."""
+    """The caption of a raw sample; UnreadableCaption, CaptionTooLarge or MissingCaption (DecodeErrors) when it has
+    none."""
     r = index.records[row]
+    check_caption_size(r["members"][r["caption"]][1], r["caption"])
     caption, _ = parse_caption(index.read(row, r["caption"]), r["caption"])
     if not caption:
         raise MissingCaption("empty caption")

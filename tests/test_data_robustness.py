@@ -660,3 +660,23 @@ def test_a_resume_on_a_grown_index_is_refused_unless_forced_then_starts_a_new_ep
         assert json.load(f)["data"]["corpus"] == open_corpus(
             DataConfig(buckets={}, index=str(root)), bucket_table(cfg.data.buckets), cfg.model.in_channels,
             cfg.model.text_dim, seed=0).content_hash != saved["data"]["corpus"]
+
+
+def test_a_huge_caption_is_skipped_unread_at_indexing_and_at_load(tmp_path):
+    import time
+
+    from data.raw import MAX_CAPTION_BYTES
+
+    big = b"a long caption " * (2 * MAX_CAPTION_BYTES // 15)
+    samples = [(f"ok{i}", {"jpg": image(i), "txt": b"a photo"}) for i in range(3)]
+    write_tar(str(tmp_path / "shard-00000.tar"), samples + [("huge", {"jpg": image(9), "txt": big})])
+    index = index_corpus([str(tmp_path / "shard-00000.tar")], str(tmp_path), RAW, RawConfig())
+    assert [r["key"] for r in index.records] == ["ok0", "ok1", "ok2"]
+    assert select_raw(index, RAW, RawConfig())[1] == {"caption_too_large": 1}
+    rewrite_members(str(tmp_path), {("ok1", "txt"): big})  # a caption that grew after indexing
+    corpus = open_corpus(raw_cfg(index=str(tmp_path)), RAW, RC, RD, seed=0)
+    gid = next(g for g in range(len(corpus.bucket_of)) if corpus.key(g) == "ok1")
+    t0 = time.perf_counter()
+    item = corpus.read_checked(gid)
+    assert time.perf_counter() - t0 < 0.5 and item.gid != gid and item.b == "a photo"
+    assert corpus.skipped["caption_too_large"] == 2  # one at indexing, one at load
