@@ -21,7 +21,8 @@ unpickles: arrays are read with allow_pickle=False.
 Inputs are opened through `open_input` only: a path that is a link leading out of its folder (link_outside), or that
 is not a regular file (not_regular: a device such as /dev/zero, a fifo, a socket, a folder, a broken link) is refused
 with InputRefused before a byte of it is read, so that no target of such a link is ever read, logged or trained on,
-and no read blocks on a device or a fifo.
+and no read blocks on a device or a fifo. Files the tools write beside the shards go through `write_file`: whole or
+not at all, never through a link.
 """
 from __future__ import annotations
 
@@ -90,6 +91,24 @@ def open_input(path: str, folder: Optional[str] = None) -> int:
     return fd
 
 
+def write_file(path: str, data: bytes) -> None:
+    """Write `data` to `path` whole or not at all, never through a link: into a fresh `path.tmp` (any file or link
+    already under that name is removed first; O_EXCL | O_NOFOLLOW), then renamed over `path` (a link at `path` is
+    replaced, its target untouched)."""
+    tmp = path + ".tmp"
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def write_jsonl(path: str, rows, **dumps) -> None:
+    """One JSON object a line, written by write_file."""
+    write_file(path, "".join(json.dumps(r, **dumps) + "\n" for r in rows).encode("utf-8", "surrogateescape"))
+
+
 def read_json(path: str):
     """The JSON value in `path`; CorruptIndex naming the file when it does not parse."""
     try:
@@ -136,13 +155,10 @@ class SampleIndex:
 
     def save(self) -> None:
         os.makedirs(self.root, exist_ok=True)
-        tmp = os.path.join(self.root, INDEX_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            for r in self.records:
-                f.write(json.dumps(r, separators=(",", ":")) + "\n")
-        with open(os.path.join(self.root, CORPUS_FILE), "w") as f:
-            json.dump({"format": FORMAT, **self.meta, "num_records": len(self.records)}, f, indent=1)
-        os.replace(tmp, os.path.join(self.root, INDEX_FILE))  # the index appears last: its presence means complete
+        write_file(os.path.join(self.root, CORPUS_FILE),
+                   json.dumps({"format": FORMAT, **self.meta, "num_records": len(self.records)}, indent=1).encode())
+        # the index appears last: its presence means complete
+        write_jsonl(os.path.join(self.root, INDEX_FILE), self.records, separators=(",", ":"))
 
     def split(self, name: str) -> list[int]:
         return [i for i, r in enumerate(self.records) if r.get("split", "train") == name]

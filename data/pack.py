@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -52,7 +51,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from data.index import CORPUS_FILE, INDEX_FILE, open_input
+from data.index import CORPUS_FILE, INDEX_FILE, open_input, write_jsonl
 from data.raw import (IMAGE_EXTS, MAX_CAPTION_BYTES, PARTS_DIR, SKIPPED_FILE, VIDEO_EXTS, CaptionTooLarge,
                       UnreadableCaption, parse_caption)
 
@@ -302,9 +301,7 @@ def pack_folder(folder: str, out: str, maxcount: int = 10_000, maxsize: float = 
             writer.close()
     result.skipped = sorted(skipped, key=lambda k: k["path"])
     # surrogateescape: a file name that is not UTF-8 is written back as the bytes it has on disk
-    with open(os.path.join(out, PACK_SKIPPED_FILE), "w", encoding="utf-8", errors="surrogateescape") as f:
-        for k in result.skipped:
-            f.write(json.dumps(k, ensure_ascii=False) + "\n")
+    write_jsonl(os.path.join(out, PACK_SKIPPED_FILE), result.skipped, ensure_ascii=False)
     return result
 
 

@@ -57,17 +57,17 @@ def member_key(key: str, taken: set[str]) -> str:
 
 
 def _parts(out: str) -> list[dict]:
-    parts = []
-    for path in sorted(glob.glob(os.path.join(out, PARTS, "*.json"))):
-        with open(path) as f:
-            parts.append(json.load(f))
-    return parts
+    from data.index import read_json
+
+    return [read_json(path) for path in sorted(glob.glob(os.path.join(out, PARTS, "*.json")))]
 
 
 def _write_shard(path: str, samples: list[tuple[str, dict]]) -> dict:
     from data.index import tar_members
 
-    with tarfile.open(path + ".tmp", "w") as tar:
+    if os.path.lexists(path + ".tmp"):  # a killed run's, or a link planted there: never written through
+        os.remove(path + ".tmp")
+    with tarfile.open(path + ".tmp", "x") as tar:
         for key, members in samples:
             for ext, data in members.items():
                 info = tarfile.TarInfo(f"{key}.{ext}")
@@ -83,7 +83,7 @@ def precompute(data_cfg, buckets: dict, latent_channels: int, text_dim: int, see
     """Encode this rank's share into shards in `out`; rank 0 then writes the index. Returns counts."""
     import torch
 
-    from data.index import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, SampleIndex, npy_bytes
+    from data.index import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, SampleIndex, npy_bytes, write_file
     from data.loader import open_corpus, skip_reason
 
     deadline = time.time() + wait_s
@@ -122,9 +122,7 @@ def precompute(data_cfg, buckets: dict, latent_channels: int, text_dim: int, see
             r["shard"] = name
             r["members"] = {e: list(v) for e, v in members[r["key"]].items()}
         part = os.path.join(out, PARTS, f"w{world_size}-r{rank}-{shard_no:05d}.json")
-        with open(part + ".tmp", "w") as f:
-            json.dump({"records": pending_recs, "skipped": pending_skips}, f)
-        os.replace(part + ".tmp", part)  # the shard is done once its part exists
+        write_file(part, json.dumps({"records": pending_recs, "skipped": pending_skips}).encode())  # then it is done
         shard_no += 1
         pending, pending_recs, pending_skips, taken = [], [], [], set()
 
@@ -191,9 +189,11 @@ def precompute(data_cfg, buckets: dict, latent_channels: int, text_dim: int, see
     for r in records:
         first.setdefault(r["order"], r)
     records = [first[g] for g in sorted(first)]
-    torch.save(enc.empty_text.clone(), os.path.join(out, EMPTY_TEXT_FILE))
-    if enc.empty_pooled is not None:
-        torch.save(enc.empty_pooled.clone(), os.path.join(out, EMPTY_POOLED_FILE))
+    for name, t in ((EMPTY_TEXT_FILE, enc.empty_text), (EMPTY_POOLED_FILE, enc.empty_pooled)):
+        if t is not None:
+            buf = io.BytesIO()
+            torch.save(t.clone(), buf)
+            write_file(os.path.join(out, name), buf.getvalue())
     raw_index = corpus.indexes[0]
     meta = {"kind": "latent", "latent_channels": latent_channels, "text_dim": text_dim, "dtype": dtype,
             "writer": "scripts/precompute_latents.py", "source": raw_index.root, "seed": seed,

@@ -48,7 +48,7 @@ import numpy as np
 
 from data.buckets import Bucket
 from data.decode import DecodeError, decode_image, decode_video, probe_image, probe_video, usable_frames
-from data.index import CorruptIndex, SampleIndex, read_jsonl, read_range, scan_tar
+from data.index import CorruptIndex, SampleIndex, read_json, read_jsonl, read_range, scan_tar, write_file, write_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -341,9 +341,9 @@ def _stamp(shard: str) -> list:
 def _load_part(out_dir: str, shard: str, rel: str) -> Optional[dict]:
     """The saved probe results of a shard, if the shard has not changed since (size and mtime)."""
     try:
-        with open(_part_path(out_dir, rel)) as f:
-            part = json.load(f)
-        return part if part.get("shard") == rel and part.get("stamp") == _stamp(shard) else None
+        part = read_json(_part_path(out_dir, rel))
+        return part if isinstance(part, dict) and part.get("shard") == rel and part.get("stamp") == _stamp(shard) \
+            else None
     except (OSError, ValueError):
         return None
 
@@ -353,9 +353,7 @@ def _probe_and_save(args) -> dict:
     stamp = _stamp(shard)
     part = {"stamp": stamp, **probe_shard(shard, rel)}
     path = _part_path(out_dir, rel)
-    with open(path + ".tmp", "w") as f:
-        json.dump(part, f, separators=(",", ":"))
-    os.replace(path + ".tmp", path)  # a part appears whole or not at all: a killed run resumes from the parts
+    write_file(path, json.dumps(part, separators=(",", ":")).encode())  # whole or not at all: a killed run resumes
     return {"shard": rel, "records": len(part["records"]), "skipped": len(part["skipped"])}
 
 
@@ -391,10 +389,7 @@ def index_corpus(shards: Sequence[str], out_dir: str, buckets: Mapping[str, Buck
         records.extend(part["records"])
         skipped.extend({**k, "shard": r, "stage": "probe"} for k in part["skipped"])
     records, bucket_skips = bucket_records(records, buckets, cfg)
-    with open(os.path.join(out_dir, SKIPPED_FILE + ".tmp"), "w") as f:
-        for k in skipped + bucket_skips:
-            f.write(json.dumps(k) + "\n")
-    os.replace(os.path.join(out_dir, SKIPPED_FILE + ".tmp"), os.path.join(out_dir, SKIPPED_FILE))
+    write_jsonl(os.path.join(out_dir, SKIPPED_FILE), skipped + bucket_skips)
     meta = {"kind": "raw", "writer": "data/raw.py index_corpus", "shards": rels, "raw": asdict(cfg),
             "skipped": dict(Counter(k["reason"] for k in skipped)),
             "buckets": {n: {"frames": b.frames, "height": b.height, "width": b.width} for n, b in buckets.items()}}

@@ -513,6 +513,10 @@ def test_shards_that_link_out_of_their_folder_or_are_not_files_are_skipped_unrea
     os.mkfifo(corpus / "shard-00003.tar")                               # not_regular: opening it blocks
     shards = expand_urls(str(corpus / "shard-*.tar"))
     assert len(shards) == 4
+    victim = elsewhere / "victim.txt"  # links planted where the indexer writes: replaced, never written through
+    victim.write_text("keep me")
+    for name in ("skipped.jsonl", "corpus.json", "index.jsonl.tmp"):
+        os.symlink(victim, corpus / name)
     signal.signal(signal.SIGALRM, lambda *_: pytest.fail("indexing hung on a device or fifo shard"))
     signal.alarm(60)
     try:
@@ -521,6 +525,8 @@ def test_shards_that_link_out_of_their_folder_or_are_not_files_are_skipped_unrea
     finally:
         signal.alarm(0)
     assert [r["key"] for r in index.records] == ["ok0", "ok1"]
+    assert victim.read_text() == "keep me" and not any(os.path.islink(corpus / n) for n in ("skipped.jsonl",
+                                                                                           "corpus.json"))
     _, counts = select_raw(index, RAW, RawConfig())
     assert counts == {"link_outside": 2, "not_regular": 1}  # counts shards
     logged = " ".join(r.getMessage() for r in caplog.records)
