@@ -24,9 +24,10 @@ read in id order until one proves good; a bucket with none is left out of the pl
 Reasons (data/skipped_<reason>; one count per sample unless noted):
     at indexing (data/raw.py; listed in skipped.jsonl, counted when the corpus is opened)
     unreadable_shard    a shard with no readable tar member (not a tar, empty, no permission): counts shards
-    link_outside        a shard that is a link leading out of its folder, never opened: counts shards
-    not_regular         a shard that is not a regular file (a device, fifo, socket, broken link), never opened: counts
-                        shards
+    link_outside        a shard that is a link leading out of its folder, never opened: counts shards at indexing,
+                        samples when a shard is swapped for such a link after indexing
+    not_regular         a shard that is not a regular file (a device, fifo, socket, broken link), never opened: counted
+                        as link_outside is
     duplicate_key       a later sample of one tar with the key of an earlier one (the first is kept)
     corrupt_member      a member whose tar header is damaged
     truncated_shard     a member cut off by the end of its shard
@@ -78,7 +79,8 @@ import torch
 from data.batch import Batch, collate
 from data.buckets import Bucket
 from data.decode import DecodeError
-from data.index import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, SampleIndex, index_path, load_npy, read_meta
+from data.index import (EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, InputRefused, SampleIndex, index_path, load_npy,
+                        read_meta)
 from data.keys import keyed_generator
 from data.raw import RawConfig, clip_start, common_dir, ensure_raw_index, expand_urls, load_raw, select_raw
 from scheduling.planner import MicroBatch, SampleTable, StepPlan
@@ -100,8 +102,9 @@ class BadSample(ValueError):
 
 
 def skip_reason(e: BaseException) -> str:
-    """The data/skipped_<reason> an exception raised while reading a sample counts as."""
-    return e.reason if isinstance(e, (DecodeError, BadSample)) else "unreadable"
+    """The data/skipped_<reason> an exception raised while reading a sample counts as (a shard swapped for a link
+    out of its folder, or for a device, after indexing: link_outside, not_regular)."""
+    return e.reason if isinstance(e, (DecodeError, BadSample, InputRefused)) else "unreadable"
 
 
 class Item(NamedTuple):
