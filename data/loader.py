@@ -387,8 +387,10 @@ class LatentCorpus:
         pattern change it."""
         h = hashlib.sha256()
         for index in self.indexes:
-            h.update(json.dumps([[r["shard"], r["key"], r["kind"], r["bucket"], r.get("split", "train"),
-                                  r["members"]] for r in index.records], sort_keys=True).encode())
+            recs = index.records
+            for i in range(0, len(recs), 4096):  # in chunks: one string of a 10 M-sample index would take GBs
+                h.update(json.dumps([[r["shard"], r["key"], r["kind"], r["bucket"], r.get("split", "train"),
+                                      r["members"]] for r in recs[i:i + 4096]], sort_keys=True).encode())
             h.update(b"\n")
         return h.hexdigest()
 
