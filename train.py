@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from data.buckets import bucket_table
-from data.loader import Loader, merge_bad_states, open_corpus
+from data.loader import Loader, corpus_changed, merge_bad_states, open_corpus
 from models.build import build_parallel_model
 from models.flow_matching import FlowMatching
 from models.lora import has_lora, save_lora
@@ -143,6 +143,8 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str) -> dict:
     if ckpt:
         state = LoopState.from_meta(meta)
         bad = meta.get("data", {})  # placeholders were summed over ranks: one rank carries the sum on
+        if corpus_changed(corpus, bad, cfg.resume_force):  # another index: refused, or forced from a new epoch
+            state.epoch, state.pos = state.epoch + 1, 0
         corpus.restore_bad(bad if ctx.is_main else {"bad": bad.get("bad", [])})
 
     def checkpoint(diverged: bool = False) -> str:
@@ -197,7 +199,8 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str) -> dict:
     if state.step == 0:  # the starting point of the val/loss curve, and each bucket's batch size and tokens
         table = {f"schedule/{k}/{n}": v for n in corpus.bucket_names
                  for k, v in (("B", schedule.batch_sizes[n]), ("tokens", schedule.batch_sizes[n] * buckets[n].tokens))}
-        logger.log_metrics(0, {"samples_seen": 0, "tokens_seen": 0, "val/loss": validation_loss(parts, val_batches),
+        val = validation_loss(parts, val_batches)  # None: no readable held-out sample (Loader.val_batches warns)
+        logger.log_metrics(0, {"samples_seen": 0, "tokens_seen": 0, **({"val/loss": val} if val is not None else {}),
                                **table})
     while state.step < cfg.train.steps:
         t_step = time.perf_counter()
@@ -224,7 +227,8 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str) -> dict:
         if graphs is not None:
             m.update({"memory/graph_pool_gib": graphs.pool_bytes / 2**30, "perf/graph_replays": graphs.stats.replays})
         if state.step % cfg.train.val_every == 0 or state.step == cfg.train.steps:
-            m["val/loss"] = validation_loss(parts, val_batches)
+            if (val := validation_loss(parts, val_batches)) is not None:
+                m["val/loss"] = val
         if state.step % cfg.train.log_every == 0 or "val/loss" in m:
             logger.log_metrics(state.step, m)
         if sampler is not None and (state.step % cfg.train.sample_every == 0 or state.step == cfg.train.steps):

@@ -17,12 +17,19 @@ The planner never sees records, only the (id, bucket, S) arrays of `SampleTable`
 (a line that is not a JSON object with key/shard/members/kind/bucket, fewer lines than corpus.json counts, a
 corpus.json that is not a JSON object) raises CorruptIndex, a ValueError naming the file and line. Nothing here
 unpickles: arrays are read with allow_pickle=False.
+
+Inputs are opened through `open_input` only: a path that is a link leading out of its folder (link_outside), or that
+is not a regular file (not_regular: a device such as /dev/zero, a fifo, a socket, a folder, a broken link) is refused
+with InputRefused before a byte of it is read, so that no target of such a link is ever read, logged or trained on,
+and no read blocks on a device or a fifo. Files the tools write beside the shards go through `write_file`: whole or
+not at all, never through a link.
 """
 from __future__ import annotations
 
 import io
 import json
 import os
+import stat
 import tarfile
 import threading
 from dataclasses import dataclass, field
@@ -43,10 +50,69 @@ class CorruptIndex(ValueError):
     """A sample index (or a file beside it) that does not parse: truncated, or written by something else."""
 
 
+class InputRefused(OSError):
+    """An input path that is not read: a link leading out of its folder, or not a regular file (`reason`)."""
+
+    def __init__(self, reason: str, why: str):
+        super().__init__(why)
+        self.reason = reason
+
+
+def input_problem(path: str, folder: Optional[str] = None) -> Optional[tuple[str, str]]:
+    """(reason, why) when `path` must not be read as an input, else None; nothing of the path's target is read.
+
+    link_outside: the path resolves (through links) outside `folder` (default: the folder that holds the path);
+    not_regular: it is not a regular file (a device, a fifo, a socket, a folder, a broken link)."""
+    folder = os.path.realpath(folder if folder is not None else os.path.dirname(os.path.abspath(path)))
+    real = os.path.realpath(path)
+    if os.path.commonpath([real, folder]) != folder:
+        return "link_outside", f"{path} is a link that leads out of {folder}: not read"
+    try:
+        mode = os.stat(real).st_mode
+    except OSError as e:
+        return "not_regular", f"{path} cannot be opened ({type(e).__name__}; a broken link?)"
+    if not stat.S_ISREG(mode):
+        return "not_regular", f"{path} is not a regular file (a device, fifo, socket or folder): not read"
+    return None
+
+
+def open_input(path: str, folder: Optional[str] = None) -> int:
+    """A read-only descriptor of the regular file `path`, which lies in `folder` (default: its own folder) after
+    links are resolved; InputRefused otherwise. The resolved path is opened without following a link and without
+    blocking, and checked again on the descriptor, so a file swapped in between is refused too."""
+    problem = input_problem(path, folder)
+    if problem is not None:
+        raise InputRefused(*problem)
+    fd = os.open(os.path.realpath(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InputRefused("not_regular", f"{path} is not a regular file: not read")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def write_file(path: str, data: bytes) -> None:
+    """Write `data` to `path` whole or not at all, never through a link: into a fresh `path.tmp` (any file or link
+    already under that name is removed first; O_EXCL | O_NOFOLLOW), then renamed over `path` (a link at `path` is
+    replaced, its target untouched)."""
+    tmp = path + ".tmp"
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def write_jsonl(path: str, rows, **dumps) -> None:
+    """One JSON object a line, written by write_file."""
+    write_file(path, "".join(json.dumps(r, **dumps) + "\n" for r in rows).encode("utf-8", "surrogateescape"))
+
+
 def read_json(path: str):
     """The JSON value in `path`; CorruptIndex naming the file when it does not parse."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_input(path), "rb") as f:
             return json.loads(f.read().decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptIndex(f"{path} is not valid JSON ({e}): the file is truncated or corrupt") from None
@@ -55,7 +121,7 @@ def read_json(path: str):
 def read_jsonl(path: str, fields: tuple[str, ...] = ()) -> list[dict]:
     """One JSON object per non-blank line of `path`, each holding `fields`; CorruptIndex naming the line otherwise."""
     out = []
-    with open(path, "rb") as f:
+    with os.fdopen(open_input(path), "rb") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -89,13 +155,10 @@ class SampleIndex:
 
     def save(self) -> None:
         os.makedirs(self.root, exist_ok=True)
-        tmp = os.path.join(self.root, INDEX_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            for r in self.records:
-                f.write(json.dumps(r, separators=(",", ":")) + "\n")
-        with open(os.path.join(self.root, CORPUS_FILE), "w") as f:
-            json.dump({"format": FORMAT, **self.meta, "num_records": len(self.records)}, f, indent=1)
-        os.replace(tmp, os.path.join(self.root, INDEX_FILE))  # the index appears last: its presence means complete
+        write_file(os.path.join(self.root, CORPUS_FILE),
+                   json.dumps({"format": FORMAT, **self.meta, "num_records": len(self.records)}, indent=1).encode())
+        # the index appears last: its presence means complete
+        write_jsonl(os.path.join(self.root, INDEX_FILE), self.records, separators=(",", ":"))
 
     def split(self, name: str) -> list[int]:
         return [i for i, r in enumerate(self.records) if r.get("split", "train") == name]
@@ -137,7 +200,7 @@ class _FdCache(OrderedDict):
     def get_fd(self, path: str) -> int:
         fd = self.pop(path, None)
         if fd is None:
-            fd = os.open(path, os.O_RDONLY)
+            fd = open_input(path)
             while len(self) >= self.size:
                 os.close(self.popitem(last=False)[1])
         self[path] = fd
@@ -176,6 +239,8 @@ class TarScan:
     members: dict[str, dict[str, tuple[int, int]]]  # {key: {ext: (data offset, size)}}
     broken: dict[str, str]                          # {key: reason}: corrupt_member | truncated_shard
     error: Optional[str] = None                     # the whole shard is unreadable (not a tar, no permission)
+    reason: str = "unreadable_shard"                # why, when `error`: or link_outside, not_regular
+    duplicates: list[str] = field(default_factory=list)  # a key once per later sample that reuses it (skipped)
 
 
 def split_name(name: str) -> tuple[str, str]:
@@ -201,17 +266,26 @@ def scan_tar(path: str) -> TarScan:
     the bytes skipped between the end of one member and the next header are the corrupt member, named by the key its
     damaged header still shows. A shard cut short marks the members it cuts, and the last key, truncated_shard.
     A file in which no valid header is found at all (not a tar: random bytes, an empty file, an empty archive) is
-    unreadable as a whole (`error`): with ignore_zeros tarfile would otherwise read it as a tar of nothing.
+    unreadable as a whole (`error`): with ignore_zeros tarfile would otherwise read it as a tar of nothing; so is a
+    path open_input refuses (`reason` link_outside or not_regular), before anything is read.
+    A key that comes back after another key's members, or an extension seen twice in a row, starts a second sample
+    of that key: the first is kept and each later one is listed in `duplicates` (counted, never silently merged).
     """
     members: dict[str, dict[str, tuple[int, int]]] = {}
     broken: dict[str, str] = {}
     try:
-        size = os.path.getsize(path)
-        tar = tarfile.open(path, "r:", ignore_zeros=True)
+        f = os.fdopen(open_input(path), "rb")  # never a link out of its folder, a device or a fifo (it would hang)
+    except OSError as e:
+        return TarScan({}, {}, f"{type(e).__name__}: {e}", getattr(e, "reason", "unreadable_shard"))
+    try:
+        size = os.fstat(f.fileno()).st_size
+        tar = tarfile.open(fileobj=f, mode="r:", ignore_zeros=True)
     except (tarfile.TarError, OSError) as e:
+        f.close()
         return TarScan({}, {}, f"{type(e).__name__}: {e}")
     end, last_key, truncated = 0, None, False
-    with tar:
+    cur, dup, duplicates = None, False, []
+    with f, tar:
         it = iter(tar)
         while True:
             try:
@@ -229,6 +303,15 @@ def scan_tar(path: str) -> TarScan:
             if not m.isfile():
                 continue
             key, ext = split_name(m.name)
+            if key != cur:  # a sample is a run of consecutive members of one key (WebDataset's grouping)
+                cur, dup = key, key in members
+                if dup:  # the key of an earlier sample: the first one is kept, this one is counted
+                    duplicates.append(key)
+            elif not dup and ext in members[key]:  # the same extension twice in a row: a second sample
+                dup = True
+                duplicates.append(key)
+            if dup:
+                continue
             if m.offset_data + m.size > size:
                 broken[key], truncated = "truncated_shard", True
             members.setdefault(key, {})[ext] = (m.offset_data, m.size)
@@ -237,7 +320,7 @@ def scan_tar(path: str) -> TarScan:
         broken.setdefault(last_key, "truncated_shard")
     if not members and not broken:
         return TarScan({}, {}, f"no tar member found in its {size} bytes: not a tar file, or an empty archive")
-    return TarScan(members, broken)
+    return TarScan(members, broken, duplicates=duplicates)
 
 
 def tar_members(path: str) -> dict[str, dict[str, tuple[int, int]]]:

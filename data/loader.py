@@ -16,13 +16,19 @@ short read, an .npy that does not parse, a shape that does not match) is replace
 bucket and split in id order (at most SEARCH candidates), counted once as data/skipped_<reason>, logged with its key
 (the first LOG_KEYS_PER_REASON per reason) and never read again. Goodness is a property of the files (and of the
 epoch's clip of a video), so every rank and every resumed run makes the same choice; `bad_state` / `restore_bad`
-carry the bad set across a resume. When no replacement is found, a zero placeholder of the bucket's shape with loss
+carry the bad set across a resume. A sample is named by (source, shard, key) — `sample_id` — in the bad set: keys
+repeat across shards when two corpora share a folder. When no replacement is found, a zero placeholder of the bucket's shape with loss
 weight 0 goes in its place: a run never stops on data. At open, buckets of at most CHECK_AT_OPEN training samples are
 read in id order until one proves good; a bucket with none is left out of the plan, with a warning.
 
 Reasons (data/skipped_<reason>; one count per sample unless noted):
     at indexing (data/raw.py; listed in skipped.jsonl, counted when the corpus is opened)
     unreadable_shard    a shard with no readable tar member (not a tar, empty, no permission): counts shards
+    link_outside        a shard that is a link leading out of its folder, never opened: counts shards at indexing,
+                        samples when a shard is swapped for such a link after indexing
+    not_regular         a shard that is not a regular file (a device, fifo, socket, broken link), never opened: counted
+                        as link_outside is
+    duplicate_key       a later sample of one tar with the key of an earlier one (the first is kept)
     corrupt_member      a member whose tar header is damaged
     truncated_shard     a member cut off by the end of its shard
     no_media            no image or video member
@@ -39,6 +45,7 @@ Reasons (data/skipped_<reason>; one count per sample unless noted):
     at indexing or at load
     missing_caption     no txt/json member, or an empty caption
     unreadable_caption  a caption that is not text (the rule: data/raw.py module docstring)
+    caption_too_large   a caption member over data/raw.py's MAX_CAPTION_BYTES (1 MiB), never read
     at load (here, and in scripts/precompute_latents.py)
     decode_error        media whose header reads but whose data does not decode (a truncated mp4 or jpg)
     unreadable          a member that cannot be read or parsed (a short read from a shard cut after indexing, not an
@@ -50,9 +57,14 @@ Reasons (data/skipped_<reason>; one count per sample unless noted):
     events
     placeholder         a planned sample trained as a zero placeholder (loss weight 0): counts occurrences
     empty_bucket        a bucket left out of the plan at open (no readable training sample): counts buckets
+    empty_val_bucket    a bucket whose held-out samples all fail to read, left out of val/loss: counts buckets (per
+                        process that builds the validation batches)
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
 import os
 import threading
@@ -67,7 +79,8 @@ import torch
 from data.batch import Batch, collate
 from data.buckets import Bucket
 from data.decode import DecodeError
-from data.index import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, SampleIndex, index_path, load_npy, read_meta
+from data.index import (EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, InputRefused, SampleIndex, index_path, load_npy,
+                        read_meta)
 from data.keys import keyed_generator
 from data.raw import RawConfig, clip_start, common_dir, ensure_raw_index, expand_urls, load_raw, select_raw
 from scheduling.planner import MicroBatch, SampleTable, StepPlan
@@ -89,8 +102,9 @@ class BadSample(ValueError):
 
 
 def skip_reason(e: BaseException) -> str:
-    """The data/skipped_<reason> an exception raised while reading a sample counts as."""
-    return e.reason if isinstance(e, (DecodeError, BadSample)) else "unreadable"
+    """The data/skipped_<reason> an exception raised while reading a sample counts as (a shard swapped for a link
+    out of its folder, or for a device, after indexing: link_outside, not_regular)."""
+    return e.reason if isinstance(e, (DecodeError, BadSample, InputRefused)) else "unreadable"
 
 
 class Item(NamedTuple):
@@ -242,6 +256,13 @@ class LatentCorpus:
         s, row = self._where[gid]
         return f"{s}/{self.indexes[s].records[row]['key']}" if len(self.indexes) > 1 else self.indexes[s].records[row]["key"]
 
+    def sample_id(self, gid: int) -> tuple[int, str, str]:
+        """(source number, shard, key): what names a sample uniquely. A key alone does not: two corpora written into
+        one folder repeat keys across shards, so bad sets and counts go by this."""
+        s, row = self._where[gid]
+        rec = self.indexes[s].records[row]
+        return s, rec["shard"], rec["key"]
+
     def is_raw(self, gid: int) -> bool:
         return self.record(gid)["kind"] != "latent"
 
@@ -311,13 +332,18 @@ class LatentCorpus:
     def read_checked(self, gid: int, epoch: int = 0) -> Item:
         """gid's Item or, when it is bad, the next good sample of its bucket and split in id order (SEARCH tried);
         when none reads, a placeholder. Never raises on data."""
+        item = self.find_readable(gid, epoch)
+        return item if item is not None else self.placeholder(gid)
+
+    def find_readable(self, gid: int, epoch: int = 0) -> Optional[Item]:
+        """gid's Item, or the next good sample's of its bucket and split in id order (SEARCH tried); None if none."""
         same = self._same(gid)
         start = int(np.searchsorted(same, gid))
         for k in range(min(len(same), SEARCH)):
             item = self._try(int(same[(start + k) % len(same)]), epoch)
             if item is not None:
                 return item
-        return self.placeholder(gid)
+        return None
 
     def load_checked(self, gid: int, epoch: int = 0):
         """(id, *load(id)) of read_checked: gid or its replacement."""
@@ -353,34 +379,87 @@ class LatentCorpus:
                         "; further samples skipped for this reason are only counted" if n == LOG_KEYS_PER_REASON
                         else "")
 
+    @functools.cached_property
+    def content_hash(self) -> str:
+        """SHA-256 of every source's records in order — shard, key, kind, bucket, split and member offsets — which
+        the epoch's table, the held-out split and every read are functions of (with the config, which the resume
+        check compares apart). Not the glob or folder that named them: shards added under the same data.urls
+        pattern change it."""
+        h = hashlib.sha256()
+        for index in self.indexes:
+            recs = index.records
+            for i in range(0, len(recs), 4096):  # in chunks: one string of a 10 M-sample index would take GBs
+                h.update(json.dumps([[r["shard"], r["key"], r["kind"], r["bucket"], r.get("split", "train"),
+                                      r["members"]] for r in recs[i:i + 4096]], sort_keys=True).encode())
+            h.update(b"\n")
+        return h.hexdigest()
+
     def bad_state(self) -> dict:
-        """What a resumed run needs to neither recount nor retry known-bad samples (JSON-serialisable):
-        {"skipped": counts by reason, "bad": [[key, reason], ...] sorted by key}."""
+        """What a resumed run needs to neither recount nor retry known-bad samples, and to know it reads the same
+        corpus (JSON-serialisable): {"skipped": counts by reason, "bad": [[source, shard, key, reason], ...] sorted,
+        "corpus": content_hash}."""
         with self._lock:
-            bad = sorted([self.key(g), r] for g, r in self._bad.items())
-        return {"skipped": {r: int(n) for r, n in self.skipped.items()}, "bad": bad}
+            bad = sorted([*self.sample_id(g), r] for g, r in self._bad.items())
+        return {"skipped": {r: int(n) for r, n in self.skipped.items()}, "bad": bad, "corpus": self.content_hash}
 
     def restore_bad(self, state: dict) -> None:
-        """Take back a bad_state: its bad samples are known bad here too (keys this corpus lacks are ignored), and
-        its placeholder count continues. The other counts follow from the bad set and this corpus' index, so a
-        sample is never counted twice; empty_bucket stays this open's."""
-        gid_of = {self.key(g): g for g in range(len(self._where))}
+        """Take back a bad_state: its bad samples are known bad here too (samples this corpus lacks are ignored),
+        and its placeholder count continues. The other counts follow from the bad set and this corpus' index, so a
+        sample is never counted twice; empty_bucket stays this open's. A sample is matched by (source, shard, key);
+        an entry of an older checkpoint, [key, reason], only where that key names one sample here (a key that two
+        shards share is retried rather than risk banning its good twin)."""
+        gid_of = {self.sample_id(g): g for g in range(len(self._where))}
+        by_key: dict[str, list[int]] = {}
+        for g in range(len(self._where)):
+            by_key.setdefault(self.key(g), []).append(g)
         with self._lock:
-            for key, reason in state.get("bad", []):
-                if key in gid_of:
-                    self._bad.setdefault(gid_of[key], reason)
+            for entry in state.get("bad", []):
+                *ident, reason = entry
+                if len(ident) == 1:
+                    gids = by_key.get(ident[0], [])
+                    gid = gids[0] if len(gids) == 1 else None
+                else:
+                    gid = gid_of.get(tuple(ident))
+                if gid is not None:
+                    self._bad.setdefault(gid, reason)
             self._events["placeholder"] += int(state.get("skipped", {}).get("placeholder", 0))
 
 
 def merge_bad_states(states: Sequence[dict]) -> dict:
     """One bad_state from every rank's: the union of their bad samples (each rank reads other samples) and the sum
     of their placeholders; restore_bad rebuilds the other counts from the union, so nothing is counted twice."""
-    bad: dict[str, str] = {}
+    bad: dict[tuple, str] = {}
     for st in states:
-        for key, reason in st.get("bad", []):
-            bad.setdefault(key, reason)
+        for *ident, reason in st.get("bad", []):
+            bad.setdefault(tuple(ident), reason)
     placeholders = sum(int(st.get("skipped", {}).get("placeholder", 0)) for st in states)
-    return {"skipped": {"placeholder": placeholders} if placeholders else {}, "bad": sorted(map(list, bad.items()))}
+    out = {"skipped": {"placeholder": placeholders} if placeholders else {},
+           "bad": sorted([*ident, reason] for ident, reason in bad.items())}
+    hashes = {st["corpus"] for st in states if st.get("corpus")}
+    assert len(hashes) <= 1, f"the ranks read different corpora: {sorted(hashes)}"
+    if hashes:
+        out["corpus"] = hashes.pop()
+    return out
+
+
+def corpus_changed(corpus: LatentCorpus, state: dict, force: bool) -> bool:
+    """Whether a resume reads another corpus than the checkpoint's `state` (its bad_state) was written on: False
+    when the content hashes agree, or the checkpoint predates them. A different corpus — shards added, removed or
+    re-indexed, even under the same data.urls pattern — is refused (ValueError: the saved plan position indexes
+    another permutation, so the epoch would no longer cover each sample once) unless `force`; then True, with a
+    warning: the caller starts a new epoch."""
+    saved = state.get("corpus")
+    if not saved or saved == corpus.content_hash:
+        return False
+    what = (f"the checkpoint was trained on a corpus whose index hashes to {saved[:16]}, this one hashes to "
+            f"{corpus.content_hash[:16]} ({sum(len(ix.records) for ix in corpus.indexes)} samples): shards were added, "
+            f"removed or re-indexed since")
+    if not force:
+        raise ValueError(f"resume refused: {what}. Its saved position indexes another permutation, so the epoch would "
+                         f"not cover each sample once. Resume on the corpus it was trained on, start a new run "
+                         f"(another name), or set resume_force=true to go on with this corpus from a new epoch.")
+    log.warning("resume_force: %s; starting a new epoch on this corpus", what)
+    return True
 
 
 def _sources(data_cfg) -> Optional[list[tuple[str, dict]]]:
@@ -583,19 +662,29 @@ class Loader:
 
     def val_batches(self, max_B: int = 8) -> list[Batch]:
         """The fixed held-out samples, grouped by bucket (no caption dropout; clips placed as in epoch 0). A held-out
-        sample with no readable replacement is left out (validation averages every sample it is given)."""
+        sample with no readable replacement is left out (validation averages every sample it is given); a bucket
+        none of whose held-out samples reads is warned about and counted (data/skipped_empty_val_bucket), and when
+        no held-out sample reads at all, a warning says that no val/loss will be logged (never a 0.0)."""
         by_bucket: dict[int, list[int]] = {}
         for gid in self.corpus.val_ids:
             by_bucket.setdefault(int(self.corpus.bucket_of[gid]), []).append(gid)
         out = []
         for b, gids in sorted(by_bucket.items()):
+            n_before = len(out)
             for i in range(0, len(gids), max_B):
                 chunk = tuple(gids[i:i + max_B])
-                mb = MicroBatch(b, chunk, (1.0,) * len(chunk), int(self.corpus.S_of[chunk[0]]), 0.0)
-                items = [it for it in self._read(mb, 0) if not it.placeholder]
+                S = int(self.corpus.S_of[chunk[0]])
+                # no placeholder here: validation leaves an unreadable sample out and trains nothing in its place
+                items = [it for it in map(self.corpus.find_readable, chunk) if it is not None]
                 if items:
-                    mb = MicroBatch(b, tuple(it.gid for it in items), (1.0,) * len(items), mb.S, 0.0)
+                    mb = MicroBatch(b, tuple(it.gid for it in items), (1.0,) * len(items), S, 0.0)
                     out.append(self._assemble(mb, items, 0, drop=False))
+            if len(out) == n_before:
+                self.corpus._note("empty_val_bucket", gids[0], f"none of the {len(gids)} held-out samples of bucket "
+                                  f"{self.corpus.bucket_names[b]} reads: val/loss leaves the bucket out")
+        if not out:
+            log.warning("no held-out sample is readable (%d tried; skipped so far: %s): val/loss is not logged",
+                        len(self.corpus.val_ids), dict(self.corpus.skipped))
         return out
 
     def close(self) -> None:

@@ -19,16 +19,20 @@ writes its own skipped.jsonl beside them), never an error:
     empty_caption       the caption data/raw.py reads (the txt when there is one, else the json) is blank, or a
                         json without a caption field
     unreadable_caption  the caption is one data/raw.py's parse_caption refuses (not UTF-8, not text, bad json)
+    caption_too_large   a txt or json file over data/raw.py's MAX_CAPTION_BYTES (1 MiB): not read past the cap
     no_media            a caption file with no media file of its stem
     duplicate_caption   a second caption file of one stem and extension (`clip.txt` beside `clip.TXT`)
     unknown_extension   any other file
     empty_file          a media file of 0 bytes
     unreadable          a file or folder that cannot be read: no permission, a broken link, not a regular file
     hidden              a file or folder whose name starts with "." (.DS_Store, macOS' ._clip.mp4, .git)
-    link_outside        a link to a folder outside the packed folder (not followed: no escaping the folder)
+    link_outside        a link to a file or folder outside the packed folder (not followed, nothing of it read:
+                        no escaping the folder, so a linked ~/.ssh/id_rsa never lands in a shard or a log)
     link_loop           a link to a folder inside the packed folder, or to one already linked (not followed: no
                         loops, no sample twice)
-Links to files are followed wherever they point. An output folder inside the packed folder is not walked.
+Links to files inside the folder are followed. Every file is opened by data/index.py's open_input, so a file swapped
+for an outside link or a device after the walk is refused too. An output folder inside the packed folder is not
+walked.
 
 Shards. `webdataset.ShardWriter` with pax tar headers (keys of any length and script): a shard is closed once it
 holds `maxcount` samples or `maxsize` bytes of members, so a shard may pass maxsize by its last sample. Members
@@ -40,7 +44,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -48,8 +51,9 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from data.index import CORPUS_FILE, INDEX_FILE
-from data.raw import IMAGE_EXTS, PARTS_DIR, SKIPPED_FILE, VIDEO_EXTS, UnreadableCaption, parse_caption
+from data.index import CORPUS_FILE, INDEX_FILE, open_input, write_jsonl
+from data.raw import (IMAGE_EXTS, MAX_CAPTION_BYTES, PARTS_DIR, SKIPPED_FILE, VIDEO_EXTS, CaptionTooLarge,
+                      UnreadableCaption, parse_caption)
 
 SHARD_PATTERN = "shard-%05d.tar"
 PACK_SKIPPED_FILE = "pack_skipped.jsonl"
@@ -120,6 +124,9 @@ def walk_files(root: str, exclude: Optional[str] = None) -> tuple[list[str], lis
                 else:
                     seen.add(real)
                     stack.append(e.path)
+            elif e.is_symlink() and os.path.commonpath([os.path.realpath(e.path), root_real]) != root_real:
+                # checked before any stat of the target: nothing outside the folder is read, not even its kind
+                skipped.append(_skip(rel, "link_outside", "a link to a file outside the folder (not read)"))
             elif _is_file(e):
                 files.append(rel)
             else:
@@ -195,7 +202,9 @@ def read_captions(root: str, group: Group) -> tuple[Optional[dict[str, bytes]], 
     members = {}
     for ext, rel in group.captions.items():
         try:
-            members[ext] = _read(root, rel)
+            members[ext] = _read(root, rel, MAX_CAPTION_BYTES)
+        except CaptionTooLarge as e:
+            return None, e.reason, f"{rel}: {e}"
         except OSError as e:
             return None, "unreadable", f"{rel}: {type(e).__name__}: {e}"
     ext = "txt" if "txt" in members else "json"
@@ -208,9 +217,15 @@ def read_captions(root: str, group: Group) -> tuple[Optional[dict[str, bytes]], 
     return members, "", ""
 
 
-def _read(root: str, rel: str) -> bytes:
-    with open(os.path.join(root, rel), "rb") as f:
-        return f.read()
+def _read(root: str, rel: str, limit: Optional[int] = None) -> bytes:
+    """The bytes of root/rel, opened by open_input: a file swapped for a link out of root, or for a device or a fifo,
+    since the walk is refused (InputRefused, an OSError: skipped as unreadable). Over `limit` bytes (captions):
+    CaptionTooLarge, after reading no more than limit + 1."""
+    with os.fdopen(open_input(os.path.join(root, rel), root), "rb") as f:
+        data = f.read(-1 if limit is None else limit + 1)
+    if limit is not None and len(data) > limit:
+        raise CaptionTooLarge(f"over the {limit}-byte cap on captions")
+    return data
 
 
 # -- the output folder ------------------------------------------------------------------------------------------------
@@ -286,9 +301,7 @@ def pack_folder(folder: str, out: str, maxcount: int = 10_000, maxsize: float = 
             writer.close()
     result.skipped = sorted(skipped, key=lambda k: k["path"])
     # surrogateescape: a file name that is not UTF-8 is written back as the bytes it has on disk
-    with open(os.path.join(out, PACK_SKIPPED_FILE), "w", encoding="utf-8", errors="surrogateescape") as f:
-        for k in result.skipped:
-            f.write(json.dumps(k, ensure_ascii=False) + "\n")
+    write_jsonl(os.path.join(out, PACK_SKIPPED_FILE), result.skipped, ensure_ascii=False)
     return result
 
 

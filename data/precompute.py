@@ -13,14 +13,23 @@ order, so the planner sees the same table), corpus.json and empty_text.pt (empty
 pools); a rerun over a finished --out only rewrites those, which is how a lost empty_text.pt is made again. Samples
 that fail to read or decode (any exception, by the reasons of data/loader.py), or encode to NaN/Inf, are left out
 and counted in corpus.json's "skipped".
+
+Member names. A raw key is a tar member's path, which another tool may have written as `../../x` or `/etc/x`: a
+latent shard stores a sample under `member_key(key)`, the key itself when every `/`-separated part is a plain name
+(letters, digits, `_`, `-`), else the key with each other run of characters replaced by `_` and 8 hex digits of its
+SHA-1 appended; a key already in the shard gets the digest too. So no member of a latent shard climbs out of the
+folder it is extracted into, and two raw samples of one key (from two shards) stay two samples. The record's `json`
+member keeps the raw shard and key (`source`).
 """
 from __future__ import annotations
 
 import glob
+import hashlib
 import io
 import json
 import logging
 import os
+import re
 import tarfile
 import time
 from collections import Counter
@@ -29,20 +38,36 @@ import numpy as np
 
 PARTS = ".precompute_parts"
 log = logging.getLogger("precompute")
+_NOT_NAME = re.compile(r"[^\w\-]+")
+
+
+def member_key(key: str, taken: set[str]) -> str:
+    """The key a latent shard stores raw `key` under (rule in the module docstring); adds it to `taken`."""
+    parts = key.split("/")
+    if all(p and not _NOT_NAME.search(p) for p in parts) and key not in taken:
+        taken.add(key)
+        return key
+    digest = hashlib.sha1(key.encode("utf-8", "surrogateescape")).hexdigest()[:8]
+    base, out, n = _NOT_NAME.sub("_", key).strip("_") or "_", None, 1
+    while out is None or out in taken:
+        out = f"{base}_{digest}" + (f"_{n}" if n > 1 else "")
+        n += 1
+    taken.add(out)
+    return out
 
 
 def _parts(out: str) -> list[dict]:
-    parts = []
-    for path in sorted(glob.glob(os.path.join(out, PARTS, "*.json"))):
-        with open(path) as f:
-            parts.append(json.load(f))
-    return parts
+    from data.index import read_json
+
+    return [read_json(path) for path in sorted(glob.glob(os.path.join(out, PARTS, "*.json")))]
 
 
 def _write_shard(path: str, samples: list[tuple[str, dict]]) -> dict:
     from data.index import tar_members
 
-    with tarfile.open(path + ".tmp", "w") as tar:
+    if os.path.lexists(path + ".tmp"):  # a killed run's, or a link planted there: never written through
+        os.remove(path + ".tmp")
+    with tarfile.open(path + ".tmp", "x") as tar:
         for key, members in samples:
             for ext, data in members.items():
                 info = tarfile.TarInfo(f"{key}.{ext}")
@@ -58,7 +83,7 @@ def precompute(data_cfg, buckets: dict, latent_channels: int, text_dim: int, see
     """Encode this rank's share into shards in `out`; rank 0 then writes the index. Returns counts."""
     import torch
 
-    from data.index import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, SampleIndex, npy_bytes
+    from data.index import EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, SampleIndex, npy_bytes, write_file
     from data.loader import open_corpus, skip_reason
 
     deadline = time.time() + wait_s
@@ -85,9 +110,10 @@ def precompute(data_cfg, buckets: dict, latent_channels: int, text_dim: int, see
     pending: list[tuple[str, dict]] = []
     pending_recs: list[dict] = []
     pending_skips: list[dict] = []
+    taken: set[str] = set()  # the member keys of the shard being filled
 
     def flush():
-        nonlocal shard_no, pending, pending_recs, pending_skips
+        nonlocal shard_no, pending, pending_recs, pending_skips, taken
         if not pending and not pending_skips:
             return
         name = f"latents-w{world_size}-r{rank}-{shard_no:05d}.tar"
@@ -96,11 +122,9 @@ def precompute(data_cfg, buckets: dict, latent_channels: int, text_dim: int, see
             r["shard"] = name
             r["members"] = {e: list(v) for e, v in members[r["key"]].items()}
         part = os.path.join(out, PARTS, f"w{world_size}-r{rank}-{shard_no:05d}.json")
-        with open(part + ".tmp", "w") as f:
-            json.dump({"records": pending_recs, "skipped": pending_skips}, f)
-        os.replace(part + ".tmp", part)  # the shard is done once its part exists
+        write_file(part, json.dumps({"records": pending_recs, "skipped": pending_skips}).encode())  # then it is done
         shard_no += 1
-        pending, pending_recs, pending_skips = [], [], []
+        pending, pending_recs, pending_skips, taken = [], [], [], set()
 
     by_bucket: dict[int, list[int]] = {}
     for g in mine:
@@ -136,8 +160,9 @@ def precompute(data_cfg, buckets: dict, latent_channels: int, text_dim: int, see
                                                "source": f"{rec_raw['shard']}:{rec_raw['key']}"}).encode()}
                 if text.pooled is not None:
                     members["pooled.npy"] = npy_bytes(text.pooled[n].numpy())
-                pending.append((rec_raw["key"], members))
-                pending_recs.append({"key": rec_raw["key"], "kind": "latent", "latent": list(latent.shape),
+                key = member_key(rec_raw["key"], taken)
+                pending.append((key, members))
+                pending_recs.append({"key": key, "kind": "latent", "latent": list(latent.shape),
                                      "bucket": rec_raw["bucket"], "S": rec_raw["S"], "L_text": int(e.shape[0]),
                                      "split": rec_raw.get("split", "train"), "order": g})
                 written += 1
@@ -164,9 +189,11 @@ def precompute(data_cfg, buckets: dict, latent_channels: int, text_dim: int, see
     for r in records:
         first.setdefault(r["order"], r)
     records = [first[g] for g in sorted(first)]
-    torch.save(enc.empty_text.clone(), os.path.join(out, EMPTY_TEXT_FILE))
-    if enc.empty_pooled is not None:
-        torch.save(enc.empty_pooled.clone(), os.path.join(out, EMPTY_POOLED_FILE))
+    for name, t in ((EMPTY_TEXT_FILE, enc.empty_text), (EMPTY_POOLED_FILE, enc.empty_pooled)):
+        if t is not None:
+            buf = io.BytesIO()
+            torch.save(t.clone(), buf)
+            write_file(os.path.join(out, name), buf.getvalue())
     raw_index = corpus.indexes[0]
     meta = {"kind": "latent", "latent_channels": latent_channels, "text_dim": text_dim, "dtype": dtype,
             "writer": "scripts/precompute_latents.py", "source": raw_index.root, "seed": seed,

@@ -27,7 +27,8 @@ a non-empty string. It is unreadable (UnreadableCaption, data/skipped_unreadable
 are not strict UTF-8 (a leading BOM is allowed), the json does not parse or is not an object, no caption field holds
 a string but one holds something else (a number, a list, an object), or the text holds a NUL character or more than
 MAX_CONTROL_SHARE of its characters are control characters (Unicode category Cc other than tab, newline, carriage
-return): binary bytes that happen to decode. It is missing (missing_caption) when there is no txt/json member or the
+return): binary bytes that happen to decode. A caption member over MAX_CAPTION_BYTES (1 MiB) is not read at all
+(CaptionTooLarge, data/skipped_caption_too_large), at indexing and at load. It is missing (missing_caption) when there is no txt/json member or the
 caption is empty or blank.
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ import json
 import logging
 import math
 import os
-import unicodedata
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Iterable, Mapping, Optional, Sequence, Union
@@ -47,7 +48,7 @@ import numpy as np
 
 from data.buckets import Bucket
 from data.decode import DecodeError, decode_image, decode_video, probe_image, probe_video, usable_frames
-from data.index import CorruptIndex, SampleIndex, read_jsonl, read_range, scan_tar
+from data.index import CorruptIndex, SampleIndex, read_json, read_jsonl, read_range, scan_tar, write_file, write_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,11 @@ CAPTION_FIELDS = ("caption", "text", "prompt", "txt")
 PARTS_DIR = ".index_parts"
 SKIPPED_FILE = "skipped.jsonl"
 CLIP_MODES = ("random", "start", "centre")
+SHARD_REASONS = ("unreadable_shard", "link_outside", "not_regular")  # skips that count whole shards
 MAX_CONTROL_SHARE = 0.1  # a caption with more control characters than this is binary, not text
+MAX_CAPTION_BYTES = 1 << 20  # a txt/json member larger than this is not read (caption_too_large): text encoders
+                             # read a few hundred tokens, and checking 10 MB of text cost seconds at every load
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")  # Unicode category Cc but tab, newline, CR
 
 
 @dataclass
@@ -99,6 +104,17 @@ class MissingCaption(DecodeError):
 class UnreadableCaption(DecodeError):
     """A caption member that is not text (see the module docstring for the rule)."""
     reason = "unreadable_caption"
+
+
+class CaptionTooLarge(DecodeError):
+    """A caption member over MAX_CAPTION_BYTES: skipped unread."""
+    reason = "caption_too_large"
+
+
+def check_caption_size(size: int, ext: str) -> None:
+    """CaptionTooLarge when a caption member of `size` bytes is over MAX_CAPTION_BYTES (checked before reading it)."""
+    if size > MAX_CAPTION_BYTES:
+        raise CaptionTooLarge(f"the {ext} member holds {size} bytes, over the {MAX_CAPTION_BYTES}-byte cap on captions")
 
 
 # -- shards -----------------------------------------------------------------------------------------------------------
@@ -145,7 +161,7 @@ def _rel(path: str, root: str) -> str:
 def _check_text(text: str) -> str:
     if "\0" in text:
         raise UnreadableCaption("the caption holds NUL characters")
-    control = sum(unicodedata.category(c) == "Cc" and c not in "\t\n\r" for c in text)
+    control = len(_CONTROL.findall(text))
     if control > MAX_CONTROL_SHARE * len(text):
         raise UnreadableCaption(f"{control} of the caption's {len(text)} characters are control characters")
     return text.strip()
@@ -191,8 +207,9 @@ def probe_sample(path: str, key: str, members: Mapping[str, Sequence[int]]) -> t
     if cap_ext is None:
         return None, "missing_caption", "no txt or json member"
     try:
+        check_caption_size(members[cap_ext][1], cap_ext)
         caption, meta = parse_caption(read_range(path, *members[cap_ext]), cap_ext)
-    except UnreadableCaption as e:
+    except (UnreadableCaption, CaptionTooLarge) as e:
         return None, e.reason, str(e)
     if not caption:
         return None, "missing_caption", f"empty caption in {cap_ext}"
@@ -230,15 +247,19 @@ def _number(x) -> float:
 
 def probe_shard(path: str, rel: str) -> dict:
     """One shard's part of the index: records (without bucket) and skipped samples, in tar order. A shard that is not
-    a readable tar is one skipped entry (unreadable_shard, its path as the key); a sample whose probe fails in a way
-    the probe does not name is skipped as unreadable."""
+    a readable tar is one skipped entry (unreadable_shard, its path as the key), as is one that is a link leading out
+    of its folder (link_outside) or not a regular file (not_regular: never opened); a sample whose probe fails in a
+    way the probe does not name is skipped as unreadable; a later sample reusing a key of the tar, duplicate_key."""
     scan = scan_tar(path)
     part: dict = {"shard": rel, "records": [], "skipped": []}
     if scan.error:
-        part["skipped"].append({"key": f"<shard {rel}>", "reason": "unreadable_shard", "why": f"{path}: {scan.error}"})
+        part["skipped"].append({"key": f"<shard {rel}>", "reason": scan.reason, "why": f"{path}: {scan.error}"})
         return part
     for key, reason in scan.broken.items():
         part["skipped"].append({"key": key, "reason": reason, "why": "seen in the tar headers"})
+    for key in scan.duplicates:
+        part["skipped"].append({"key": key, "reason": "duplicate_key", "why": "a later sample of this tar with the "
+                                                                              "key of an earlier one (the first is kept)"})
     for key, members in scan.members.items():
         if key in scan.broken:
             continue
@@ -310,16 +331,19 @@ def _part_path(out_dir: str, rel: str) -> str:
 
 
 def _stamp(shard: str) -> list:
-    st = os.stat(shard)
+    try:
+        st = os.stat(shard)
+    except OSError:  # a broken link: probed (and skipped as not_regular) like any other shard
+        return [-1, -1]
     return [st.st_size, st.st_mtime_ns]
 
 
 def _load_part(out_dir: str, shard: str, rel: str) -> Optional[dict]:
     """The saved probe results of a shard, if the shard has not changed since (size and mtime)."""
     try:
-        with open(_part_path(out_dir, rel)) as f:
-            part = json.load(f)
-        return part if part.get("shard") == rel and part.get("stamp") == _stamp(shard) else None
+        part = read_json(_part_path(out_dir, rel))
+        return part if isinstance(part, dict) and part.get("shard") == rel and part.get("stamp") == _stamp(shard) \
+            else None
     except (OSError, ValueError):
         return None
 
@@ -329,9 +353,7 @@ def _probe_and_save(args) -> dict:
     stamp = _stamp(shard)
     part = {"stamp": stamp, **probe_shard(shard, rel)}
     path = _part_path(out_dir, rel)
-    with open(path + ".tmp", "w") as f:
-        json.dump(part, f, separators=(",", ":"))
-    os.replace(path + ".tmp", path)  # a part appears whole or not at all: a killed run resumes from the parts
+    write_file(path, json.dumps(part, separators=(",", ":")).encode())  # whole or not at all: a killed run resumes
     return {"shard": rel, "records": len(part["records"]), "skipped": len(part["skipped"])}
 
 
@@ -367,10 +389,7 @@ def index_corpus(shards: Sequence[str], out_dir: str, buckets: Mapping[str, Buck
         records.extend(part["records"])
         skipped.extend({**k, "shard": r, "stage": "probe"} for k in part["skipped"])
     records, bucket_skips = bucket_records(records, buckets, cfg)
-    with open(os.path.join(out_dir, SKIPPED_FILE + ".tmp"), "w") as f:
-        for k in skipped + bucket_skips:
-            f.write(json.dumps(k) + "\n")
-    os.replace(os.path.join(out_dir, SKIPPED_FILE + ".tmp"), os.path.join(out_dir, SKIPPED_FILE))
+    write_jsonl(os.path.join(out_dir, SKIPPED_FILE), skipped + bucket_skips)
     meta = {"kind": "raw", "writer": "data/raw.py index_corpus", "shards": rels, "raw": asdict(cfg),
             "skipped": dict(Counter(k["reason"] for k in skipped)),
             "buckets": {n: {"frames": b.frames, "height": b.height, "width": b.width} for n, b in buckets.items()}}
@@ -381,16 +400,17 @@ def index_corpus(shards: Sequence[str], out_dir: str, buckets: Mapping[str, Buck
 
 
 def log_skips(skipped: Sequence[dict], where: str) -> None:
-    """One line per reason, with the first key and how many (the full list is in skipped.jsonl); every shard that is
-    not a readable tar gets its own line, with its path."""
+    """One line per reason, with the first key and how many (the full list is in skipped.jsonl); every skipped shard
+    (SHARD_REASONS) gets its own line, with its path."""
     first: dict[str, dict] = {}
     counts: Counter = Counter()
     for k in skipped:
         counts[k["reason"]] += 1
         first.setdefault(k["reason"], k)
-        if k["reason"] == "unreadable_shard":
-            log.warning("%s: skipped a shard that is not a readable tar: %s", where, k.get("why", k["key"]))
-    counts.pop("unreadable_shard", None)
+        if k["reason"] in SHARD_REASONS:
+            log.warning("%s: skipped a shard (%s): %s", where, k["reason"], k.get("why", k["key"]))
+    for reason in SHARD_REASONS:
+        counts.pop(reason, None)
     for reason, n in sorted(counts.items()):
         k = first[reason]
         log.warning("%s: skipped %d sample(s) as %s, e.g. %s (%s)", where, n, reason, k["key"], k.get("why", ""))
@@ -445,8 +465,10 @@ def select_raw(index: SampleIndex, buckets: Mapping[str, Bucket], cfg: RawConfig
 # -- loading ----------------------------------------------------------------------------------------------------------
 
 def read_caption(index: SampleIndex, row: int) -> str:
-    """The caption of a raw sample; UnreadableCaption or MissingCaption (both DecodeErrors) when it has none."""
+    """The caption of a raw sample; UnreadableCaption, CaptionTooLarge or MissingCaption (DecodeErrors) when it has
+    none."""
     r = index.records[row]
+    check_caption_size(r["members"][r["caption"]][1], r["caption"])
     caption, _ = parse_caption(index.read(row, r["caption"]), r["caption"])
     if not caption:
         raise MissingCaption("empty caption")

@@ -7,6 +7,10 @@ into one full model in this process (training/load.py), optionally with the EMA 
 merged (W + scale·B A) and written as a full model that diffusers' `WanTransformer3DModel.from_pretrained` and our
 `WanTransformer.from_pretrained` load; `--adapter` writes the adapter alone in diffusers' LoRA format instead
 (`WanPipeline.load_lora_weights(out)`).
+
+The export is written into a temporary folder beside --out and renamed into place once whole. Anything --out held
+before (an earlier export) is moved aside to `<out>.old-<UTC time>`, with a warning, so an older weights file never
+sits beside the new ones.
 """
 from __future__ import annotations
 

@@ -266,7 +266,8 @@ def test_bad_state_round_trips_so_a_resumed_run_neither_recounts_nor_retries(tmp
         first.load_checked(row)
     first.placeholder(bad[0])
     state = json.loads(json.dumps(first.bad_state()))  # what meta.json holds
-    assert state["bad"] == sorted([index.records[row]["key"], "unreadable"] for row in bad)
+    assert state["bad"] == sorted([0, index.records[row]["shard"], index.records[row]["key"], "unreadable"]
+                                  for row in bad)
     assert state["skipped"] == {"unreadable": 3, "placeholder": 1}
 
     resumed = open_latent(tmp_path)
@@ -279,8 +280,46 @@ def test_bad_state_round_trips_so_a_resumed_run_neither_recounts_nor_retries(tmp
         got, _, _ = resumed.load_checked(row)
         assert got == first.load_checked(row)[0]  # the same replacement as before the resume
     assert not set(bad) & set(tried) and resumed.skipped == first.skipped
-    resumed.restore_bad({"bad": [["no-such-key", "unreadable"]], "skipped": {}})  # another corpus' keys: ignored
-    assert resumed.skipped == {"unreadable": 3, "placeholder": 1}
+    resumed.restore_bad({"bad": [["no-such-key", "unreadable"], [0, "x.tar", "k", "unreadable"]], "skipped": {}})
+    assert resumed.skipped == {"unreadable": 3, "placeholder": 1}  # another corpus' samples: ignored
+    older = open_latent(tmp_path)  # a checkpoint written before samples were named by shard: [key, reason]
+    older.restore_bad({"bad": [[index.records[row]["key"], "unreadable"] for row in bad], "skipped": {}})
+    assert older.skipped == {"unreadable": 3}
+
+
+def twin_corpus(root, write=latent_corpus):
+    """A latent corpus (`write(root)`) whose first shard is also in the folder under another name, with the same keys
+    (two corpora made into one folder); one training sample of the original shard is made unreadable.
+    (index, bad row, its twin's row)"""
+    import shutil
+
+    index = write(root)
+    first = index.records[0]["shard"]
+    shutil.copy(os.path.join(root, first), os.path.join(root, "twin.tar"))
+    rows = [i for i, r in enumerate(index.records) if r["shard"] == first]
+    index.records += [{**index.records[i], "shard": "twin.tar"} for i in rows]
+    index.save()
+    bad = next(i for i in rows if index.records[i]["split"] == "train")
+    clobber(index, bad, "latent.npy")
+    twin = len(index.records) - len(rows) + rows.index(bad)
+    assert index.records[twin]["key"] == index.records[bad]["key"]
+    return index, bad, twin
+
+
+def test_a_bad_sample_and_its_good_twin_of_the_same_key_stay_apart_across_a_resume(tmp_path):
+    index, bad, twin = twin_corpus(tmp_path)
+    first = open_latent(tmp_path)
+    assert first.read_checked(twin).gid == twin and first.read_checked(bad).gid != bad
+    state = json.loads(json.dumps(first.bad_state()))
+    assert state["bad"] == [[0, index.records[bad]["shard"], index.records[bad]["key"], "unreadable"]]
+    resumed = open_latent(tmp_path)
+    resumed.restore_bad(state)
+    tried = []
+    real = resumed.load
+    resumed.load = lambda gid, epoch=0: (tried.append(gid), real(gid, epoch))[1]
+    assert resumed.read_checked(twin).gid == twin  # the good twin is not banned
+    assert resumed.read_checked(bad).gid != bad and bad not in tried  # the bad one is not retried
+    assert resumed.skipped == {"unreadable": 1}  # nor counted twice
 
 
 # -- 5. other silent gaps ---------------------------------------------------------------------------------------------
@@ -442,9 +481,211 @@ def test_an_encoder_folder_without_safetensors_is_refused_unread(tmp_path):
 def test_merged_bad_states_are_a_union_and_count_placeholders_once_per_rank():
     from data.loader import merge_bad_states
 
-    a = {"skipped": {"corrupt_image": 1, "placeholder": 2}, "bad": [["k1", "corrupt_image"], ["k2", "bad_shape"]]}
-    b = {"skipped": {"bad_shape": 1, "placeholder": 1}, "bad": [["k2", "bad_shape"], ["k3", "nonfinite"]]}
+    a = {"skipped": {"corrupt_image": 1, "placeholder": 2},
+         "bad": [[0, "a.tar", "k1", "corrupt_image"], [0, "a.tar", "k2", "bad_shape"]]}
+    b = {"skipped": {"bad_shape": 1, "placeholder": 1},
+         "bad": [[0, "a.tar", "k2", "bad_shape"], [0, "b.tar", "k2", "nonfinite"]]}  # k2 of another shard: another
     merged = merge_bad_states([a, b])
-    assert merged["bad"] == [["k1", "corrupt_image"], ["k2", "bad_shape"], ["k3", "nonfinite"]]
+    assert merged["bad"] == [[0, "a.tar", "k1", "corrupt_image"], [0, "a.tar", "k2", "bad_shape"],
+                             [0, "b.tar", "k2", "nonfinite"]]
     assert merged["skipped"] == {"placeholder": 3}
     assert merge_bad_states([{}, {}]) == {"skipped": {}, "bad": []}
+
+
+# -- 8. links and special files among the inputs ----------------------------------------------------------------------
+
+SECRET = b"aws_secret_access_key=AKIAEXAMPLESECRET"
+
+
+def test_shards_that_link_out_of_their_folder_or_are_not_files_are_skipped_unread(tmp_path, caplog):
+    import signal
+
+    from data.index import InputRefused
+    from data.raw import expand_urls
+
+    corpus, elsewhere = tmp_path / "corpus", tmp_path / "elsewhere"
+    corpus.mkdir()
+    elsewhere.mkdir()
+    write_tar(str(corpus / "shard-00000.tar"), [(f"ok{i}", {"jpg": image(i), "txt": b"a photo"}) for i in range(2)])
+    write_tar(str(elsewhere / "private.tar"), [("secret", {"jpg": image(5), "txt": SECRET})])
+    os.symlink(elsewhere / "private.tar", corpus / "shard-00001.tar")  # link_outside: a tar, but not this folder's
+    os.symlink("/dev/zero", corpus / "shard-00002.tar")                 # link_outside: reading it never ends
+    os.mkfifo(corpus / "shard-00003.tar")                               # not_regular: opening it blocks
+    shards = expand_urls(str(corpus / "shard-*.tar"))
+    assert len(shards) == 4
+    victim = elsewhere / "victim.txt"  # links planted where the indexer writes: replaced, never written through
+    victim.write_text("keep me")
+    for name in ("skipped.jsonl", "corpus.json", "index.jsonl.tmp"):
+        os.symlink(victim, corpus / name)
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("indexing hung on a device or fifo shard"))
+    signal.alarm(60)
+    try:
+        with caplog.at_level(logging.WARNING, logger="data.raw"):
+            index = index_corpus(shards, str(corpus), RAW, RawConfig())
+    finally:
+        signal.alarm(0)
+    assert [r["key"] for r in index.records] == ["ok0", "ok1"]
+    assert victim.read_text() == "keep me" and not any(os.path.islink(corpus / n) for n in ("skipped.jsonl",
+                                                                                           "corpus.json"))
+    _, counts = select_raw(index, RAW, RawConfig())
+    assert counts == {"link_outside": 2, "not_regular": 1}  # counts shards
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert all(os.path.basename(p) in logged for p in shards[1:])
+    for name in os.listdir(corpus):  # the target's bytes are in no file the indexer wrote, nor in its log
+        if os.path.isfile(corpus / name) and not name.startswith("shard-"):
+            assert b"AKIAEXAMPLE" not in (corpus / name).read_bytes(), name
+    assert "AKIAEXAMPLE" not in logged
+    # a shard swapped for a link out of its folder after indexing is refused at load, unread (a counted skip)
+    os.replace(corpus / "shard-00000.tar", elsewhere / "moved.tar")
+    os.symlink(elsewhere / "moved.tar", corpus / "shard-00000.tar")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from data.loader import skip_reason
+
+    with ThreadPoolExecutor(1) as pool, pytest.raises(InputRefused, match="leads out of") as refused:  # fresh fds
+        pool.submit(index.read, 0, "txt").result()
+    assert skip_reason(refused.value) == "link_outside"  # what training and precompute count it as
+
+
+def test_a_key_that_comes_back_inside_one_tar_is_counted_not_merged(tmp_path):
+    write_tar(str(tmp_path / "shard-00000.tar"), [
+        ("a", {"jpg": image(0), "txt": b"the first a"}),
+        ("b", {"jpg": image(1), "txt": b"b"}),
+        ("a", {"jpg": image(2), "txt": b"a second sample with a's key"}),  # after another key
+        ("c", {"jpg": image(3), "txt": b"c"}),
+        ("c", {"jpg": image(4), "txt": b"c again, right after"}),           # the same extensions twice in a row
+    ])
+    index = index_corpus([str(tmp_path / "shard-00000.tar")], str(tmp_path), RAW, RawConfig())
+    assert [r["key"] for r in index.records] == ["a", "b", "c"]
+    from data.raw import read_caption
+    assert read_caption(index, 0) == "the first a" and read_caption(index, 2) == "c"
+    _, counts = select_raw(index, RAW, RawConfig())
+    assert counts == {"duplicate_key": 2}
+
+
+def test_a_resume_on_a_corpus_with_twin_keys_trains_as_the_uninterrupted_run(tmp_path):
+    import shutil
+
+    from tests.helpers import compose_config, run_training, tiny_overrides
+    from training.metrics import read_metrics
+
+    cfg = compose_config([])
+    index, bad, twin = twin_corpus(tmp_path / "corpus", lambda root: write_synthetic_corpus(
+        str(root), bucket_table(cfg.data.buckets), {n: 1.0 for n in cfg.data.buckets}, num_samples=32, num_val=4,
+        latent_channels=cfg.model.in_channels, text_dim=cfg.model.text_dim, seed=1, samples_per_shard=8))
+    common = ("train.steps=16", "train.val_every=8", "checkpoint.every=8", f"data.index={index.root}")
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    run_training(tiny_overrides(straight, str(tmp_path / "cache"), *common))
+    os.makedirs(resumed)
+    shutil.copytree(os.path.join(straight, "step_8"), os.path.join(resumed, "step_8"))
+    with open(os.path.join(resumed, "step_8", "meta.json")) as f:
+        assert json.load(f)["data"]["bad"] == [[0, index.records[bad]["shard"], index.records[bad]["key"],
+                                                "unreadable"]]  # found before the checkpoint
+    run_training(tiny_overrides(resumed, str(tmp_path / "cache"), *common, "resume=auto"))
+    a = {r["step"]: r for r in read_metrics(straight)}
+    b = {r["step"]: r for r in read_metrics(resumed)}
+    assert min(b) == 9
+    for step in range(9, 17):
+        assert a[step]["train/loss"] == b[step]["train/loss"], step
+    assert a[16]["data/skipped_unreadable"] == b[16]["data/skipped_unreadable"] == 1
+    assert a[16]["val/loss"] == b[16]["val/loss"]
+
+
+# -- 9. validation that cannot lie ------------------------------------------------------------------------------------
+
+def test_a_held_out_bucket_with_no_readable_sample_is_counted_and_none_at_all_logs_no_val_loss(tmp_path, caplog):
+    from tests.helpers import compose_config, run_training, tiny_overrides
+    from training.metrics import read_metrics
+
+    index = latent_corpus(tmp_path / "small")
+    val = [i for i, r in enumerate(index.records) if r["split"] == "val"]
+    img = [i for i in val if index.records[i]["bucket"] == "img"]
+    assert img and len(img) < len(val)
+    for row in img:
+        clobber(index, row, "latent.npy")
+    corpus = open_corpus(DataConfig(buckets={}, index=str(tmp_path / "small"), val_samples=len(val)), LAT, C, D,
+                         seed=0)
+    batches = Loader(corpus, 6, 0.0, seed=0, rank=0).val_batches()
+    assert [b.bucket for b in batches] == ["vid"]
+    assert corpus.skipped == {"unreadable": len(img), "empty_val_bucket": 1}  # no placeholder: nothing is trained
+
+    cfg = compose_config([])
+    root = tmp_path / "corpus"
+    index = write_synthetic_corpus(str(root), bucket_table(cfg.data.buckets), {n: 1.0 for n in cfg.data.buckets},
+                                   num_samples=24, num_val=4, latent_channels=cfg.model.in_channels,
+                                   text_dim=cfg.model.text_dim, seed=1, samples_per_shard=8)
+    for row, r in enumerate(index.records):
+        if r["split"] == "val":
+            clobber(index, row, "latent.npy")
+    run_dir = str(tmp_path / "run")
+    with caplog.at_level(logging.WARNING, logger="data.loader"):
+        run_training(tiny_overrides(run_dir, str(tmp_path / "cache"), "train.steps=4", "train.val_every=2",
+                                    f"data.index={root}"))
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4]
+    assert not any("val/loss" in r for r in rows)  # never a 0.0 that reads as a perfect model
+    n_buckets = len({r["bucket"] for r in index.records if r["split"] == "val"})
+    assert rows[-1]["data/skipped_empty_val_bucket"] == n_buckets and rows[-1]["data/skipped_unreadable"] == 4
+    assert any("val/loss is not logged" in r.getMessage() for r in caplog.records)
+
+
+# -- 10. the corpus is part of the resume contract --------------------------------------------------------------------
+
+def test_the_corpus_hash_follows_the_records_not_the_folder(tmp_path):
+    import shutil
+
+    latent_corpus(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    a, b = open_latent(tmp_path / "a"), open_latent(tmp_path / "b")
+    assert a.content_hash == b.content_hash and a.bad_state()["corpus"] == a.content_hash
+    twin_corpus(tmp_path / "b", lambda root: SampleIndex.load(str(root)))  # a shard added to the folder
+    assert open_latent(tmp_path / "b").content_hash != a.content_hash
+
+
+def test_a_resume_on_a_grown_index_is_refused_unless_forced_then_starts_a_new_epoch(tmp_path, caplog):
+    from tests.helpers import compose_config, run_training, tiny_overrides
+    from training.metrics import read_metrics
+
+    cfg = compose_config([])
+    root = tmp_path / "corpus"
+    write_synthetic_corpus(str(root), bucket_table(cfg.data.buckets), {n: 1.0 for n in cfg.data.buckets},
+                           num_samples=24, num_val=4, latent_channels=cfg.model.in_channels,
+                           text_dim=cfg.model.text_dim, seed=1, samples_per_shard=8)
+    run_dir, cache = str(tmp_path / "run"), str(tmp_path / "cache")
+    common = ("train.val_every=100", "checkpoint.every=3", f"data.index={root}")
+    run_training(tiny_overrides(run_dir, cache, "train.steps=3", *common))
+    with open(os.path.join(run_dir, "step_3", "meta.json")) as f:
+        saved = json.load(f)
+    twin_corpus(root, lambda r: SampleIndex.load(str(r)))  # more shards in the same folder, the same config
+    with pytest.raises(ValueError, match="resume refused: the checkpoint was trained on a corpus whose index"):
+        run_training(tiny_overrides(run_dir, cache, "train.steps=5", *common, "resume=auto"))
+    assert max(r["step"] for r in read_metrics(run_dir)) == 3  # nothing trained on the other corpus
+    with caplog.at_level(logging.WARNING, logger="data.loader"):
+        run_training(tiny_overrides(run_dir, cache, "train.steps=6", *common, "resume=auto", "resume_force=true"))
+    assert any("starting a new epoch" in r.getMessage() for r in caplog.records)
+    rows = {r["step"]: r for r in read_metrics(run_dir) if "train/loss" in r}
+    assert rows[4]["epoch"] == saved["epoch"] + 1
+    with open(os.path.join(run_dir, "step_6", "meta.json")) as f:  # later checkpoints name the corpus they read
+        assert json.load(f)["data"]["corpus"] == open_corpus(
+            DataConfig(buckets={}, index=str(root)), bucket_table(cfg.data.buckets), cfg.model.in_channels,
+            cfg.model.text_dim, seed=0).content_hash != saved["data"]["corpus"]
+
+
+def test_a_huge_caption_is_skipped_unread_at_indexing_and_at_load(tmp_path):
+    import time
+
+    from data.raw import MAX_CAPTION_BYTES
+
+    big = b"a long caption " * (2 * MAX_CAPTION_BYTES // 15)
+    samples = [(f"ok{i}", {"jpg": image(i), "txt": b"a photo"}) for i in range(3)]
+    write_tar(str(tmp_path / "shard-00000.tar"), samples + [("huge", {"jpg": image(9), "txt": big})])
+    index = index_corpus([str(tmp_path / "shard-00000.tar")], str(tmp_path), RAW, RawConfig())
+    assert [r["key"] for r in index.records] == ["ok0", "ok1", "ok2"]
+    assert select_raw(index, RAW, RawConfig())[1] == {"caption_too_large": 1}
+    rewrite_members(str(tmp_path), {("ok1", "txt"): big})  # a caption that grew after indexing
+    corpus = open_corpus(raw_cfg(index=str(tmp_path)), RAW, RC, RD, seed=0)
+    gid = next(g for g in range(len(corpus.bucket_of)) if corpus.key(g) == "ok1")
+    t0 = time.perf_counter()
+    item = corpus.read_checked(gid)
+    assert time.perf_counter() - t0 < 0.5 and item.gid != gid and item.b == "a photo"
+    assert corpus.skipped["caption_too_large"] == 2  # one at indexing, one at load

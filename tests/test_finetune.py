@@ -364,3 +364,52 @@ def test_lora_run_through_train_py_resumes_samples_and_exports(tmp_path):
         assert (ref_out(pre, x, t, ctx) - ours).abs().max() <= 1e-5
         full = WanTransformer3DModel.from_pretrained(export(straight, str(tmp_path / "merged"))).eval()
         assert (ref_out(full, x, t, ctx) - ours).abs().max() <= 1e-5
+
+
+def _run_with_seed(run_dir, seed: int) -> str:
+    """A run folder with one checkpoint (step_1) of the tiny model whose weights are drawn from `seed`."""
+    from omegaconf import OmegaConf
+
+    from models.build import build_model
+    from training.checkpoint import save_checkpoint
+    from training.dist import DistContext
+
+    overrides = [f"run_dir={run_dir}"]
+    cfg = compose_config(overrides)
+    torch.manual_seed(seed)
+    model = build_model(cfg.model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    opt, _ = build_optimizer(model, cfg.optim, 1)
+    yaml = OmegaConf.to_yaml(OmegaConf.create(compose_raw(overrides)))
+    save_checkpoint(str(run_dir), 1, model, opt, None, {}, yaml, DistContext(), 1)
+    return str(run_dir)
+
+
+def test_re_export_into_the_same_out_loads_the_new_weights_and_keeps_the_old_aside(tmp_path):
+    from training.export import export
+    from training.load import checkpoint_config, find_checkpoint, load_checkpoint_model
+
+    old, new = _run_with_seed(tmp_path / "old", 1), _run_with_seed(tmp_path / "new", 2)
+    out = str(tmp_path / "exported")
+    export(old, out)  # one weights file
+    (single,) = [f for f in os.listdir(out) if f.endswith(".safetensors")]
+    export(new, out, max_shard_size="100KB")  # shards and their index, into the same --out
+    names = os.listdir(out)
+    assert single not in names and sum(f.endswith(".safetensors") for f in names) > 1, names
+    loaded = WanTransformer.from_pretrained(out).state_dict()
+    want = load_checkpoint_model(find_checkpoint(new), checkpoint_config(find_checkpoint(new))).state_dict()
+    assert loaded.keys() == want.keys() and all(torch.equal(loaded[k], want[k]) for k in want)
+    (aside,) = [d for d in os.listdir(tmp_path) if d.startswith("exported.old-")]  # kept, never deleted
+    assert single in os.listdir(tmp_path / aside)
+    assert not [d for d in os.listdir(tmp_path) if ".export-" in d]  # no temporary folder left behind
+    # a file in the way is moved aside too, never written through; an export that fails leaves --out as it was
+    blocker = tmp_path / "blocked"
+    blocker.write_text("not an export")
+    export(new, str(blocker))
+    assert (blocker / "config.json").exists()
+    assert [p.read_text() for p in tmp_path.glob("blocked.old-*")] == ["not an export"]
+    with pytest.raises(ValueError, match="not trained with a LoRA adapter"):
+        export(new, out, adapter=True)
+    assert sorted(os.listdir(out)) == sorted(names) and not [d for d in os.listdir(tmp_path) if ".export-" in d]

@@ -24,6 +24,7 @@ from data.raw import RawConfig, index_corpus, parse_caption, read_caption
 from data.video_io import write_mp4
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECRET = b"-----BEGIN OPENSSH PRIVATE KEY----- aws_secret_access_key=AKIAEXAMPLESECRET"
 TINY = bucket_table({"img_64": {"frames": 1, "height": 64, "width": 64},
                      "img_64x96": {"frames": 1, "height": 64, "width": 96},
                      "vid_64_9f": {"frames": 9, "height": 64, "width": 64}})
@@ -80,11 +81,19 @@ def media(tmp_path_factory):
     pair("photos/dup.jpg", jpg, 11, "the upper-case caption sorts first")
     os.rename(os.path.join(root, "photos/dup.txt"), os.path.join(root, "photos/dup.TXT"))
     _write(os.path.join(root, "photos/dup.txt"), "a second txt caption of the same stem")
-    jpg(os.path.join(elsewhere, "far.jpg"), 12)  # a link to a file outside the folder is followed
+    jpg(os.path.join(root, "store/near.bin"), 12)  # a link to a file inside the folder is followed
     os.makedirs(os.path.join(root, "linked"))
-    os.symlink(os.path.join(elsewhere, "far.jpg"), os.path.join(root, "linked/far.jpg"))
-    _write(os.path.join(root, "linked/far.txt"), "a linked file")
-    want["linked/far.jpg"] = {"jpg": open(os.path.join(elsewhere, "far.jpg"), "rb").read(), "txt": b"a linked file"}
+    os.symlink(os.path.join(root, "store/near.bin"), os.path.join(root, "linked/near.jpg"))
+    _write(os.path.join(root, "linked/near.txt"), "a linked file")
+    want["linked/near.jpg"] = {"jpg": open(os.path.join(root, "store/near.bin"), "rb").read(),
+                               "txt": b"a linked file"}
+    # links to files outside the folder are skipped unread: a private key as media, a credentials file as caption
+    _write(os.path.join(elsewhere, "id_rsa"), SECRET)
+    _write(os.path.join(elsewhere, "credentials"), SECRET)
+    os.symlink(os.path.join(elsewhere, "id_rsa"), os.path.join(root, "linked/key.jpg"))      # link_outside
+    _write(os.path.join(root, "linked/key.txt"), "a caption for the linked key")             # no_media
+    jpg(os.path.join(root, "linked/creds.jpg"), 19)                                          # missing_caption
+    os.symlink(os.path.join(elsewhere, "credentials"), os.path.join(root, "linked/creds.txt"))  # link_outside
     # what must be skipped
     jpg(os.path.join(root, "photos/lonely.jpg"), 13)                                    # missing_caption
     _write(os.path.join(root, "photos/orphan.json"), '{"caption": "no media"}')          # no_media
@@ -108,8 +117,8 @@ def media(tmp_path_factory):
     os.symlink(root, os.path.join(root, "a/loop"))                                      # link_loop
     os.symlink(os.path.join(root, "b"), os.path.join(root, "b again"))                  # link_loop
     want["photos/dup.jpg"]["txt"] = b"the upper-case caption sorts first"
-    skips = Counter(missing_caption=1, no_media=2, unknown_extension=2, empty_file=1, empty_caption=2,
-                    unreadable_caption=2, unreadable=1, hidden=2, link_outside=1, link_loop=2, duplicate_caption=1)
+    skips = Counter(missing_caption=2, no_media=3, unknown_extension=3, empty_file=1, empty_caption=2,
+                    unreadable_caption=2, unreadable=1, hidden=2, link_outside=3, link_loop=2, duplicate_caption=1)
     return root, want, skips
 
 
@@ -159,6 +168,11 @@ def test_every_pair_once_byte_for_byte_and_skips_counted(media, tmp_path):
     assert where["photos/lonely.jpg"] == "missing_caption" and where["photos/binary.jpg"] == "unreadable_caption"
     assert where["outside"] == "link_outside" and where["photos/dup.txt"] == "duplicate_caption"
     assert where["a/loop"] == where["b again"] == "link_loop" and where["photos/blank.png"] == "empty_file"
+    assert where["linked/key.jpg"] == where["linked/creds.txt"] == "link_outside"
+    assert where["linked/creds.jpg"] == "missing_caption"
+    # nothing of a link's target is packed or written down
+    written = [open(p, "rb").read() for p in res.shards] + [open(tmp_path / "out" / PACK_SKIPPED_FILE, "rb").read()]
+    assert not any(SECRET[:12] in b or b"AKIAEXAMPLE" in b for b in written)
 
 
 def test_shards_index_with_data_raw(media, tmp_path):
@@ -242,6 +256,7 @@ def test_cli(media, tmp_path):
     assert r.returncode == 0, r.stderr
     assert f"packed {len(want)} samples (11 images, 2 videos)" in r.stdout and "3 shard(s)" in r.stdout
     assert f"skipped {sum(skips.values())} file(s)" in r.stdout and "link_outside" in r.stdout
+    assert b"AKIAEXAMPLE" not in (r.stdout + r.stderr).encode()
     with open(os.path.join(out, "index.jsonl")) as f:
         assert sum(1 for line in f if line.strip()) == len(want)
     # the printed command, as the shell and Hydra read it, names exactly the shards written

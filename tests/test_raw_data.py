@@ -314,3 +314,31 @@ def test_training_on_raw_shards_equals_training_on_their_precomputed_latents(cle
         assert s1 == s2 and (l1 is None) == (l2 is None) and (v1 is None) == (v2 is None)
         assert l1 is None or l1 == pytest.approx(l2, rel=1e-4)
         assert v1 is None or v1 == pytest.approx(v2, rel=1e-4)
+
+
+def test_precompute_names_members_safely_and_keeps_twins_of_one_key_apart(tmp_path):
+    """Member names are paths another tool wrote: `../../x` must not become a member that climbs out of the folder a
+    latent shard is extracted into, and the same key in two raw shards stays two samples."""
+    root, out = tmp_path / "raw", str(tmp_path / "latents")
+    root.mkdir()
+    jpg = lambda seed: encode_jpg(np.random.default_rng(seed).integers(0, 255, (64, 64, 3), dtype=np.uint8))  # noqa
+    from tests.helpers import write_tar
+
+    write_tar(str(root / "a.tar"), [("../../evil", {"jpg": jpg(0), "txt": b"climbs out"}),
+                                    ("/abs/olute", {"jpg": jpg(1), "txt": b"absolute"}),
+                                    ("twin", {"jpg": jpg(2), "txt": b"twin in a"})])
+    write_tar(str(root / "b.tar"), [("twin", {"jpg": jpg(3), "txt": b"twin in b"})])
+    index_corpus([str(root / "a.tar"), str(root / "b.tar")], str(root), TINY, RawConfig())
+    res = precompute(data_cfg(index=str(root)), TINY, C, D, 0, out, samples_per_shard=8)
+    assert res["written"] == 4
+    names = []
+    for shard in sorted(p for p in os.listdir(out) if p.endswith(".tar")):
+        with tarfile.open(os.path.join(out, shard)) as tar:
+            names += tar.getnames()
+    assert len(names) == len(set(names)) == 4 * 3  # latent, text, json of each sample: none overwritten
+    assert all(not n.startswith("/") and ".." not in n.split("/") for n in names), names
+    index = SampleIndex.load(out)
+    sources = sorted(json.loads(index.read(i, "json"))["source"] for i in range(len(index.records)))
+    assert sources == ["a.tar:../../evil", "a.tar:/abs/olute", "a.tar:twin", "b.tar:twin"]
+    captions = {json.loads(index.read(i, "json"))["caption"] for i in range(len(index.records))}
+    assert captions == {"climbs out", "absolute", "twin in a", "twin in b"}

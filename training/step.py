@@ -11,7 +11,7 @@ import gc
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -191,8 +191,9 @@ def train_step(parts: TrainParts, batches: Iterable[Batch], num_samples: int, ep
 
 
 @torch.no_grad()
-def validation_loss(parts: TrainParts, batches: list[Batch]) -> float:
-    """Flow-matching loss on the fixed held-out batches at fixed t ∈ VAL_TIMES and fixed noise: deterministic."""
+def validation_loss(parts: TrainParts, batches: list[Batch]) -> Optional[float]:
+    """Flow-matching loss on the fixed held-out batches at fixed t ∈ VAL_TIMES and fixed noise: deterministic.
+    None when there is no held-out sample to average (a 0.0 would read as a perfect model)."""
     model, objective, ctx, seed, autocast, model_inputs = (parts.model, parts.objective, parts.ctx, parts.seed,
                                                            parts.autocast, parts.model_inputs)
     was_training = model.training
@@ -209,7 +210,7 @@ def validation_loss(parts: TrainParts, batches: list[Batch]) -> float:
                 total += float(objective.per_sample_loss(model, b.latents, b.text, t, noise, **model_inputs(b)).sum())
             count += b.B
     model.train(was_training)
-    return total / max(1, count)
+    return total / count if count else None
 
 
 FULL_EVERY_TICKS = 10  # every 10th collection also sweeps the oldest generation
