@@ -8,17 +8,20 @@ wandb run and its id, the resolved config, samples, traces. Into such a folder
                          never deleted (nothing already written is lost); its wandb id is not reused
     neither              refused before anything is built, naming what is there and the three ways on
 
-Hydra multirun (`-m`): every job is its own run — `name-<job number>` in `run_dir-<job number>` — and the jobs of
-one sweep share a wandb group (the name they were given), so they can be compared and never collide.
+Hydra multirun (`-m`): every job is its own run — `name-<its swept values>` in `run_dir-<its swept values>`, e.g.
+runs/lr-optim.lr_0.003 (job_label) — and the jobs of one sweep share a wandb group (the name they were given), so
+they can be compared and never collide.
 """
 from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
+MAX_LABEL = 96  # characters of a multirun job's label (job_label); a longer one falls back to the job number
 RUN_FILES = ("metrics.jsonl", "step_*", "diverged_step_*", "*.tmp", "wandb", "wandb_id.txt", "config.yaml",
              "samples", "traces")
 
@@ -53,15 +56,25 @@ def claim(run_dir: str, resume: Optional[str], overwrite: bool) -> Optional[str]
     return aside
 
 
-def multirun_job(raw: dict, job_num: int) -> dict:
-    """A Hydra multirun job's config: its own name and run folder (when run_dir was left at runs/<name>), and the
-    sweep's name as the wandb group."""
-    name = raw["name"]
-    out = {**raw, "name": f"{name}-{job_num}", "logging": {**raw.get("logging", {})}}
+def job_label(job_num: int, swept: Sequence[tuple[str, str]] = ()) -> str:
+    """A multirun job's suffix: its swept values as `key_value` pairs joined by `+` (`optim.lr_0.003`), characters
+    other than letters, digits and `._-` made `_`, so that it is a folder name and a Hydra `name=` value alike; the
+    job number where nothing was swept (or the label would pass MAX_LABEL characters)."""
+    label = "+".join(f"{k}_{v}" for k, v in swept)
+    label = re.sub(r"[^A-Za-z0-9._+-]", "_", label)
+    return label if label and len(label) <= MAX_LABEL else str(job_num)
+
+
+def multirun_job(raw: dict, job_num: int, swept: Sequence[tuple[str, str]] = ()) -> dict:
+    """A Hydra multirun job's config: its own name and run folder, `<name>-<job_label>` (in runs/ when run_dir was
+    left at runs/<name>), and the sweep's name as the wandb group. swept: this job's (key, value) of the keys the
+    command line sweeps."""
+    name, label = raw["name"], job_label(job_num, swept)
+    out = {**raw, "name": f"{name}-{label}", "logging": {**raw.get("logging", {})}}
     if raw.get("run_dir") == os.path.join("runs", name):
-        out["run_dir"] = os.path.join("runs", f"{name}-{job_num}")
+        out["run_dir"] = os.path.join("runs", f"{name}-{label}")
     else:
-        out["run_dir"] = f"{raw['run_dir'].rstrip('/')}-{job_num}"
+        out["run_dir"] = f"{raw['run_dir'].rstrip('/')}-{label}"
     out["logging"].setdefault("group", None)
     if out["logging"]["group"] is None:
         out["logging"]["group"] = name
