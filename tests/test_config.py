@@ -67,6 +67,7 @@ def test_bad_values_are_refused_naming_the_field(override, field):
         compose_config([override])
 
 
+@pytest.mark.slow
 def test_cfg_job_prints_the_composed_14b_config_on_cpu():
     out = subprocess.run([sys.executable, "train.py", "conf=wan21_8gpu", "--cfg", "job"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)

@@ -45,7 +45,8 @@ def test_val_samples_default_holds_out_a_capped_share_and_says_so(tmp_path, capl
     assert len(small.val_ids) == 1 and small.is_train.sum() == 4  # 8 of 5 before: "no training samples"
     assert "held out 1 of 5 for val/loss" in caplog.text
     mid = open_index(corpus(tmp_path / "thirty", 30))
-    assert len(mid.val_ids) == 3 and mid.is_train.sum() == 27 and not set(mid.val_ids) & set(np.flatnonzero(mid.is_train))
+    assert len(mid.val_ids) == 3 and mid.is_train.sum() == 27
+    assert not set(mid.val_ids) & set(np.flatnonzero(mid.is_train))  # a held-out sample never trains
     split = open_index(corpus(tmp_path / "split", 12, num_val=10))  # a val split: taken first, capped at 8
     assert len(split.val_ids) == 8 and split.is_train.sum() == 12
     assert len(open_index(corpus(tmp_path / "exact", 30), val_samples=5).val_ids) == 5  # a number is taken as is

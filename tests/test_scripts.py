@@ -12,6 +12,8 @@ import pytest
 
 from tests.helpers import ROOT
 
+pytestmark = pytest.mark.slow  # every test runs a script as a command (a Python start-up each; --quick runs minutes)
+
 SCRIPTS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "scripts", "**", "*.py"), recursive=True)
                  if "__main__" in open(p, encoding="utf-8").read())  # not scripts/bench/harness.py, a module
 

@@ -97,6 +97,7 @@ def test_bad_inputs_are_refused_naming_the_field(kwargs, named):
         panel_definitions(**args)
 
 
+@pytest.mark.slow
 def test_report_builds_offline_with_one_grouped_filtered_runset_and_a_line_plot_per_panel(monkeypatch):
     wr = pytest.importorskip("wandb_workspaces.reports.v2")
     from wandb_workspaces import expr
@@ -189,6 +190,7 @@ def test_the_default_group_by_is_the_config_keys_that_differ_between_the_runs():
     assert default_group_by([base, dict(base)]) == [STRATEGY_KEY] == default_group_by([])
 
 
+@pytest.mark.slow
 def test_report_groups_by_the_keys_given():
     wr = pytest.importorskip("wandb_workspaces.reports.v2")
     from wandb_workspaces import expr
