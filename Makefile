@@ -24,7 +24,7 @@ $(STAMP): requirements.txt
 	         "installing $(TORCH) from pip's configured index instead (on Linux that may be a CUDA build)"; \
 	    $(BIN)/python -m pip install -q "$(TORCH)" || exit 1; \
 	  fi; \
-	  $(BIN)/python -c "import torch; print('make setup: torch', torch.__version__, 'CPU build' if torch.version.cuda is None else 'CUDA ' + torch.version.cuda + ' build')"; \
+	  $(BIN)/python -W ignore -c "import torch; print('make setup: torch', torch.__version__, 'CPU build' if torch.version.cuda is None else 'CUDA ' + torch.version.cuda + ' build')"; \
 	fi
 	$(BIN)/python -m pip install -q -r requirements.txt
 	@touch $(STAMP)
