@@ -29,7 +29,8 @@ def write_run(folder, lr, losses, strategy="equal_token"):
 
 def test_flatten_and_the_keys_that_differ():
     assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": {}}) == {"a.b": 1, "a.c.d": [1, 2], "e": {}}
-    one, two = {"optim": {"lr": 1}, "x": [1, 2], "name": "a"}, {"optim": {"lr": 2}, "x": [1, 2], "name": "b", "y": 0}
+    one = {"optim": {"lr": 1}, "x": [1, 2], "name": "a", "_wandb": {"t": 1}}
+    two = {"optim": {"lr": 2}, "x": [1, 2], "name": "b", "y": 0, "_wandb": {"t": 2}}
     assert differing_keys([one, two]) == ["optim.lr", "y"] and differing_keys([one]) == []
 
 

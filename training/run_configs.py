@@ -32,13 +32,13 @@ def flatten(cfg: dict, prefix: str = "") -> dict[str, Any]:
 
 def differing_keys(configs: Sequence[dict]) -> list[str]:
     """Dotted keys whose value is not the same in every config (a key missing from some counts as differing), in the
-    order they first appear; IDENTITY_KEYS left out. [] for fewer than two configs."""
+    order they first appear; IDENTITY_KEYS and keys starting with `_` left out. [] for fewer than two configs."""
     if len(configs) < 2:
         return []
     flat = [flatten(c) for c in configs]
     keys = list(dict.fromkeys(k for f in flat for k in f))
     missing = object()
-    return [k for k in keys if k.split(".")[0] not in IDENTITY_KEYS and k not in IDENTITY_KEYS
+    return [k for k in keys if k.split(".")[0] not in IDENTITY_KEYS and not k.startswith("_")  # wandb's own: _wandb
             and len({repr(f.get(k, missing)) for f in flat}) > 1]
 
 
