@@ -1,19 +1,31 @@
-# Two commands for a new user: `make train` and `make test`. Each creates .venv on first use (pinned
-# requirements; torch==2.13.0, the CPU build, unless a torch is already importable there or TORCH names another,
-# e.g. `make train TORCH=torch==2.11.0`) and is quick once it exists.
+# Commands for a new user: `make train`, `make test-fast` (while editing) and `make test` (the full suite, as CI runs
+# it). Each creates .venv on first use (pinned requirements) and is quick once it exists. Where .venv has no torch,
+# TORCH (torch==2.13.0) comes from PyTorch's CPU wheel index, TORCH_INDEX: pip's default index would bring the
+# multi-GB CUDA build on Linux. Where that index cannot be reached, the plain pin is installed from pip's configured
+# index, with a message. A torch already importable there is kept; TORCH names another: `make train TORCH=torch==2.11.0`.
 PY ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test clean
+.PHONY: setup train test test-fast clean
 
 setup: $(STAMP)
 
 $(STAMP): requirements.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
+	@if ! $(BIN)/python -c "import torch" 2>/dev/null; then \
+	  if $(BIN)/python -c "import urllib.request as u; u.urlopen('$(TORCH_INDEX)/torch/', timeout=10)" 2>/dev/null \
+	     && $(BIN)/python -m pip install -q --timeout 30 --index-url $(TORCH_INDEX) "$(TORCH)"; then :; \
+	  else \
+	    echo "make setup: PyTorch's CPU wheel index ($(TORCH_INDEX)) cannot be reached or lacks $(TORCH);" \
+	         "installing $(TORCH) from pip's configured index instead (on Linux that may be a CUDA build)"; \
+	    $(BIN)/python -m pip install -q "$(TORCH)" || exit 1; \
+	  fi; \
+	  $(BIN)/python -W ignore -c "import torch; print('make setup: torch', torch.__version__, 'CPU build' if torch.version.cuda is None else 'CUDA ' + torch.version.cuda + ' build')"; \
+	fi
 	$(BIN)/python -m pip install -q -r requirements.txt
 	@touch $(STAMP)
 
@@ -22,8 +34,13 @@ $(STAMP): requirements.txt
 train: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/python train.py $(ARGS)
 
+# The whole suite (CI: .ci/run): every test, the slow model, script and multi-process ones included.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests $(ARGS)
+
+# Every package's tests but those marked slow (pytest.ini): the lane to run while editing.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" tests $(ARGS)
 
 clean:
 	rm -rf runs outputs .cache

@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import signal
+import sys
 import time
 
 import hydra
@@ -285,6 +286,19 @@ def main(dcfg: DictConfig) -> None:
         _main(dcfg)
 
 
+def swept_values(task: list[str], argv: list[str]) -> list[tuple[str, str]]:
+    """(key, value) of this multirun job's task overrides whose key the command line sweeps (a,b / range / choice),
+    in the job's order; [] where the command line does not parse (the job number then names the job)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        given = OverridesParser.create().parse_overrides([a for a in argv if "=" in a and not a.startswith("-")])
+    except Exception:  # noqa: BLE001 — a launcher that rewrote argv: the label falls back to the job number
+        return []
+    swept = {o.key_or_group for o in given if o.is_sweep_override()}
+    return [(k.lstrip("+~"), v) for k, _, v in (t.partition("=") for t in task) if k.lstrip("+~") in swept]
+
+
 def _main(dcfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -293,7 +307,7 @@ def _main(dcfg: DictConfig) -> None:
     raw.pop("hydra", None)
     hc = HydraConfig.get()
     if hc.mode == RunMode.MULTIRUN:  # -m: each job its own run folder and wandb run, one wandb group
-        raw = multirun_job(raw, hc.job.num)
+        raw = multirun_job(raw, hc.job.num, swept_values(hc.overrides.task, sys.argv[1:]))
     if any(o.split("=", 1)[0].lstrip("+~") in ("logging", "logging.wandb") for o in hc.overrides.task):
         os.environ["WANDB_MODE"] = raw["logging"]["wandb"]  # the command line beats the environment
     cfg = load_config(raw)  # every bad value is refused here, before any compute

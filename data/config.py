@@ -14,6 +14,15 @@ from data.encoders import EncoderConfig
 from data.raw import RawConfig
 
 
+VAL_SHARE, VAL_CAP = 0.1, 8  # data.val_samples=null holds out this share of a corpus, at most this many
+
+
+def auto_val_samples(num_samples: int) -> int:
+    """Held-out samples for val/loss when data.val_samples is null: min(VAL_CAP, ⌊VAL_SHARE · M⌋), at least 1, so a
+    corpus of 5 samples trains on 4 and a large one gives up only 8."""
+    return max(1, min(VAL_CAP, int(VAL_SHARE * num_samples)))
+
+
 @dataclass
 class SyntheticConfig:
     """The embedded corpus, generated on first use into `data.cache_dir` when no index or urls are given."""
@@ -45,6 +54,26 @@ class SyntheticConfig:
             raise ValueError(f"data.synthetic.dtype must be float32 or float16, got {self.dtype!r}")
 
 
+def synthetic_mix(mix: dict[str, float], bucket_names: list[str]) -> dict[str, float]:
+    """Each bucket's share of the synthetic corpus (renormalised by its writer): `data.synthetic.mix`, or every bucket
+    alike when it is empty. A bucket the mix does not name gets what its shares leave under 1, split equally among
+    such buckets; when they leave nothing (they sum to 1 or more) the bucket would silently get no samples, so that
+    is a ValueError naming the key to set (0 keeps the bucket in the table with no synthetic samples)."""
+    if not mix:
+        return {n: 1.0 for n in bucket_names}
+    unnamed = [n for n in bucket_names if n not in mix]
+    if not unnamed:
+        return dict(mix)
+    rest = 1.0 - sum(mix.values())
+    if rest <= 1e-9:
+        raise ValueError(
+            f"data.synthetic.mix gives no share to bucket(s) {unnamed}, and the shares it gives sum to "
+            f"{sum(mix.values()):g}, leaving none: such a bucket would get no samples. Set "
+            + " ".join(f"'+data.synthetic.mix.{n}=<share>'" for n in unnamed)
+            + " (shares are renormalised; 0 keeps the bucket with no synthetic samples)")
+    return dict(mix) | {n: rest / len(unnamed) for n in unnamed}
+
+
 @dataclass
 class DataConfig:
     buckets: dict[str, dict[str, int]] = field(default_factory=dict)  # name → {frames, height, width} in pixels
@@ -58,15 +87,16 @@ class DataConfig:
     cache_dir: str = ".cache"
     num_workers: int = 0                         # threads decoding this and the next step's micro-batches ahead
     caption_dropout: float = 0.1
-    val_samples: int = 8                         # held-out samples for val/loss
+    val_samples: Optional[int] = None            # held-out samples for val/loss; null: auto_val_samples(M)
 
     def __post_init__(self):
         if not 0 <= self.caption_dropout <= 1:
             raise ValueError(f"data.caption_dropout must lie in [0, 1], got {self.caption_dropout}")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers must be ≥ 0, got {self.num_workers}")
-        if self.val_samples < 1:
-            raise ValueError(f"data.val_samples must be ≥ 1, got {self.val_samples}")
+        if self.val_samples is not None and self.val_samples < 1:
+            raise ValueError(f"data.val_samples must be ≥ 1 (or null: {VAL_SHARE:.0%} of the corpus, at most "
+                             f"{VAL_CAP}), got {self.val_samples}")
         if self.sources is not None:
             for i, s in enumerate(self.sources):
                 if not isinstance(s, dict) or not ({"index", "urls"} & set(s)) or set(s) - {"index", "urls", "weight"}:
@@ -76,6 +106,8 @@ class DataConfig:
                 w = s.get("weight", 1.0)
                 if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w > 0):
                     raise ValueError(f"data.sources[{i}].weight must be a finite number > 0, got {w!r}")
+        if self.index is None and self.urls is None and self.sources is None:
+            synthetic_mix(self.synthetic.mix, list(self.buckets))  # refuses a bucket the synthetic mix leaves out
         if self.urls is not None:
             if self.sources is not None:
                 raise ValueError("set data.urls or data.sources, not both: a source takes {urls: ..., weight: ...}")

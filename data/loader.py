@@ -78,6 +78,7 @@ import torch
 
 from data.batch import Batch, collate
 from data.buckets import Bucket
+from data.config import VAL_CAP, VAL_SHARE, auto_val_samples, synthetic_mix
 from data.decode import DecodeError
 from data.index import (EMPTY_POOLED_FILE, EMPTY_TEXT_FILE, InputRefused, SampleIndex, index_path, load_npy,
                         read_meta)
@@ -176,10 +177,20 @@ class LatentCorpus:
             rows_by_source.append(ids)
         if not val:  # no held-out split: hold out a deterministic few from training
             pool = rows_by_source[0]
-            take = set(np.random.default_rng([seed, 7]).permutation(pool)[:val_samples].tolist())
+            n = auto_val_samples(len(pool)) if val_samples is None else val_samples
+            if n >= len(pool):
+                raise ValueError(f"corpus {self.indexes[0].root} has {len(pool)} usable sample(s) and data.val_samples"
+                                 f"={val_samples if val_samples is not None else 'null'} holds {n} out for val/loss, "
+                                 f"leaving none to train on: lower data.val_samples (null holds out "
+                                 f"{VAL_SHARE:.0%}, at most {VAL_CAP}, at least 1) or add samples (2 at the least)")
+            take = set(np.random.default_rng([seed, 7]).permutation(pool)[:n].tolist())
             rows_by_source[0] = [i for i in pool if i not in take]
-            val = sorted(take)
-        self.val_ids = val[:val_samples]
+            val, where = sorted(take), "drawn from the training samples"
+        else:
+            where = f"from the corpus' val split of {len(val)}"
+        self.val_ids = val[:min(VAL_CAP, len(val)) if val_samples is None else val_samples]
+        log.info("held out %d of %d for val/loss (%s; data.val_samples=%s)", len(self.val_ids), len(self._where),
+                 where, f"null: {VAL_SHARE:.0%}, at most {VAL_CAP}" if val_samples is None else val_samples)
         for s, ids in enumerate(rows_by_source):
             if not ids:
                 raise ValueError(f"corpus {self.indexes[s].root} has no training samples")
@@ -214,6 +225,12 @@ class LatentCorpus:
                     raise ValueError(f"corpus {self.indexes[s].root}: every training sample is in buckets that hold no "
                                      f"readable sample ({self.dropped_buckets}); skipped so far: {dict(self.skipped)}")
         self.table = self._epoch_table(rows_by_source, weights, seed)
+        counts = np.bincount(self.table.bucket, minlength=len(self.bucket_names))
+        unplanned = [n for n, c in zip(self.bucket_names, counts) if not c and n not in self.dropped_buckets]
+        if unplanned:  # a bucket in the table that trains nothing is a config mistake more often than a choice
+            log.warning("bucket(s) %s get no sample in the first epoch's plan (of %d): the corpus holds no training "
+                        "sample that fits them (or a source's weight leaves them out); data.synthetic.mix.NAME=0 "
+                        "does this on purpose", unplanned, len(self.table.ids))
 
     def _unreadable_buckets(self, rows_by_source) -> list[str]:
         """Names of the buckets of at most CHECK_AT_OPEN training samples none of which reads (epoch 0), each warned
@@ -474,8 +491,8 @@ def _sources(data_cfg) -> Optional[list[tuple[str, dict]]]:
 
 
 def _synthetic_mix(data_cfg, bucket_names) -> dict:
-    """The synthetic corpus' mix as its generator draws it: data.synthetic.mix, or every bucket alike when empty."""
-    return dict(data_cfg.synthetic.mix) or {n: 1.0 for n in bucket_names}
+    """The synthetic corpus' mix as its generator draws it (data/config.py's synthetic_mix)."""
+    return synthetic_mix(dict(data_cfg.synthetic.mix), list(bucket_names))
 
 
 def synthetic_shares(data_cfg, bucket_names) -> Optional[dict[str, float]]:

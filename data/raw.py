@@ -141,10 +141,25 @@ def expand_urls(urls: Union[str, Sequence[str]], where: str = "data.urls") -> li
         for p in braceexpand(pattern):
             matched.extend(sorted(glob.glob(p)) if glob.has_magic(p) else ([p] if os.path.isfile(p) else []))
         if not matched:
-            raise ValueError(f"{where}: {pattern!r} matches no file (brace patterns like shard-{{000..009}}.tar, "
-                             f"globs and list files are accepted)")
+            raise ValueError(f"{where}: {pattern!r} matches no file " + (
+                folder_hint(pattern, where) if os.path.isdir(pattern) else
+                "(brace patterns like shard-{000..009}.tar, globs and list files are accepted)"))
         out.extend(matched)
     return list(dict.fromkeys(os.path.abspath(p) for p in out))  # in order, each shard once
+
+
+def folder_hint(folder: str, where: str) -> str:
+    """What to write instead of a folder: the glob of its shards (`shard-*.tar` as pack_media.py and
+    precompute_latents.py name them, else `*.tar`), and data.index first when it holds a corpus index."""
+    folder = folder.rstrip("/") or "/"
+    names = [n for n in os.listdir(folder) if n.endswith(".tar")]
+    indexed = any(os.path.exists(os.path.join(folder, f)) for f in ("corpus.json", "index.jsonl"))
+    glob_ = os.path.join(folder, "shard-*.tar" if all(n.startswith("shard-") for n in names) else "*.tar")
+    if indexed:
+        return f"(it is a corpus folder: use data.index={folder}" + (
+            f", or {where}='{glob_}' for its shards)" if names else ")")
+    found = f"it holds {len(names)} .tar file(s)" if names else "it holds no .tar file yet"
+    return f"(it is a folder, and {found}): use {where}='{glob_}'"
 
 
 def common_dir(paths: Sequence[str]) -> str:

@@ -2,7 +2,7 @@
 
     python scripts/compare_strategies.py --out runs/compare_8gpu                    (8 GPUs, Wan 2.1 1.3B, ~25 min)
     python scripts/compare_strategies.py --tiny --procs 2 --out /tmp/cmp_cpu         (the tiny model on a CPU)
-    python scripts/compare_strategies.py --quick                                     (the same in about a minute)
+    python scripts/compare_strategies.py --quick                                     (the same in about 1.5 min)
     python scripts/compare_strategies.py --tiny --procs 2 --plan                     (the estimate only)
 
 Every mode prints its estimated run time first. --quick (implies --tiny, 2 processes) checks the whole path on a
@@ -47,9 +47,11 @@ QUICK_CAVEAT = ("--quick: the simulated column comes from the committed calibrat
                 "measured 2-process gloo runs pay collectives and share the cores. Compare the two columns only "
                 "without --quick, where the calibration is measured in the runs' own set-up.")
 # Run-time model of the estimate printed up front (seconds; on a 2-core CPU for --tiny, 8 H200s otherwise):
-# (fixed, per step) of one arm, the calibration and the simulation; the tiny numbers were measured on this repo's
-# 2-core development machine with nothing else running, the GPU ones from the run times in the module docstring.
-COSTS = {"tiny": {"arm": (12.0, 0.3), "calibration": 480 + 60, "simulation": 110, "simulation_quick": 15},
+# (fixed, per step) of one arm, the calibration and the simulation. The tiny arm and quick simulation were measured
+# on this repo's 2-core development machine on 2026-12-02 with other jobs running (load 1-3): --quick took 89 s, its
+# arms 17-18 s each, the simulation 13 s (on a busier machine, load ~5, it took 145 s); the GPU numbers come from
+# the run times in the module docstring.
+COSTS = {"tiny": {"arm": (17.0, 0.3), "calibration": 480 + 60, "simulation": 110, "simulation_quick": 15},
          "gpu": {"arm": (90.0, 3.0), "calibration": 480 + 120, "simulation": 120, "simulation_quick": 30}}
 MIX = {"i480": 0.25, "i720": 0.10, "v480_17f": 0.15, "v480_33f": 0.15}
 TINY_MIX = {"img_64": 0.3, "img_64x96": 0.2, "vid_64_9f": 0.3, "vid_64x96_17f": 0.2}
@@ -96,7 +98,7 @@ def parse_args(argv=None):
                     help="output folder (default runs/compare_strategies)")
     ap.add_argument("--procs", type=int, default=None, help="processes (GPUs) per arm (default 8; --quick: 2)")
     ap.add_argument("--tiny", action="store_true", help="tiny model, tiny buckets, CPU-sized steps")
-    ap.add_argument("--quick", action="store_true", help="--tiny in about a minute on a 2-core CPU: the committed "
+    ap.add_argument("--quick", action="store_true", help="--tiny in about 1.5 min on a 2-core CPU: the committed "
                     "CPU calibration, a short simulation, 1 + 4 steps per arm (module docstring)")
     ap.add_argument("--plan", action="store_true", help="print the estimated run time, run nothing")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per arm (default 5; --quick: 1)")
@@ -130,7 +132,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     phases = estimate(args)
     total = sum(phases.values())
-    print(f"estimated run time: about {total / 60:.0f} min ({total:.0f} s: "
+    print(f"estimated run time: about {total / 60:.1f} min ({total:.0f} s: "
           + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()) + f"; {args.procs} processes, "
           f"{args.warmup} + {args.steps} steps per arm{', quick' if args.quick else ''})", flush=True)
     if args.plan:

@@ -1,7 +1,7 @@
 """Simulate the four strategies on R ranks under a fixed global batch; write a report, CSV and plots.
 
     python scripts/simulate_cluster.py --calibration results/calibration_h200_graphs.json --out runs/simulation
-    python scripts/simulate_cluster.py --calibration FILE --quick          (R = 8, g = 2·S_max only: under a minute)
+    python scripts/simulate_cluster.py --calibration FILE --quick          (R = 8, g = 2·S_max only: about 45 s)
     python scripts/simulate_cluster.py --calibration FILE --unconstrained  (also the earlier M = 4 protocol)
 
 The protocol (scheduling/protocol.py): every strategy holds the same expected real tokens per rank per optimizer
@@ -59,7 +59,7 @@ def parse_args(argv):
                     "default 4096, --quick 2048)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="R = 8 and g = 2·S_max only, fewer candidates and "
-                    "micro-batches: under a minute on 2 CPU cores")
+                    "micro-batches: about 45 s on 2 CPU cores")
     ap.add_argument("--no-model-truth", action="store_true", help="skip the old mode's rows")
     ap.add_argument("--unconstrained", action="store_true", help="also the earlier protocol (M = 4, no batch bound)")
     ap.add_argument("--M", type=int, default=4, help="M of the unconstrained protocol")
@@ -70,10 +70,11 @@ def parse_args(argv):
     return args
 
 
-# Seconds one comparison of the four strategies (one R, one g, one truth) takes at 4096 micro-batches per candidate,
-# measured on a 2-core CPU (quick: 3 candidates per M, otherwise 6); the time scales with --mbs. The unconstrained
-# protocol adds about UNCONSTRAINED_S per rank count.
-COMPARISON_S = {"quick": 22.0, "full": 45.0}
+# Seconds one comparison of the four strategies (one R, one g, one truth) takes at 4096 micro-batches per candidate
+# (quick: 3 candidates per M, otherwise 6); the time scales with --mbs. The unconstrained protocol adds about
+# UNCONSTRAINED_S per rank count. quick: --quick took 44 s on this repo's 2-core development machine on 2026-12-02
+# with other jobs running (load 1-2; 92 s at load ~5); full: measured earlier on the same machine.
+COMPARISON_S = {"quick": 30.0, "full": 45.0}
 UNCONSTRAINED_S = 20.0
 
 

@@ -165,6 +165,7 @@ def test_rows_with_variance_at_or_below_eps(kind, D, x_dtype, eps):
 
 
 @pytest.mark.parametrize("kind", ["sample", "bcast", "mixed"])
+@pytest.mark.slow
 def test_dtile_variant_and_spans(kind):
     """The paper's D-tile reduction and other launch shapes (several programs per sample, a persistent span that
     ends in a partial tile, one masked tile per row instead of two segments, a pipelined loop) give the same."""
@@ -215,6 +216,7 @@ def test_residual_gradient_added_in_the_dx_pass():
         adaln_backward(dy, x, scale, mean, rstd, shift.shape, shift.dtype, dres=dres[:, :5])
 
 
+@pytest.mark.slow
 def test_checkpointing_and_opcheck():
     """The custom op recomputes under non-reentrant activation checkpointing, and torch.library.opcheck accepts its
     schema, fake implementation and autograd registration."""
@@ -243,6 +245,7 @@ def test_checkpointing_and_opcheck():
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager"] + (["inductor"] if DEV.type == "cuda" else []))
+@pytest.mark.slow
 def test_torch_compile_fullgraph(compiler):
     """Inside a compiled graph (fullgraph: the op must not break it) the op gives the eager op's output and grads,
     at B=1 where compiling the reference fails on the [1, 1, D] gradient. Inductor only on CUDA (20 s on CPU)."""

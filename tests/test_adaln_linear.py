@@ -59,6 +59,7 @@ def test_linears_match_fp64_and_the_unfused_kernels(per_token):
             assert torch.equal(a, u)  # dW = doutᵀ·y with y recomputed bit for bit
 
 
+@pytest.mark.slow
 def test_gelu_ffn_matches_fp64_and_the_unfused_kernels_chunked():
     B, N, D, Fh = 3, 29, 16, 40
     g, x, scale, shift = _inputs(B, N, D, seed=1)

@@ -67,6 +67,7 @@ def test_bad_values_are_refused_naming_the_field(override, field):
         compose_config([override])
 
 
+@pytest.mark.slow
 def test_cfg_job_prints_the_composed_14b_config_on_cpu():
     out = subprocess.run([sys.executable, "train.py", "conf=wan21_8gpu", "--cfg", "job"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
@@ -79,7 +80,8 @@ def test_short_clip_data_group_for_the_strategy_comparison():
 
     cfg = compose_config(["conf=wan21_1p3b", "data=wan_short"])
     tokens = {b.tokens for b in bucket_table(cfg.data.buckets, patch=cfg.model.patch).values()}
-    assert tokens == {1560, 3600, 7800, 14040} and set(cfg.data.synthetic.mix) == {"i480", "i720", "v480_17f", "v480_33f"}
+    named = {n for n, share in cfg.data.synthetic.mix.items() if share}  # the portrait buckets get 0
+    assert tokens == {1560, 3600, 7800, 14040} and named == {"i480", "i720", "v480_17f", "v480_33f"}
 
 
 def test_mmdit_refuses_the_wan_only_fused_ops_and_offload():

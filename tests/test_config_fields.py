@@ -187,10 +187,10 @@ def test_the_bucket_table_counts_the_models_patches():
     assert mmdit.model.patch == (1, 4, 4)
     assert {n: b.tokens for n, b in bucket_table(mmdit.data.buckets, patch=mmdit.model.patch).items()} == S4
     # The run's checks use the model's patch: 48 px is 6 latents, whole 2×2 patches but not 4×4 ones.
-    odd = "+data.buckets.img_48={frames: 1, height: 48, width: 48}"
-    assert "img_48" in load_config(compose_raw([odd])).data.buckets
+    odd = ["+data.buckets.img_48={frames: 1, height: 48, width: 48}", "+data.synthetic.mix.img_48=0.1"]
+    assert "img_48" in load_config(compose_raw(odd)).data.buckets
     with pytest.raises(ValueError, match=r"data\.buckets\.img_48\.height must be a multiple of 32"):
-        load_config(compose_raw([odd, "model.patch_size=[1,4,4]"]))
+        load_config(compose_raw([*odd, "model.patch_size=[1,4,4]"]))
     with pytest.raises(ValueError, match=r"data\.buckets\.\w+: \d+ latent frames do not divide"):
         load_config(compose_raw(["model.patch_size=[2,2,2]"]))
 

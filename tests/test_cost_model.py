@@ -70,6 +70,7 @@ def test_four_block_h200_points_power_misses_about_15_percent_quadratic_under_1(
 
 
 @pytest.mark.parametrize("p", [0.5, 0.52, 2.97])
+@pytest.mark.slow
 def test_power_exponent_at_the_ends_of_its_search_range(p):
     """The exponent's search: a grid over [0.5, 3] then a golden section between the best grid point's neighbours
     (clipped to the range) — planted exponents at either end come back."""

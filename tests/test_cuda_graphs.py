@@ -86,6 +86,7 @@ def test_a_replay_reads_this_micro_batch_not_the_captured_one():
     assert l0[0] == l1[0] and l0[2] != l1[2]
 
 
+@pytest.mark.slow
 def test_keys_over_max_tokens_and_failed_captures_stay_eager(caplog):
     class Failing(FakeGraphs):
         def _capture(self, graph, fn, statics):

@@ -105,6 +105,7 @@ def test_lora_starts_equal_and_trains_only_the_adapters():
     assert changed == trainable  # every A and B moved (B from zero), no base weight did
 
 
+@pytest.mark.slow
 def test_saved_adapter_loads_into_diffusers_with_the_same_output(tmp_path):
     ref = diffusers_model()
     model = lora_model(ref, rank=4, alpha=8.0)  # alpha ≠ rank: the scale must travel in the file's metadata
@@ -214,6 +215,7 @@ def test_sampler_and_tiny_vae_write_a_playable_mp4(tmp_path):
     assert json.load(open(tmp_path / "out" / "samples.json"))["clips"]["p1_s5"]["seed"] == 5
 
 
+@pytest.mark.slow
 def test_validation_sampler_and_cli_sample_a_lora_checkpoint(tmp_path):
     from omegaconf import OmegaConf
 
@@ -321,6 +323,7 @@ def _train_py_has_the_hooks() -> bool:
 
 
 @pytest.mark.skipif(not _train_py_has_the_hooks(), reason="train.py's LoRA/sampling integration has not landed yet")
+@pytest.mark.slow
 def test_lora_run_through_train_py_resumes_samples_and_exports(tmp_path):
     import torch.distributed.checkpoint as dcp
 

@@ -243,6 +243,7 @@ def test_gradients_are_dropped_as_accumulated_and_the_peak_rows_skip_the_warmup(
     assert _peak_rows(pts, recs, repeats=1) == [dict(bucket="a", S=10, B=2, forward=1.0, backward=2.0, cache=0.5)]
 
 
+@pytest.mark.slow
 def test_cpu_slice_calibration_states_the_slice_and_its_scaling(tmp_path):
     from training.shape_benchmark import calibrate_config
     from tests.helpers import compose_config

@@ -144,6 +144,7 @@ class _CountMatmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.slow
 def test_checkpoint_recompute_skips_the_down_projection():
     """Under torch.utils.checkpoint with passes(): the same output and gradients as the plain call, one matmul
     fewer in backward (the recompute stops after W1·y), and the forward's placeholder for h never read."""
@@ -179,6 +180,7 @@ def test_checkpoint_recompute_skips_the_down_projection():
     assert torch.isnan(ls.grad).all()
 
 
+@pytest.mark.slow
 def test_no_grad_and_autocast():
     """Without autograd the forward pass's path (epilogue, nothing saved) gives the same output; under bf16
     autocast fp32 master weights get fp32 gradients no further from fp64 than eager's under the same autocast —

@@ -122,6 +122,7 @@ def test_matches_fp64_reference_and_eager_bits(kind, D, B, N, x_dtype, y_dtype, 
 
 
 @pytest.mark.parametrize("kind", ["sample", "token", "bcast"])
+@pytest.mark.slow
 def test_launch_shapes(kind):
     """Other launch shapes — several feature tiles (the last one masked), several spans per sample of which the
     last ends in a partial tile, a pipelined loop — give the same output and dy bit for bit, and a per-sample dgate
@@ -185,6 +186,7 @@ def test_saves_only_y_and_the_gate_view():
     assert any(t.dtype == F32 and t.shape == y.shape for t in saved)  # the reference's fp32 y: what we avoid
 
 
+@pytest.mark.slow
 def test_checkpointing_and_opcheck():
     """The custom op recomputes under non-reentrant activation checkpointing, and torch.library.opcheck accepts its
     schema, fake implementation and autograd registration."""
@@ -214,6 +216,7 @@ def test_checkpointing_and_opcheck():
 
 @pytest.mark.parametrize("compiler", ["aot_eager"] + (["inductor"] if DEV.type == "cuda" else []))
 @pytest.mark.parametrize("kind", ["sample", "token"])
+@pytest.mark.slow
 def test_torch_compile_fullgraph(compiler, kind):
     """Inside a compiled graph (fullgraph: the op must not break it) the op gives the eager op's output and grads,
     at B=1, where compiling the reference fails on the [1, 1, D] gradient. Inductor only on CUDA (slow on CPU)."""

@@ -127,6 +127,7 @@ def test_tests_run_scripts_as_commands_never_import_them():
     ("data/raw.py", "import omegaconf", "the libraries take plain values"),
     ("training/dist.py", "from torch.distributed.fsdp import fully_shard", "FSDP2 is applied from outside"),
 ])
+@pytest.mark.slow
 def test_an_added_arrow_fails(tmp_path, path, line, why):
     """A copy of the tree with one forbidden import added: the check names it (a check that cannot fail is a bug)."""
     for rel in sources():
@@ -143,6 +144,7 @@ def test_an_added_arrow_fails(tmp_path, path, line, why):
                                       ("scheduling.metrics", "scheduling.efficiency"),
                                       ("training.metrics_log", "training.metrics"),
                                       ("training.step_metrics", "training.metrics")])
+@pytest.mark.slow
 def test_a_renamed_module_still_imports_for_one_release_with_a_warning(old, new):
     """Old module names are aliases of the new modules (the same objects), and say so once on import."""
     code = (f"import warnings; warnings.simplefilter('error', FutureWarning)\n"

@@ -156,6 +156,7 @@ def _triton_failure() -> str | None:
         return f"{type(e).__name__}: {e}"
 
 
+@pytest.mark.slow
 def test_fused_adaln_matches_reference_in_the_model():
     failure = _triton_failure()
     if failure:
@@ -322,6 +323,7 @@ def test_train_flops_matches_counted_matmuls():
     assert 0.97 * predicted <= matmul <= predicted, (matmul, predicted)
 
 
+@pytest.mark.slow
 def test_tiny_preset_trains_and_its_val_loss_falls(tmp_path):
     from tests.helpers import run_training, tiny_overrides
     from training.metrics import read_metrics
@@ -347,6 +349,7 @@ def test_tiny_preset_trains_and_its_val_loss_falls(tmp_path):
                                           return_dict=False, **kw)[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_calibration_fits_joint_attention_and_balanced_plans_train(tmp_path, caplog):
     import json
 
@@ -369,6 +372,7 @@ def test_calibration_fits_joint_attention_and_balanced_plans_train(tmp_path, cap
     assert sources["cost"].startswith("calibration:") and sources["cost"].endswith(":" + rec["cost_model"]["form"])
 
 
+@pytest.mark.slow
 def test_llama_clip_text_side_feeds_pooled_text_to_the_mmdit_from_raw_shards(tmp_path, monkeypatch):
     """HunyuanVideo's text side (LLaMA hidden states + CLIP pooled, tiny from config) on a raw corpus: every
     micro-batch reaches the model with its encoder's pooled embedding, and training runs."""
@@ -400,6 +404,7 @@ def test_llama_clip_text_side_feeds_pooled_text_to_the_mmdit_from_raw_shards(tmp
     assert read_metrics(run_dir)[-1]["step"] == 2
 
 
+@pytest.mark.slow
 def test_pooled_text_of_its_own_width_comes_from_the_corpus(tmp_path, monkeypatch):
     """pooled_projection_dim ≠ text_embed_dim (as HunyuanVideo: 768 vs 4096): the synthetic corpus then stores a
     pooled embedding per sample; a latent corpus without one is refused before training."""

@@ -259,6 +259,7 @@ def test_a_replayed_steps_micro_batch_times_are_in_ms_and_fit_in_its_wall_time(d
 
 
 @pytest.mark.parametrize("blocks, refused", [(None, False), ("1", True)])
+@pytest.mark.slow
 def test_replay_refuses_k_of_the_blocks_only_with_checkpointing_auto_not_the_whole_model(tmp_path, blocks, refused):
     """--blocks k < model.num_layers with checkpointing=auto is refused (the recompute rule counts the full depth);
     the whole model (no --blocks) with checkpointing=auto plans as any other (--dry-run: no model is built)."""
@@ -349,6 +350,7 @@ def _saved_run(run_dir, *overrides) -> str:
     return str(run_dir)
 
 
+@pytest.mark.slow
 def test_an_adapter_exports_only_from_a_lora_run_and_a_whole_model_from_any(tmp_path):
     from models.lora import LORA_WEIGHT_NAME
     from training.export import export

@@ -3,6 +3,8 @@ and still parses, what it leaves alone, and that its draw is reproducible. (The 
 import ast
 import os
 
+import pytest
+
 from training.mutation import candidates, covering_tests, draw
 
 SOURCE = '''"""Docstring: x < 1 and y + 2."""
@@ -84,6 +86,7 @@ def test_skip_functions_and_a_reproducible_draw():
     assert draw(ms, 0, seed=3, file="x.py") == ms
 
 
+@pytest.mark.slow
 def test_test_map_finds_the_tests_that_import_a_module():
     cover = covering_tests(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert "tests/test_cost_model.py" in cover["scheduling/cost_model.py"]

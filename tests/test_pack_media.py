@@ -245,6 +245,7 @@ def test_output_inside_the_folder_is_not_packed(media, tmp_path):
     assert second.samples == 1 and second.skip_counts == Counter()  # its own shards and lists are not input
 
 
+@pytest.mark.slow
 def test_cli(media, tmp_path):
     root, want, skips = media
     script = os.path.join(ROOT, "scripts", "pack_media.py")

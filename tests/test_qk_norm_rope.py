@@ -147,6 +147,7 @@ def check_low_rms(heads, head_dim, grid, B, x_dtype, eps, gen):
 
 
 @pytest.mark.parametrize("x_dtype,eps", [(torch.float32, 1e-6), (torch.bfloat16, 1e-6), (torch.float32, 1e-2)])
+@pytest.mark.slow
 def test_rows_with_mean_square_at_or_below_eps(x_dtype, eps):
     """rstd = 1 / sqrt(mean(x²) + eps): where mean(x²) ≤ eps the placement of eps decides the output and dx."""
     check_low_rms(2, 12, (1, 3, 5), 2, x_dtype, eps, torch.Generator().manual_seed(int(1 / eps) + x_dtype.itemsize))
@@ -168,6 +169,7 @@ def test_equals_model_path(x_dtype):
     assert_equal_to_rounding(y, ref, min_exact=0.99 if x_dtype != torch.float32 else 0.5)
 
 
+@pytest.mark.slow
 def test_strided_x_and_launch_shapes():
     """x as the q slice of a fused qkv projection (row stride 3·D, read in place) and as a view with a strided last
     dim (copied); other launch shapes — several programs per sample so that dw sums several partial rows, a span
@@ -219,6 +221,7 @@ def test_no_rows_give_an_empty_output_and_zero_dw():
         assert torch.equal(dw, torch.zeros_like(dw))
 
 
+@pytest.mark.slow
 def test_checkpointing_and_opcheck():
     """The custom op recomputes under non-reentrant activation checkpointing, and torch.library.opcheck accepts its
     schema, fake implementation and autograd registration."""
@@ -247,6 +250,7 @@ def test_checkpointing_and_opcheck():
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager"] + (["inductor"] if DEV.type == "cuda" else []))
+@pytest.mark.slow
 def test_torch_compile_fullgraph(compiler):
     """Inside a compiled graph (fullgraph: the op must not break it) the op gives the eager op's output and grads."""
     heads, head_dim = (12, 128) if DEV.type == "cuda" else (2, 16)

@@ -146,6 +146,7 @@ def test_make_index_plan_load_gives_batches_of_the_right_shapes(clean):
     assert len(mixed.table) == 22 and from_second == round(0.7 * 22)
 
 
+@pytest.mark.slow
 def test_each_rank_reads_exactly_its_planned_samples_and_workers_change_nothing(clean):
     corpus = open_corpus(data_cfg(index=clean), TINY, C, D, seed=0)
     plan, _ = plan_step(corpus.table, 0, 1, 0, 2, "equal_token", 2, B_SIZES, COST)
@@ -168,6 +169,7 @@ def test_each_rank_reads_exactly_its_planned_samples_and_workers_change_nothing(
     assert not ranks[0] & ranks[1]
 
 
+@pytest.mark.slow
 def test_mid_epoch_resume_continues_with_the_next_planned_sample(clean):
     def run(corpus, epoch, pos, steps):
         loader, out = Loader(corpus, TEXT_LEN, 0.3, seed=5, rank=0), []
@@ -279,6 +281,7 @@ def latents(clean, tmp_path_factory):
     return out, (first, again, last)
 
 
+@pytest.mark.slow
 def test_precomputed_latents_give_the_batches_of_on_the_fly_encoding(clean, latents):
     out, (first, again, last) = latents
     assert first["written"] == 12 and 0 < again["written"] < 12 and last["written"] == 12 and last["index"] == 24
@@ -299,6 +302,7 @@ def test_precomputed_latents_give_the_batches_of_on_the_fly_encoding(clean, late
         torch.testing.assert_close(t1, t2, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_training_on_raw_shards_equals_training_on_their_precomputed_latents(clean, latents, tmp_path):
     from tests.helpers import run_training, tiny_overrides
     from training.metrics import read_metrics

@@ -102,6 +102,7 @@ def test_replay_of_the_prediction_equals_the_simulator(strategy, R, window):
     assert rep.idle_fraction > (0.2 if strategy == "equal_token" else 0.0)  # not a trivial agreement
 
 
+@pytest.mark.slow
 def test_tiny_replay_times_every_planned_micro_batch_once(tmp_path):
     settings = tmp_path / "settings.json"
     settings.write_text(json.dumps({"settings": [

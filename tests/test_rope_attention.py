@@ -87,6 +87,7 @@ def test_matches_fp64_and_the_unfused_composition(cross):
         assert rel_err(a, u) < 1e-5, name
 
 
+@pytest.mark.slow
 def test_q_and_k_norms_use_their_own_eps_in_forward_and_recompute():
     """eps_q ≠ eps_k, both large against the rows' mean squares (q ≈ 4, k ≈ 1): each reaches its own norm, in the
     forward and in the backward's recompute of q' and k' (every gradient against fp64 at the same two eps)."""
@@ -111,6 +112,7 @@ def test_q_and_k_norms_use_their_own_eps_in_forward_and_recompute():
     assert rel_err(torch_out, out64) < 1e-5  # the reference backend takes them too
 
 
+@pytest.mark.slow
 def test_compiled_graph_takes_the_composition():
     """Inside torch.compile (fullgraph: nothing may break the graph) rope_attention is the composition of the norm's
     custom op and SDPA, which Inductor plans itself: the same output and gradients as eager."""
@@ -123,6 +125,7 @@ def test_compiled_graph_takes_the_composition():
         assert rel_err(a, b) < 1e-5, name
 
 
+@pytest.mark.slow
 def test_saves_the_projections_not_the_rotated_q_and_k():
     leaves, rq, rk, _ = _case(seed=3)
     q, k, v, wq, wk = leaves
@@ -151,6 +154,7 @@ class _CountAttention(TorchDispatchMode):
 
 
 @pytest.mark.skipif(DEV.type != "cpu", reason="counts the CPU attention kernel")
+@pytest.mark.slow
 def test_keep_attention_policy_skips_its_recompute_and_math_falls_back():
     leaves, rq, rk, dout = _case(seed=4)
     fn = lambda q, k, v, wq, wk: rope_attention(q, k, v, HEADS, wq, wk, rq, rk, backend="triton")  # noqa: E731

@@ -1,5 +1,5 @@
 """The command-line tools as a user runs them (`python scripts/NAME.py` from the repo root, in a subprocess): every
-script answers --help, and the long ones' quick modes say up front how long they take and stay about a minute."""
+script answers --help, and the long ones' quick modes say up front how long they take and stay within 1.5 min."""
 from __future__ import annotations
 
 import glob
@@ -11,6 +11,8 @@ import sys
 import pytest
 
 from tests.helpers import ROOT
+
+pytestmark = pytest.mark.slow  # each test runs a script as a command (a Python start-up; --quick: minutes)
 
 SCRIPTS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "scripts", "**", "*.py"), recursive=True)
                  if "__main__" in open(p, encoding="utf-8").read())  # not scripts/bench/harness.py, a module
@@ -53,7 +55,8 @@ def test_simulate_cluster_quick_prints_its_estimate_and_finishes_in_about_a_minu
 
 
 def test_compare_strategies_estimates_every_mode_up_front():
-    """The quick run itself (about 65 s here) is left to the user; its plan and the others' are checked."""
+    """The quick run itself (89 s on the 2-core development machine) is left to the user; its plan and the others'
+    are checked."""
     quick = run("scripts/compare_strategies.py", "--quick", "--plan")
     assert quick.returncode == 0, quick.stderr[-3000:]
     assert 30 <= estimate_s(quick.stdout) <= 90 and "2 processes" in quick.stdout and "quick" in quick.stdout

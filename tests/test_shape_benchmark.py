@@ -114,6 +114,7 @@ def test_auto_takes_the_run_folders_file_then_a_matching_one_skipping_unreadable
     assert said == []  # a match says nothing of the files passed over
 
 
+@pytest.mark.slow
 def test_auto_benchmarks_on_first_use_caches_it_and_resume_reuses_it(tmp_path, cache, caplog):
     run_dir = str(tmp_path / "auto")
     # a width no committed file was measured on: the benchmark runs, its file lands in the run folder

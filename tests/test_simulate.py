@@ -47,6 +47,7 @@ def test_equal_token_is_badly_imbalanced_on_a_quadratic_cost_and_balanced_is_not
     assert bal.tokens_per_s > 1.5 * eq.tokens_per_s
 
 
+@pytest.mark.slow
 def test_unconstrained_protocol_records_the_chosen_settings_training_reads(tmp_path):
     """The earlier protocol (M = 4, no batch bound): R = 16 reuses R = 8's sweep, balanced is no worse than cost,
     and what record_chosen writes is what a run without tokens_per_step reads."""
@@ -108,6 +109,7 @@ def test_breakpoints_are_every_change_of_a_batch_size(strategy):
     assert all(changed) if strategy == "equal_token" else sum(changed) > len(pts) / 2
 
 
+@pytest.mark.slow
 def test_refined_sweep_finds_the_best_distinct_setting():
     """The refined best of equal_token on the quadratic cost is the best of an exhaustive scan of its interval; it
     is reported on a fresh draw, its knob moved inside the range that gives its batch sizes."""

@@ -384,6 +384,7 @@ def _collectives_worker(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_collectives_on_two_gloo_processes(tmp_path):
     """training/dist.py's collectives between two real processes: rank 0's object is the one broadcast, every rank's
     floats are gathered in rank order, the max is taken over ranks — the same answer on both."""

@@ -245,14 +245,14 @@ def test_multirun_gives_every_job_its_own_folder_and_one_wandb_group(tmp_path, c
     done = subprocess.run(args, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    for job, lr in ((0, "0.001"), (1, "0.002")):
-        folder = tmp_path / "runs" / f"sweep-{job}"
+    for lr in ("0.001", "0.002"):  # each job named by its swept value
+        folder = tmp_path / "runs" / f"sweep-optim.lr_{lr}"
         assert [r["step"] for r in read_metrics(str(folder))][-1] == 2
         text = (folder / "config.yaml").read_text()
-        assert f"name: sweep-{job}" in text and f"lr: {lr}" in text and "group: sweep" in text
+        assert f"name: sweep-optim.lr_{lr}" in text and f"lr: {lr}" in text and "group: sweep" in text
     # one of them resumed alone with a new learning rate: the rate is used and logged, the wandb group kept
-    folder = str(tmp_path / "runs" / "sweep-0")
-    done = subprocess.run([sys.executable, "train.py", "resume=auto", "optim.lr=5e-4", "name=sweep-0",
+    folder = str(tmp_path / "runs" / "sweep-optim.lr_0.001")
+    done = subprocess.run([sys.executable, "train.py", "resume=auto", "optim.lr=5e-4", "name=sweep-optim.lr_0.001",
                            *tiny_overrides(folder, cache, "train.steps=3", "train.val_every=3")], cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"), capture_output=True,
                           text=True, timeout=300)

@@ -70,6 +70,7 @@ def test_tokens_per_step_matches_the_planner_and_every_candidate_holds_g():
     assert abs(best.tokens / best.steps / 8 - g) <= 0.15 * g  # simulated tokens a rank a step: g ± 10 % + draws
 
 
+@pytest.mark.slow
 def test_the_protocol_records_what_training_reads_for_tokens_per_step(tmp_path):
     """run_fixed_batch's best settings go into the calibration; resolve_schedule with tokens_per_step takes the
     nearest simulated g and world size, and its batch table holds g within ±10 % on the corpus' own mix."""

@@ -50,6 +50,7 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+@pytest.mark.slow  # the fixture trains 5 steps
 def test_panels_are_throughput_balance_and_loss_of_keys_the_run_logs_against_samples_seen(logged):
     rows, _ = logged
     panels = panel_definitions("ent", "proj", GROUP)
@@ -66,6 +67,7 @@ def test_panels_are_throughput_balance_and_loss_of_keys_the_run_logs_against_sam
     assert [r["samples_seen"] for r in rows] == sorted(r["samples_seen"] for r in rows)  # an x-axis that grows
 
 
+@pytest.mark.slow
 def test_lines_are_grouped_by_the_strategy_in_the_logged_config_and_filtered_to_the_logged_group(logged):
     _, seen = logged
     panels = panel_definitions("ent", "proj", seen["group"], x="tokens_seen")
@@ -73,7 +75,7 @@ def test_lines_are_grouped_by_the_strategy_in_the_logged_config_and_filtered_to_
     for p in panels:
         assert p["filters"] == {"group": GROUP} and (p["entity"], p["project"], p["x"]) == ("ent", "proj",
                                                                                            "tokens_seen")
-        assert p["group_by"] == GROUP_BY == f"config.{STRATEGY_KEY}"
+        assert p["group_by"] == [GROUP_BY] == [f"config.{STRATEGY_KEY}"]  # the default without runs to compare
     value = seen["config"]
     for part in STRATEGY_KEY.split("."):  # the path must exist in the config wandb.init is given
         value = value[part]
@@ -95,6 +97,7 @@ def test_bad_inputs_are_refused_naming_the_field(kwargs, named):
         panel_definitions(**args)
 
 
+@pytest.mark.slow
 def test_report_builds_offline_with_one_grouped_filtered_runset_and_a_line_plot_per_panel(monkeypatch):
     wr = pytest.importorskip("wandb_workspaces.reports.v2")
     from wandb_workspaces import expr
@@ -152,6 +155,7 @@ def _cli(*args, **env):
                           env={**os.environ, **env})
 
 
+@pytest.mark.slow
 def test_cli_help_and_dry_run():
     from omegaconf import OmegaConf
 
@@ -169,3 +173,58 @@ def test_offline_mode_is_refused_with_the_fix(monkeypatch):
     with pytest.raises(RuntimeError) as e:
         wandb_report.check_ready()  # the script prints this message as `error: ...` (exit 1), not a traceback
     assert str(e.value).startswith("WANDB_MODE=offline") and "wandb sync" in str(e.value)
+
+
+# -- --group-by: the keys that differ, or the ones named -------------------------------------------------------------
+
+def test_the_default_group_by_is_the_config_keys_that_differ_between_the_runs():
+    from training.wandb_report import default_group_by
+
+    base = {"name": "lr-optim.lr_0.001", "run_dir": "runs/lr-optim.lr_0.001", "logging": {"group": "lr"},
+            "optim": {"lr": 0.001, "betas": [0.9, 0.99]}, "scheduling": {"strategy": "equal_token"}}
+    other = {**base, "name": "lr-optim.lr_0.003", "run_dir": "runs/lr-optim.lr_0.003",
+             "optim": {"lr": 0.003, "betas": [0.9, 0.99]}}
+    assert default_group_by([base, other]) == ["optim.lr"]  # name and run_dir differ in any sweep: left out
+    both = {**other, "scheduling": {"strategy": "balanced"}}
+    assert default_group_by([base, both]) == ["optim.lr", "scheduling.strategy"]
+    assert default_group_by([base, dict(base)]) == [STRATEGY_KEY] == default_group_by([])
+
+
+@pytest.mark.slow
+def test_report_groups_by_the_keys_given():
+    wr = pytest.importorskip("wandb_workspaces.reports.v2")
+    from wandb_workspaces import expr
+
+    panels = panel_definitions("ent", "proj", GROUP, group_by=["optim.lr"])
+    assert all(p["group_by"] == ["config.optim.lr"] for p in panels)
+    (grid,) = wandb_report.build_report(panels).blocks
+    (by,) = grid.runsets[0].groupby
+    assert expr.groupby_str_to_key(by) == expr.Key(section="config", name="optim.value.lr")
+    assert all(plot.groupby == wr.Config("optim.lr") for plot in grid.panels)
+    two = wandb_report.build_report(panel_definitions("ent", "proj", GROUP, group_by=["optim.lr", "train.seed"]))
+    (grid,) = two.blocks
+    assert len(grid.runsets[0].groupby) == 2 and all(plot.groupby is None for plot in grid.panels)
+    assert two.title == f"{GROUP}: by optim.lr × train.seed"
+    for bad in ([], ["a=b"], ["optim.lr", "optim.lr"]):
+        with pytest.raises(ValueError, match="group_by must be one or more distinct config keys"):
+            panel_definitions("ent", "proj", GROUP, group_by=bad)
+
+
+@pytest.mark.slow
+def test_cli_dry_run_groups_a_sweep_by_its_swept_key(tmp_path):
+    """The script (a subprocess) reads the sweep's folders: --runs, or runs/*/ of the group under its cwd."""
+    import yaml
+
+    for lr in (0.001, 0.003):
+        folder = tmp_path / "runs" / f"lr-optim.lr_{lr}"
+        folder.mkdir(parents=True)
+        (folder / "config.yaml").write_text(yaml.safe_dump({"name": folder.name, "logging": {"group": "lr"},
+                                                            "optim": {"lr": lr}, "train": {"steps": 20}}))
+    out = subprocess.run([sys.executable, SCRIPT, "--entity", "ent", "--project", "p", "--group", "lr", "--dry-run"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert {tuple(p["group_by"]) for p in json.loads(out.stdout)} == {("config.optim.lr",)}
+    assert "group-by: optim.lr (the keys that differ between the runs of group lr found in 2 run folder(s))" \
+        in out.stderr
+    out = _cli("--entity", "ent", "--group", "lr", "--group-by", "train.steps", "optim.lr", "--dry-run")
+    assert out.returncode == 0 and json.loads(out.stdout)[0]["group_by"] == ["config.train.steps", "config.optim.lr"]

@@ -1,4 +1,4 @@
-"""Comparing runs offline: throughput, balance, val/loss against samples seen, memory — a PNG and a short table
+"""Comparing runs offline: throughput, balance, val/loss and train/loss against samples seen, memory: a PNG and a table
 (the command line: scripts/compare_runs.py).
 
 Reads each run's metrics.jsonl (docs/contracts.md §9 keys). Throughput and balance are averaged over the steps after
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Optional
 
 from training.metrics import read_metrics
 
@@ -42,12 +43,14 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-def table(labels: list[str], sums: list[dict]) -> str:
+def table(labels: list[str], sums: list[dict], columns: Optional[dict[str, list[str]]] = None) -> str:
+    """One row per run; `columns` ({config key: its value per run}) come first, then the summaries."""
+    columns = columns or {}
     cols = [(k, name) for k, name, _ in SUMMARY if any(k in s for s in sums)] + [("val/loss", "val/loss")]
-    head = "| run | " + " | ".join(name for _, name in cols) + " |"
-    lines = [head, "|" + "---|" * (len(cols) + 1)]
-    for label, s in zip(labels, sums):
-        cells = [f"{s[k]:.4g}" if k in s else "—" for k, _ in cols]
+    head = "| run | " + " | ".join([*columns, *(name for _, name in cols)]) + " |"
+    lines = [head, "|" + "---|" * (len(columns) + len(cols) + 1)]
+    for i, (label, s) in enumerate(zip(labels, sums)):
+        cells = [v[i] for v in columns.values()] + [f"{s[k]:.4g}" if k in s else "—" for k, _ in cols]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -59,10 +62,12 @@ def plot(labels, runs, path) -> None:
     import matplotlib.pyplot as plt
 
     panels = (("val/loss", "val/loss vs samples seen", "samples_seen"),
+              ("train/loss", "train/loss vs samples seen", "samples_seen"),
               ("perf/tokens_per_s", "tokens/s", "step"),
               ("balance/compute_cv_pred", "compute CV (predicted)", "step"),
               ("memory/peak_gib", "peak memory (GiB)", "step"))
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = plt.subplots(2, 3, figsize=(16, 7))
+    axes.flat[-1].axis("off")
     for ax, (key, title, x) in zip(axes.flat, panels):
         for label, rows in zip(labels, runs):
             pts = [(r[x], r[key]) for r in rows if r.get(key) is not None and x in r]
@@ -77,10 +82,12 @@ def plot(labels, runs, path) -> None:
     plt.close(fig)
 
 
-def compare(run_dirs: list[str], labels: list[str], out: str) -> str:
-    """Write out/compare.png and out/compare.md for these runs; returns the markdown table."""
+def compare(run_dirs: list[str], labels: list[str], out: str,
+            columns: Optional[dict[str, list[str]]] = None) -> str:
+    """Write out/compare.png and out/compare.md for these runs (`columns`: table columns before the summaries, e.g.
+    the config keys that differ); returns the markdown table."""
     runs = [read_rows(r) for r in run_dirs]
-    md = table(labels, [summarize(r) for r in runs])
+    md = table(labels, [summarize(r) for r in runs], columns)
     os.makedirs(out, exist_ok=True)
     plot(labels, runs, os.path.join(out, "compare.png"))
     with open(os.path.join(out, "compare.md"), "w") as f:

@@ -18,14 +18,15 @@ abandoned or half-written one), a wandb run and its id, the resolved config, sam
 
 A refused run leaves nothing behind: not the folder (when it made it), not its lock file.
 
-No links. A run folder's entries (RUN_FILES, train.log, run.lock, calibration.json) that are symbolic links are refused when the run
-starts, and every file of it is opened with `open_in`: O_NOFOLLOW at every component below the folder (the folder
-itself may be a link: `runs/` on a scratch disk), and only regular files. `write_whole` writes a file through a
-temporary name and a rename, so a reader sees the old file or the new one; a full disk raises
+No links. A run folder's entries (RUN_FILES, train.log, run.lock, calibration.json) that are symbolic links are refused
+when the run starts, and every file of it is opened with `open_in`: O_NOFOLLOW at every component below the folder
+(the folder itself may be a link: `runs/` on a scratch disk), and only regular files. `write_whole` writes a file
+through a temporary name and a rename, so a reader sees the old file or the new one; a full disk raises
 "no space left on <path>" (`NoSpaceLeft`) and leaves the old file.
 
-Hydra multirun (`-m`): every job is its own run — `name-<job number>` in `run_dir-<job number>` — and the jobs of
-one sweep share a wandb group (the name they were given), so they can be compared and never collide.
+Hydra multirun (`-m`): every job is its own run — `name-<its swept values>` in `run_dir-<its swept values>`, e.g.
+runs/lr-optim.lr_0.003 (job_label) — and the jobs of one sweep share a wandb group (the name they were given), so
+they can be compared and never collide.
 """
 from __future__ import annotations
 
@@ -36,13 +37,15 @@ import glob
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import stat
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 log = logging.getLogger(__name__)
+MAX_LABEL = 96  # characters of a multirun job's label (job_label); a longer one falls back to the job number
 
 RUN_FILES = ("metrics.jsonl", "step_*", "diverged_step_*", "abandoned-*", "*.tmp", "wandb", "wandb_id.txt",
              "config.yaml", "samples", "traces")
@@ -343,15 +346,25 @@ def _remove_if_empty(path: str) -> None:
         pass
 
 
-def multirun_job(raw: dict, job_num: int) -> dict:
-    """A Hydra multirun job's config: its own name and run folder (when run_dir was left at runs/<name>), and the
-    sweep's name as the wandb group."""
-    name = raw["name"]
-    out = {**raw, "name": f"{name}-{job_num}", "logging": {**raw.get("logging", {})}}
+def job_label(job_num: int, swept: Sequence[tuple[str, str]] = ()) -> str:
+    """A multirun job's suffix: its swept values as `key_value` pairs joined by `+` (`optim.lr_0.003`), characters
+    other than letters, digits and `._-` made `_`, so that it is a folder name and a Hydra `name=` value alike; the
+    job number where nothing was swept (or the label would pass MAX_LABEL characters)."""
+    label = "+".join(f"{k}_{v}" for k, v in swept)
+    label = re.sub(r"[^A-Za-z0-9._+-]", "_", label)
+    return label if label and len(label) <= MAX_LABEL else str(job_num)
+
+
+def multirun_job(raw: dict, job_num: int, swept: Sequence[tuple[str, str]] = ()) -> dict:
+    """A Hydra multirun job's config: its own name and run folder, `<name>-<job_label>` (in runs/ when run_dir was
+    left at runs/<name>), and the sweep's name as the wandb group. swept: this job's (key, value) of the keys the
+    command line sweeps."""
+    name, label = raw["name"], job_label(job_num, swept)
+    out = {**raw, "name": f"{name}-{label}", "logging": {**raw.get("logging", {})}}
     if raw.get("run_dir") == os.path.join("runs", name):
-        out["run_dir"] = os.path.join("runs", f"{name}-{job_num}")
+        out["run_dir"] = os.path.join("runs", f"{name}-{label}")
     else:
-        out["run_dir"] = f"{raw['run_dir'].rstrip('/')}-{job_num}"
+        out["run_dir"] = f"{raw['run_dir'].rstrip('/')}-{label}"
     out["logging"].setdefault("group", None)
     if out["logging"]["group"] is None:
         out["logging"]["group"] = name

@@ -1,15 +1,18 @@
-"""A wandb report that compares the scheduling strategies of one group of runs, built through wandb's public API.
+"""A wandb report that compares the runs of one group, line by line, built through wandb's public API.
 
 Two layers, so that what the report shows is testable without a server:
 
-    panel_definitions(entity, project, group, x, metrics)   pure: one plain dict per panel; no network, no wandb
+    panel_definitions(entity, project, group, x, metrics, group_by)   pure: one plain dict per panel; no network
     build_report(panels, title)                              a wandb_workspaces Report object (offline; not saved)
     check_ready() / save_report(report)                      online only: the package, the mode, an API key
+    group_configs(entity, project, group)                    online only: the configs of the group's runs
 
 Every panel is a line plot of one metric against an x-axis the trainer logs (`samples_seen` by default, so runs with
 different batch tables line up), over the runs whose wandb group is `group` (MetricsLogger's `group`: logging.group,
-a Hydra multirun's `name`), grouped by the config key `scheduling.strategy` (MetricsLogger logs the resolved config as
-wandb's config): one line per strategy, the mean over its runs with a min–max band.
+a Hydra multirun's `name`), grouped by config keys (MetricsLogger logs the resolved config as wandb's config): one
+line per value, the mean over its runs with a min–max band. Which keys: the ones the user names, else those whose
+values differ between the group's runs (training/run_configs.py: optim.lr for an LR sweep), else
+`scheduling.strategy`. With several keys the run set is grouped by all of them and each plot follows it.
 
 Sections (a panel's `section`): `throughput` for perf/*, `balance` for balance/*, `loss` for train/loss and
 val/loss; any other key is filed under its namespace. The metric names are docs/contracts.md §9's.
@@ -23,6 +26,7 @@ import os
 from typing import Optional, Sequence
 
 from training.metrics import X_AXES
+from training.run_configs import differing_keys
 
 X_CHOICES = (*X_AXES, "_step")   # samples_seen / tokens_seen as logged; _step: wandb's step (optimizer steps)
 STRATEGY_KEY = "scheduling.strategy"   # the path in the resolved config that names a run's strategy
@@ -57,9 +61,11 @@ def section(metric: str) -> str:
 
 
 def panel_definitions(entity: str, project: str, group: str, x: str = "samples_seen",
-                      metrics: Sequence[str] = DEFAULT_METRICS) -> list[dict]:
-    """One dict per metric, in the order given: {title, section, entity, project, x, y: [metric], group_by,
-    filters: {group}}. ValueError for an empty name, an x-axis the trainer does not log, or a bad metric list."""
+                      metrics: Sequence[str] = DEFAULT_METRICS,
+                      group_by: Sequence[str] = (STRATEGY_KEY,)) -> list[dict]:
+    """One dict per metric, in the order given: {title, section, entity, project, x, y: [metric],
+    group_by: ["config.<key>", ...], filters: {group}}. ValueError for an empty name, an x-axis the trainer does not
+    log, a bad metric list or a bad config key."""
     for field_name, value in (("entity", entity), ("project", project), ("group", group)):
         if not isinstance(value, str) or not value.strip():
             raise ValueError(f"{field_name} must be a non-empty name, got {value!r}")
@@ -75,8 +81,14 @@ def panel_definitions(entity: str, project: str, group: str, x: str = "samples_s
                          f"got {metrics!r}")
     if len(set(metrics)) != len(metrics) or x in metrics:
         raise ValueError(f"metrics must be distinct and must not repeat the x-axis {x!r}, got {metrics!r}")
+    group_by = list(group_by)
+    if not group_by or any(not isinstance(k, str) or not k.strip() or set(k) & set(FILTER_UNSAFE + " ")
+                           for k in group_by) or len(set(group_by)) != len(group_by):
+        raise ValueError(f"group_by must be one or more distinct config keys as dotted paths (optim.lr, "
+                         f"scheduling.strategy), got {group_by!r}")
+    by = [f"config.{k}" for k in group_by]
     return [{"title": TITLES.get(m, m), "section": section(m), "entity": entity, "project": project, "x": x,
-             "y": [m], "group_by": GROUP_BY, "filters": {"group": group}} for m in metrics]
+             "y": [m], "group_by": by, "filters": {"group": group}} for m in metrics]
 
 
 def _workspaces():
@@ -92,16 +104,17 @@ def _workspaces():
 
 def build_report(panels: list[dict], title: Optional[str] = None, description: Optional[str] = None):
     """A wandb_workspaces Report from panel_definitions' dicts: one panel grid whose run set holds the group's runs,
-    grouped by the strategy, and one line plot per panel. Builds the object only: nothing is sent until
-    save_report. ValueError where the panels disagree on entity, project, group or grouping."""
+    grouped by the panels' config keys, and one line plot per panel (grouped by the key where there is one; with
+    several, by the run set's grouping). Builds the object only: nothing is sent until save_report. ValueError where
+    the panels disagree on entity, project, group or grouping."""
     if not panels:
         raise ValueError("panels is empty: make them with panel_definitions(...)")
-    shared = {(p["entity"], p["project"], p["filters"]["group"], p["group_by"]) for p in panels}
+    shared = {(p["entity"], p["project"], p["filters"]["group"], tuple(p["group_by"])) for p in panels}
     if len(shared) != 1:
         raise ValueError(f"all panels must share entity, project, group and group_by (one run set), got {shared}")
     entity, project, group, group_by = shared.pop()
-    if not group_by.startswith("config."):
-        raise ValueError(f"group_by must name a config key as config.<path>, got {group_by!r}")
+    if not group_by or not all(k.startswith("config.") for k in group_by):
+        raise ValueError(f"group_by must name config keys as config.<path>, got {list(group_by)!r}")
     wr = _workspaces()
     from wandb_workspaces import expr
 
@@ -111,13 +124,15 @@ def build_report(panels: list[dict], title: Optional[str] = None, description: O
         raise ValueError(f"wandb_workspaces reads the run filter {run_filter!r} as {parsed.key.name} "
                          f"{parsed.op} {parsed.value!r}: rename the runs' group (logging.group) to plain characters")
     runset = wr.Runset(entity=entity, project=project, name=f"group {group}", filters=run_filter,
-                       groupby=[group_by])
-    config_key = group_by[len("config."):]
-    plots = [wr.LinePlot(title=p["title"], x=p["x"], y=list(p["y"]), groupby=wr.Config(config_key),
+                       groupby=list(group_by))
+    keys = [k[len("config."):] for k in group_by]
+    line_by = wr.Config(keys[0]) if len(keys) == 1 else None
+    plots = [wr.LinePlot(title=p["title"], x=p["x"], y=list(p["y"]), groupby=line_by,
                          groupby_aggfunc="mean", groupby_rangefunc="minmax") for p in panels]
-    description = description or (f"Runs of wandb group {group}: one line per {config_key} (the mean over its runs, "
+    named = " × ".join(keys)
+    description = description or (f"Runs of wandb group {group}: one line per {named} (the mean over its runs, "
                                   f"min–max band), against {panels[0]['x']}.")
-    return wr.Report(entity=entity, project=project, title=title or f"{group}: scheduling strategies compared",
+    return wr.Report(entity=entity, project=project, title=title or f"{group}: by {named}",
                      description=description, blocks=[wr.PanelGrid(runsets=[runset], panels=plots)])
 
 
@@ -141,6 +156,19 @@ def check_ready() -> None:
     except wandb.errors.AuthenticationError as e:
         raise RuntimeError(f"wandb could not verify the API key ({e}): check it with `wandb login --relogin` and "
                            f"that the server (WANDB_BASE_URL, default https://api.wandb.ai) can be reached") from e
+
+
+def default_group_by(configs: Sequence[dict]) -> list[str]:
+    """The config keys whose values differ between these runs' configs (training/run_configs.py), else
+    scheduling.strategy."""
+    return differing_keys(configs) or [STRATEGY_KEY]
+
+
+def group_configs(entity: str, project: str, group: str) -> list[dict]:
+    """The configs of the runs in wandb group `group` (online: wandb.Api; check_ready first)."""
+    import wandb
+
+    return [dict(r.config) for r in wandb.Api().runs(f"{entity}/{project}", filters={"group": group})]
 
 
 def save_report(report) -> str:
