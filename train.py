@@ -24,9 +24,9 @@ from data.buckets import bucket_table
 from data.loader import Loader, corpus_changed, merge_bad_states, open_corpus
 from models.build import build_parallel_model
 from models.flow_matching import FlowMatching
+from models.layers import describe_attention
 from models.lora import has_lora, save_lora
 from models.parallelize import FSDPOptions, checkpoint_policy
-from ops.attention_backend import describe as attention_line
 from scheduling.planner import advance, plan_step
 from scheduling.policy import ModelShape, schedule_for
 from training.busy import StepProfiler
@@ -101,7 +101,7 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str) -> dict:
     # 4. the model, sharded with FSDP2 over several processes (models/parallelize.py)
     model = build_parallel_model(cfg.model, ctx.rank, ctx.world_size, ctx.device, FSDPOptions(**fsdp_options_from_env()))
     if ctx.is_main:
-        log.info(attention_line(cfg.model.attention_backend, ctx.device))
+        log.info(describe_attention(cfg.model.attention_backend, ctx.device))
 
     # 5. the schedule: batch size per bucket, cost model, M (scheduling.tokens_per_step), recompute per micro-batch
     shape = ModelShape.of(cfg.model, model.num_matmul_params())

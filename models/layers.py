@@ -22,6 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ops.attention_backend import check_backend, sdpa
+from ops.attention_backend import describe as describe_attention  # noqa: F401 - for the trainer's log
+from ops.attention_backend import preferred as attention_kernel  # noqa: F401 - for a calibration's record
 from models.config import warn_deprecated
 from ops.triton_setup import BACKENDS
 

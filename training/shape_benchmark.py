@@ -44,11 +44,11 @@ import torch
 from data.buckets import bucket_table
 from models.build import build_model
 from models.flow_matching import FlowMatching
+from models.layers import attention_kernel
 from models.parallelize import parallelize
 from scheduling.calibrate import (HBM_FRACTION, Calibration, Infeasible, Point, StepResult, fit_mode, launch_point,
                                   new_calibration, refit, run_point, scan, timed_point)
 from scheduling.fsdp_memory import slice_record
-from ops.attention_backend import preferred as preferred_attention
 from training.cuda_graphs import graph_blockers, graphs_for
 from training.dist import init_distributed
 from training.inputs import model_inputs
@@ -419,7 +419,7 @@ def execution(cfg, device: torch.device, world_size: int) -> dict:
     several processes), precision and compile."""
     m = cfg.model
     graphs = graphs_for(cfg.train.cuda_graphs, device, world_size, graph_blockers(m), cfg.train.graph_max_tokens)
-    return {"attention": preferred_attention(m.attention_backend, device), "fused_ops": m.fused_ops,
+    return {"attention": attention_kernel(m.attention_backend, device), "fused_ops": m.fused_ops,
             "cuda_graphs": graphs is not None, "precision": m.precision, "compile": m.compile}
 
 
