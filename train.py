@@ -101,7 +101,7 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str) -> dict:
     # 4. the model, sharded with FSDP2 over several processes (models/parallelize.py)
     model = build_parallel_model(cfg.model, ctx.rank, ctx.world_size, ctx.device, FSDPOptions(**fsdp_options_from_env()))
     if ctx.is_main:
-        log.info(describe_attention(cfg.model.attention_backend, ctx.device))
+        log.info(describe_attention(cfg.model.attention_backend, ctx.device, cudnn=cfg.model.name != "mmdit"))
 
     # 5. the schedule: batch size per bucket, cost model, M (scheduling.tokens_per_step), recompute per micro-batch
     shape = ModelShape.of(cfg.model, model.num_matmul_params())

@@ -1,14 +1,15 @@
 """Which SDPA kernel runs attention (`model.attention_backend`), chosen per call and never silently replaced.
 
-    auto       cuDNN on CUDA GPUs of compute capability 9.0 and later (Hopper, Blackwell), flash on older ones;
+    auto       cuDNN on CUDA GPUs of compute capability 9.0 and later (measured on Hopper), flash on older ones;
                on a CPU, torch's own choice (its flash kernel for CPU, else math)
-    cudnn      torch's cuDNN attention          flash      FlashAttention-2 (torch's default on CUDA)
+    cudnn      torch's cuDNN attention          flash      FlashAttention-2
     efficient  the memory-efficient kernel      math       the composed reference (any dtype, any mask)
 
 Every call runs under `sdpa_kernel(order, set_priority=True)`: the chosen kernel first, then the others in the order
-cudnn, flash, efficient, math (on a CPU, flash then math, or math alone). Where the chosen kernel cannot serve a call (its dtype, head_dim, mask or device) SDPA
-takes the next that can, and `sdpa` says so once in the log for each (asked, served, dtype, head_dim, masked): a
-fallback is never silent and the numbers are always those of a kernel that serves the shape.
+cudnn, flash, efficient, math (on a CPU, flash then math, or math alone). Where the chosen kernel cannot serve a
+call (its dtype, head_dim, mask or device) SDPA takes the next that can, and `sdpa` says so once in the log for
+each (asked, served, dtype, head_dim, masked): the numbers are always those of a kernel that serves the shape.
+Inside torch.compile the choice is not probed, so a compiled model's fallback goes unlogged.
 
 cuDNN is left out of a call that passes `cudnn=False`: the MMDiT's attention (models/layers.py masked_attention), whose
 gradients under cuDNN were wrong on the H200 (torch 2.11, bf16) — its patch embedding's 134 % off fp32 math at
@@ -71,19 +72,24 @@ def order(name: str, device: torch.device, masked: bool = False, cudnn: bool = T
     return [k for k in kinds if not (k == "cudnn" and (not cudnn or masked and not MASKED_CUDNN))]
 
 
-def describe(name: str, device: torch.device) -> str:
-    """One line for the run's log: what model.attention_backend resolves to on this device, and why."""
-    first = preferred(name, device)
+def describe(name: str, device: torch.device, cudnn: bool = True) -> str:
+    """One line for the run's log: what model.attention_backend resolves to on this device, and why (cudnn=False: a
+    model whose attention cuDNN must not serve, the MMDiT)."""
+    first = preferred(name, device, cudnn)
+    if device.type != "cuda":
+        served = "math" if first == "math" else "torch's own choice (its flash kernel where it serves, else math)"
+        note = ("" if name in ("auto", "flash", "math")
+                else f"; a {device.type} has no {first} kernel, said again at the first call")
+        return f"attention: model.attention_backend={name} → {served} on {device.type}{note}"
     if name != "auto":
-        why = "as configured"
-    elif device.type != "cuda":
-        why = f"auto on {device.type}: torch's own kernel for the device (its flash kernel where it serves, else math)"
-        return f"attention: model.attention_backend=auto → {why}"
+        why = "as configured" + ("" if cudnn or name != "cudnn" else "; this model's attention never runs cuDNN")
     else:
         major, minor = torch.cuda.get_device_capability(device)
-        why = f"auto on {torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
-    return (f"attention: model.attention_backend={name} → {first} ({why}); a shape it cannot serve falls back "
-            f"in the order {', '.join(k for k in ORDER if k != first)}, logged once")
+        why = f"auto on {torch.cuda.get_device_name(device)} (compute capability {major}.{minor})" + (
+            "" if cudnn else "; this model's attention never runs cuDNN")
+    return (f"attention: model.attention_backend={name} → {first} ({why}); a call it cannot serve falls back in "
+            f"the order {', '.join(k for k in ORDER if k != first and (cudnn or k != 'cudnn'))}, said once; a masked "
+            "call runs the memory-efficient kernel")
 
 
 def sdpa(q_BHND: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, mask: torch.Tensor | None = None,
@@ -99,17 +105,19 @@ def sdpa(q_BHND: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, mask:
 def kernel_for(backend: str, q_BHND: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
                mask: torch.Tensor | None = None, cudnn: bool = True) -> str:
     """The kernel SDPA runs for these tensors under `backend` as autograd would call it (no compute; cached per
-    shape), with the fallback logged once when it is not the one asked for (not for auto on a CPU: torch chooses)."""
+    shape and strides), with the fallback logged once per process when it is not the one asked for. Not probed inside
+    torch.compile (`sdpa` skips it there): a compiled model's fallback is not logged."""
     dev = q_BHND.device
-    key = (backend, tuple(q_BHND.shape), tuple(k_BHLD.shape), q_BHND.dtype, dev.type,
-           None if mask is None else (mask.dtype, tuple(mask.shape)), torch.is_grad_enabled(), cudnn)
+    key = (backend, tuple(q_BHND.shape), q_BHND.stride(), tuple(k_BHLD.shape), k_BHLD.stride(), v_BHLD.stride(),
+           q_BHND.dtype, str(dev), None if mask is None else (mask.dtype, tuple(mask.shape)), cudnn)
     if key not in _served:
         kinds = order(backend, dev, mask is not None, cudnn)
         with sdpa_kernel([_SDP[k] for k in kinds], set_priority=True), torch.enable_grad():
             views = [t.detach().requires_grad_(torch.is_grad_enabled()) for t in (q_BHND, k_BHLD, v_BHLD)]
             _served[key] = _CHOICE.get(int(torch._fused_sdp_choice(*views, attn_mask=mask)), "math")
     got, asked = _served[key], preferred(backend, dev, cudnn)
-    if got != asked and not (backend == "auto" and dev.type != "cuda"):
+    # auto says nothing on a CPU (torch chooses) nor under a mask (the memory-efficient kernel is the intended one)
+    if got != asked and not (backend == "auto" and (dev.type != "cuda" or mask is not None)):
         _log_fallback(backend, asked, got, q_BHND, mask, cudnn)
     return got
 

@@ -117,13 +117,15 @@ class PartialRecompute:
         return self.attention_bytes * B * S
 
     def decide(self, B: int, S: int) -> tuple[int, int]:
-        """(k blocks recomputed, j of them keeping their attention outputs). Keeping attention costs a·B·S bytes a
+        """(k blocks recomputed, j of them keeping their attention outputs). Keeping attention costs kept_bytes a
         block for its costliest op — far more time per byte than leaving a whole block un-recomputed — so j = k
-        wherever that fits: k = ⌈(none(T) − budget) / ((none(T) − full(T))/L − a·T)⌉; beyond, k = L and j as many
-        as the budget leaves."""
+        wherever that fits: k = ⌈(none(T) − budget) / ((none(T) − full(T))/L − kept)⌉; beyond, k = L and j as
+        many as the budget leaves. Where keeping costs more than recomputing frees, k is the fewest without keeping
+        and j what the memory left holds."""
         none, full = float(self.none_mem.predict(B, S)), float(self.full_mem.predict(B, S))
         L = self.layers
         kept = self.kept_bytes(B, S) if self.keep else 0.0
+        left = lambda k: self.budget - (none - k / L * (none - full))  # noqa: E731 - bytes left with k recomputed
         if self.all_blocks:
             return L, (L if kept <= 0 else max(0, min(L, math.floor((self.budget - full) / kept)))) if self.keep \
                 else 0
@@ -135,10 +137,11 @@ class PartialRecompute:
         if kept <= 0:
             return k, k
         net = (none - full) / L - kept
-        if net > 0:
-            k_kept = math.ceil((none - self.budget) / net - 1e-9)
-            if k_kept <= L:
-                return k_kept, k_kept
+        if net <= 0:  # keeping costs more memory than recomputing frees: the fewest recomputed, keeping what fits
+            return k, max(0, min(k, math.floor(left(k) / kept + 1e-9)))
+        k_kept = math.ceil((none - self.budget) / net - 1e-9)
+        if k_kept <= L:
+            return k_kept, k_kept
         return L, max(0, min(L, math.floor((self.budget - full) / kept)))
 
     def predict(self, B, S) -> float:
@@ -258,6 +261,8 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
     else:
         _check_model(cal, shape)
         mode = cal.mode_name(checkpointing)
+        if checkpointing == "full" and keep_attention is True and "keep" in cal.modes:
+            mode = "keep"  # every block recomputed around its kept attention: the keep policy's own record
         cost_model, memory = cal.cost_model(mode), cal.memory_model(mode, world_size)
         power = cal.cost_model(mode, "power")
         cost_fn = cost_model.predict

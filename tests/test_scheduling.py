@@ -417,17 +417,47 @@ def test_measured_keep_policy_prices_and_bounds_every_micro_batch(tmp_path):
                          checkpointing="auto", keep_attention="auto")
     assert "kept attention's memory and time measured" in s.sources["cost"]
     seen = set()
-    for T in np.linspace(mem["none"].m_mem(budget) + 1, mem["full"].m_mem(budget), 15).astype(int):
+    T0 = mem["none"].m_mem(budget)
+    assert s.recompute_blocks(1, T0) == (0, 0) and s.cost_fn(1, T0) == pytest.approx(cost["none"].predict(1, T0))
+    for T in np.linspace(T0 + 1, mem["full"].m_mem(budget), 15).astype(int):
         k, j = s.recompute_blocks(1, int(T))
         assert 0 < k <= L and 0 <= j <= k and peak(T, k, j) <= budget * (1 + 1e-9)
         assert j == k or peak(T, k, j + 1) > budget
+        if j == k:  # all kept: the fewest recomputed blocks that fit so
+            assert peak(T, k - 1, k - 1) > budget
+        if k < L:
+            seen.add("partial")
         t = (cost["none"].predict(1, T) + k / L * (cost["full"].predict(1, T) - cost["none"].predict(1, T))
              - j / L * (cost["full"].predict(1, T) - cost["keep"].predict(1, T)))
         assert s.cost_fn(1, int(T)) == pytest.approx(float(t), rel=1e-9)
         seen.add("all kept" if j == k else "some kept")
-    assert seen == {"all kept", "some kept"}
+    assert seen == {"all kept", "some kept", "partial"}
     full = resolve_schedule(SchedulingConfig("cost", calibration=path, mem_budget_gib=60.0), WAN_TOKENS, WAN13,
                             checkpointing="full", keep_attention="auto")
     T = int(mem["full"].m_mem(budget) * 0.8)
     k, j = full.recompute_blocks(1, T)
     assert k == L and 0 < j < L and peak(T, L, j) <= budget < peak(T, L, j + 1)
+    # keep_attention=true with full: every block keeps, so the keep record bounds and prices every micro-batch
+    every = resolve_schedule(SchedulingConfig("cost", calibration=path, mem_budget_gib=60.0), WAN_TOKENS, WAN13,
+                             checkpointing="full", keep_attention=True)
+    assert every.values["m_mem"] == mem["keep"].m_mem(budget, min(WAN_TOKENS.values()))
+    assert every.cost_fn(1, 32760) == pytest.approx(cost["keep"].predict(1, 32760))
+
+
+def test_keeping_never_pushes_more_blocks_into_recompute_than_it_saves():
+    """Where a kept block costs more memory than recomputing one frees, the fewest blocks recompute (as without
+    keep) and keep what the memory left holds: not every block recomputed to make room for kept attention."""
+    from scheduling.policy import PartialRecompute
+
+    class Flat:  # a memory model of constant bytes
+        def __init__(self, v):
+            self.v = v
+
+        def predict(self, B, S):
+            return self.v
+
+    L = 10
+    pr = PartialRecompute(L, 80.0, Flat(100.0), Flat(50.0), Flat(20.0), Flat(30.0), attention_bytes=1.0,
+                          keep_mem=Flat(110.0))  # a kept block holds 6 units, recomputing one frees 5
+    k, j = pr.decide(1, 1)
+    assert (k, j) == (4, 0)  # 100 − 4·5 = 80 fits; nothing left for a kept block

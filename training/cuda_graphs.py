@@ -211,6 +211,18 @@ def graph_blockers(model_cfg) -> list[str]:
     return why
 
 
+def graphs_off_because(mode: str, device: torch.device, world_size: int, reasons_off: list[str]) -> list[str]:
+    """Why a run's micro-batches would not be captured (empty: they would be), without logging or building."""
+    if mode == "off":
+        return ["train.cuda_graphs=off"]
+    why = list(reasons_off)
+    if device.type != "cuda":
+        why.append("the device is not a CUDA GPU")
+    if world_size > 1:
+        why.append("FSDP2 over several processes is not captured yet")
+    return why
+
+
 def graphs_for(mode: str, device: torch.device, world_size: int, reasons_off: list[str],
                max_tokens: Optional[int]) -> Optional[MicroBatchGraphs]:
     """The micro-batch graphs a run uses, or None, with one log line saying which and why.
@@ -219,11 +231,7 @@ def graphs_for(mode: str, device: torch.device, world_size: int, reasons_off: li
     that forbids it is an error), "off"."""
     if mode == "off":
         return None
-    why = list(reasons_off)
-    if device.type != "cuda":
-        why.append("the device is not a CUDA GPU")
-    if world_size > 1:
-        why.append("FSDP2 over several processes is not captured yet")
+    why = graphs_off_because(mode, device, world_size, reasons_off)
     if why:
         if mode == "on":
             raise ValueError(f"train.cuda_graphs=on but CUDA graphs cannot apply here: {'; '.join(why)}")

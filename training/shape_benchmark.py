@@ -49,7 +49,7 @@ from models.parallelize import parallelize
 from scheduling.calibrate import (HBM_FRACTION, Calibration, Infeasible, Point, StepResult, fit_mode, launch_point,
                                   new_calibration, refit, run_point, scan, timed_point)
 from scheduling.fsdp_memory import slice_record
-from training.cuda_graphs import graph_blockers, graphs_for
+from training.cuda_graphs import graph_blockers, graphs_for, graphs_off_because
 from training.dist import init_distributed
 from training.inputs import model_inputs
 from training.optim import build_optimizer
@@ -418,9 +418,9 @@ def execution(cfg, device: torch.device, world_size: int) -> dict:
     model.attention_backend resolves to here, the fused ops, CUDA graphs (as the trainer would run them: off over
     several processes), precision and compile."""
     m = cfg.model
-    graphs = graphs_for(cfg.train.cuda_graphs, device, world_size, graph_blockers(m), cfg.train.graph_max_tokens)
-    return {"attention": attention_kernel(m.attention_backend, device), "fused_ops": m.fused_ops,
-            "cuda_graphs": graphs is not None, "precision": m.precision, "compile": m.compile}
+    off = graphs_off_because(cfg.train.cuda_graphs, device, world_size, graph_blockers(m))
+    return {"attention": attention_kernel(m.attention_backend, device, cudnn=m.name != "mmdit"),
+            "fused_ops": m.fused_ops, "cuda_graphs": not off, "precision": m.precision, "compile": m.compile}
 
 
 def _plain_step(plain, name: str, table, field: str, blocks: int) -> dict:
