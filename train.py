@@ -39,7 +39,7 @@ from training.metrics import MetricsLogger, StepMetrics, busy_every
 from training.optim import EMA, build_optimizer
 from training.resume import apply_optim_config, check_config, optim_hyperparameters, resume
 from training.run_folder import claim, multirun_job, run_files
-from training.sampling import ValidationSampler
+from training.sampling import ValidationSampler, log_encoders
 from training.shape_benchmark import calibration_for_run
 from training.step import TrainParts, autocast_for, collector_every, train_step, validation_loss
 
@@ -163,6 +163,7 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick, preset: str) -> dict:
                  ckpt or "scratch", schedule.table({n: buckets[n].tokens for n in corpus.bucket_names}))
         for note in schedule.notes:
             log.warning("scheduling: %s", note)
+        log_encoders(cfg, corpus, model.num_matmul_params(), log)  # which VAE and text encoder; random ones warn
     loader = Loader(corpus, cfg.model.text_len, cfg.data.caption_dropout, cfg.train.seed, ctx.rank,
                     cfg.data.num_workers)
     val_batches = loader.val_batches()
@@ -191,6 +192,8 @@ def _run(cfg: TrainConfig, config_yaml: str, gc_tick, preset: str) -> dict:
                  for k, v in (("B", schedule.batch_sizes[n]), ("tokens", schedule.batch_sizes[n] * buckets[n].tokens))}
         logger.log_metrics(0, {"samples_seen": 0, "tokens_seen": 0, "val/loss": validation_loss(parts, val_batches),
                                **table})
+        if sampler is not None:  # the start of the samples' contact sheet
+            logger.log_videos(0, sampler(model, 0, parts.autocast))
     while state.step < cfg.train.steps:
         t_step = time.perf_counter()
         epoch = state.epoch
