@@ -4,9 +4,10 @@ by a PCA VAE fitted to its own pixels (data/pca_vae.py) — a corpus a CPU model
 
 Each sample is one shape (COLOURS × SHAPES) of radius r = 0.18·min(H, W). A clip moves it in one of DIRECTIONS
 across half the frame at a constant speed, starting where the direction puts it (a shape moving right starts left
-of centre) with a small jitter along the motion and a larger one across it; an image holds it still at a jittered
-spot. Edges are anti-aliased (pixel coverage), so the PCA sees smooth patches. Captions: "a red square moving
-right" (clips), "a red square" (images). Every colour, shape and direction is thus fixed by a word of the caption.
+of centre) with a jitter of up to JITTER across the motion and 0.3·JITTER along it; an image holds it still at a jittered
+spot near the centre. Edges are anti-aliased (pixel coverage), so the PCA sees smooth patches. Captions: "a red square moving
+right" (clips), "a red square" (images). Every colour, shape and direction is thus fixed by a word of the caption,
+and the position nearly so: what a small model has to learn is the drawing and the motion.
 
 Written in the latent shard schema of data/synthetic.py (contracts §4): the pixels are drawn, the PCA VAE is fitted
 to all of them (channels = the model's in_channels) and saved in `vae/` beside the index, the latents are its
@@ -30,7 +31,8 @@ SHAPES = ("square", "circle")
 DIRECTIONS = {"right": (1, 0), "left": (-1, 0), "down": (0, 1), "up": (0, -1)}
 BACKGROUND = (24, 24, 32)
 RADIUS, TRAVEL = 0.18, 0.5   # of min(H, W); of the frame's extent along the motion
-VERSION = 1                  # bump when the drawing or captions change: the cache key changes with it
+JITTER = 0.12                # of the frame's extent: how far a start may lie from where its direction puts it
+VERSION = 2                  # bump when the drawing or captions change: the cache key changes with it
 
 
 def caption(colour: str, shape: str, direction: str | None) -> str:
@@ -42,8 +44,8 @@ def draw(colour: str, shape: str, direction: str | None, frames: int, height: in
     """uint8 [frames, height, width, 3]: the shape at its jittered start, moved along `direction` (None: still)."""
     r = RADIUS * min(height, width)
     d = np.array(DIRECTIONS[direction] if direction else (0, 0), np.float64)  # (x, y)
-    jitter = rng.uniform(-0.22, 0.22, 2)
-    jitter[d != 0] *= 0.06 / 0.22                          # small along the motion, larger across it
+    jitter = rng.uniform(-JITTER, JITTER, 2)
+    jitter[d != 0] *= 0.3                                  # smaller along the motion than across it
     start = 0.5 + jitter - d * TRAVEL / 2                  # the centre at t = 0, in fractions of (W, H)
     yy, xx = np.mgrid[0:height, 0:width].astype(np.float32) + 0.5
     out = np.empty((frames, height, width, 3), np.uint8)

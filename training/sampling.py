@@ -21,6 +21,7 @@ import contextlib
 import glob
 import json
 import os
+import re
 from dataclasses import asdict, replace
 from typing import Callable, Optional, Sequence
 
@@ -125,9 +126,10 @@ def describe_encoders(cfg, corpus, num_params: int) -> tuple[str, Optional[str]]
     warning = None
     if random and raw:
         warning = f"raw media are encoded by a random {' and a random '.join(random)}"
-    elif num_params > LARGE_MODEL_PARAMS and (made_random or (random and cfg.train.sample_every)):
-        warning = (f"a {num_params / 1e6:.0f}M-parameter model with a random "
-                   f"{' and a random '.join(random) or 'VAE or text encoder (they made the corpus)'}")
+    elif num_params > LARGE_MODEL_PARAMS and made_random:
+        warning = f"a {num_params / 1e6:.0f}M-parameter model trains on latents that a random VAE or text encoder made"
+    elif num_params > LARGE_MODEL_PARAMS and random and cfg.train.sample_every:
+        warning = f"a {num_params / 1e6:.0f}M-parameter model is sampled with a random {' and a random '.join(random)}"
     if warning:
         warning += (": the model learns noise and its samples are noise. Set data.encoders.vae and "
                     "data.encoders.text_encoder to a Wan 2.1 diffusers folder (docs/gpu.md, 'Real weights')")
@@ -218,22 +220,23 @@ def contact_sheet(step_dirs: Sequence[str], out_png: str, frames: int = 5, scale
              for d, r in zip(step_dirs, runs)]
     F, H, W, _ = next(c for row in clips for c in row if c is not None).shape
     pick = np.linspace(0, F - 1, min(frames, F)).round().astype(int)
-    tile_w, tile_h, label_w, head_h, gap = W * scale, H * scale, 260, 24, 12
-    block_w = len(pick) * tile_w
-    sheet = Image.new("RGB", (label_w + len(step_dirs) * (block_w + gap), head_h + len(names) * tile_h),
+    tile_w, tile_h, label_w, head_h, gap, sep = W * scale, H * scale, 200, 24, 16, 4
+    block_w = len(pick) * (tile_w + sep)
+    sheet = Image.new("RGB", (label_w + len(step_dirs) * (block_w + gap), head_h + len(names) * (tile_h + sep)),
                       (255, 255, 255))
     draw = ImageDraw.Draw(sheet)
     for b, d in enumerate(step_dirs):
         x0 = label_w + b * (block_w + gap)
-        step = int(os.path.basename(os.path.normpath(d)).rsplit("_", 1)[-1])
-        draw.text((x0 + 4, 6), f"step {step}: frames {', '.join(map(str, pick))}", fill=(0, 0, 0))
+        base = os.path.basename(os.path.normpath(d))
+        title = f"step {int(base[5:])}" if re.fullmatch(r"step_\d+", base) else base
+        draw.text((x0 + 4, 6), f"{title}: frames {', '.join(map(str, pick))}", fill=(0, 0, 0))
         for r, clip in enumerate(clips[b]):
-            y0 = head_h + r * tile_h
+            y0 = head_h + r * (tile_h + sep)
             for k, f in enumerate(pick):
                 tile = (np.full((H, W, 3), 128, np.uint8) if clip is None or f >= len(clip) else clip[f])
-                sheet.paste(Image.fromarray(tile).resize((tile_w, tile_h), Image.NEAREST), (x0 + k * tile_w, y0))
+                sheet.paste(Image.fromarray(tile).resize((tile_w, tile_h), Image.NEAREST), (x0 + k * (tile_w + sep), y0))
     for r, n in enumerate(names):
-        draw.text((6, head_h + r * tile_h + tile_h // 2 - 6), runs[-1][n]["prompt"][:40], fill=(0, 0, 0))
+        draw.text((6, head_h + r * (tile_h + sep) + tile_h // 2 - 6), runs[-1][n]["prompt"][:36], fill=(0, 0, 0))
     tmp = out_png + ".tmp.png"
     sheet.save(tmp, optimize=True)
     os.replace(tmp, out_png)
