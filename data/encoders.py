@@ -7,6 +7,9 @@
             tokens [L_i, C] (the Batch zero-pads them to the model's text_len, 512 for Wan), the token mask, and a
             pooled embedding [C_pool] where the encoder has one (an MMDiT needs it; UMT5 has none)
 
+`data.encoders.vae` may also name a PCA VAE folder (data/pca_vae.py: the same strides, linear maps fitted to a
+corpus); `data.encoders.text: words` is a weightless bag of words. The demo uses both (data/shapes.py).
+
 Both load from local folders (a diffusers model root holding vae/, text_encoder/, tokenizer/, or the component
 folder itself; weights from safetensors only — a folder holding only .bin pickles is refused, never unpickled — and
 no remote code) or are built tiny from config with weights seeded by `data.encoders.seed` — so two processes (the

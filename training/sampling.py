@@ -204,8 +204,9 @@ class ValidationSampler:
 
 def contact_sheet(step_dirs: Sequence[str], out_png: str, frames: int = 5, scale: int = 2) -> str:
     """A PNG setting the clips of sampled steps side by side: a row per clip (its prompt on the left), for each
-    step `frames` evenly spaced frames (first to last), each pixel `scale`× wide and tall. Reads the mp4s and
-    samples.json that `render` wrote; a clip missing from a step is left grey. Returns out_png."""
+    step `frames` evenly spaced frames (first to last), each pixel `scale`× wide and tall; 256 colours, so that
+    noise compresses (a sheet stays well under 500 KB). Reads the mp4s and samples.json that `render` wrote; a clip
+    missing from a step is left grey. Returns out_png."""
     import numpy as np
     from PIL import Image, ImageDraw
 
@@ -238,7 +239,7 @@ def contact_sheet(step_dirs: Sequence[str], out_png: str, frames: int = 5, scale
     for r, n in enumerate(names):
         draw.text((6, head_h + r * (tile_h + sep) + tile_h // 2 - 6), runs[-1][n]["prompt"][:36], fill=(0, 0, 0))
     tmp = out_png + ".tmp.png"
-    sheet.save(tmp, optimize=True)
+    sheet.quantize(256, method=Image.Quantize.FASTOCTREE, dither=Image.Dither.NONE).save(tmp, optimize=True)
     os.replace(tmp, out_png)
     return out_png
 
