@@ -6,11 +6,13 @@ encoded alone, then each group of 4 frames. This autoencoder keeps that geometry
 linear maps fitted to a corpus' pixels (x ∈ [−1, 1]):
 
     p0 = the first frame's 3×1×8×8 patch (192 values),  p1 = a 4-frame group's 3×4×8×8 patch (768 values)
-    z_c = u_c · (p − μ) / σ_c                          (encode: the C leading principal axes u_c, whitened)
-    p̂  = μ + Σ_c σ_c z_c u_c                           (decode: the projection back, clamped to [−1, 1])
+    z_c = u_c · (p − μ) / σ                            (encode: the C leading principal axes u_c)
+    p̂  = μ + σ Σ_c z_c u_c                             (decode: the projection back, clamped to [−1, 1])
 
-σ_c² is the variance along axis c, so the latents of the fitted corpus have mean 0 and variance 1 per channel —
-they are already normalised (contracts §4: latents_mean 0, latents_std 1). Each basis has its own axes; the sign of
+σ² is the mean variance of the basis' C axes, so the latents of the fitted corpus have mean 0 and a mean variance
+of 1 over the channels (normalised, contracts §4: latents_mean 0, latents_std 1 as a whole) while each channel keeps
+its share of the pixel variance: the flow-matching loss weighs channels as the pixels do, not the faint last axes
+as much as the colour of a patch. Each basis has its own axes; the sign of
 each axis is fixed (its largest entry positive), so a fit is exactly reproducible. The fitted arrays are saved with
 safetensors (`pca_vae.safetensors` in a folder, nothing pickled) and loaded by `data.encoders.vae=<that folder>`.
 """
@@ -115,7 +117,8 @@ def is_pca_vae(folder: str) -> bool:
 
 
 def _principal_axes(sums: torch.Tensor, outer: torch.Tensor, n: int, channels: int):
-    """(mean, axes [C, D], σ [C]) from Σp and Σpp^T of n patches: the covariance's C leading eigenvectors."""
+    """(mean, axes [C, D], σ [C]) from Σp and Σpp^T of n patches: the covariance's C leading eigenvectors, and σ
+    (the same in every entry) the root of their mean eigenvalue."""
     if n < 2:
         raise ValueError("fitting a PCA VAE needs at least 2 patches")
     mean = sums / n
@@ -126,7 +129,7 @@ def _principal_axes(sums: torch.Tensor, outer: torch.Tensor, n: int, channels: i
     val, vec = val.flip(0)[:channels], vec.flip(1)[:, :channels].T
     idx = vec.abs().argmax(dim=1)
     vec = vec * torch.sign(vec[torch.arange(channels), idx])[:, None]  # a fixed sign per axis: reproducible
-    sigma = val.clamp_min(1e-8).sqrt()
+    sigma = val.clamp_min(1e-8).mean().sqrt().expand(channels).clone()  # one scale per basis (module docstring)
     return mean.float(), vec.float().contiguous(), sigma.float()
 
 

@@ -4,10 +4,10 @@ by a PCA VAE fitted to its own pixels (data/pca_vae.py) — a corpus a CPU model
 
 Each sample is one shape (COLOURS × SHAPES) of radius r = 0.18·min(H, W). A clip moves it in one of DIRECTIONS
 across half the frame at a constant speed, starting where the direction puts it (a shape moving right starts left
-of centre) with a jitter of up to JITTER across the motion and 0.3·JITTER along it; an image holds it still at a jittered
-spot near the centre. Edges are anti-aliased (pixel coverage), so the PCA sees smooth patches. Captions: "a red square moving
-right" (clips), "a red square" (images). Every colour, shape and direction is thus fixed by a word of the caption,
-and the position nearly so: what a small model has to learn is the drawing and the motion.
+of centre) with a jitter of up to JITTER across the motion and 0.3·JITTER along it; an image holds it still at a
+jittered spot near the centre. Edges are anti-aliased (pixel coverage), so the PCA sees smooth patches. Captions:
+"a red square moving right" (clips), "a red square" (images). Every colour, shape and direction is thus fixed by a
+word of the caption, and the position nearly so: what a small model has to learn is the drawing and the motion.
 
 Written in the latent shard schema of data/synthetic.py (contracts §4): the pixels are drawn, the PCA VAE is fitted
 to all of them (channels = the model's in_channels) and saved in `vae/` beside the index, the latents are its
@@ -31,8 +31,8 @@ SHAPES = ("square", "circle")
 DIRECTIONS = {"right": (1, 0), "left": (-1, 0), "down": (0, 1), "up": (0, -1)}
 BACKGROUND = (24, 24, 32)
 RADIUS, TRAVEL = 0.18, 0.5   # of min(H, W); of the frame's extent along the motion
-JITTER = 0.12                # of the frame's extent: how far a start may lie from where its direction puts it
-VERSION = 2                  # bump when the drawing or captions change: the cache key changes with it
+JITTER = 0.06                # of the frame's extent: how far a start may lie from where its direction puts it
+VERSION = 3                  # bump when the drawing or captions change: the cache key changes with it
 
 
 def caption(colour: str, shape: str, direction: str | None) -> str:
