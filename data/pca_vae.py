@@ -49,7 +49,8 @@ def _unpatch(p0: torch.Tensor, p1: torch.Tensor) -> torch.Tensor:
     """The inverse of _patches: [B, 3, 1 + 4k, H, W]."""
     B, h, w, _ = p0.shape
     k = p1.shape[1]
-    f0 = p0.reshape(B, h, w, 3, S_STRIDE, S_STRIDE).permute(0, 3, 1, 4, 2, 5).reshape(B, 3, 1, h * S_STRIDE, w * S_STRIDE)
+    f0 = p0.reshape(B, h, w, 3, S_STRIDE, S_STRIDE).permute(0, 3, 1, 4, 2, 5)
+    f0 = f0.reshape(B, 3, 1, h * S_STRIDE, w * S_STRIDE)
     f1 = p1.reshape(B, k, h, w, 3, T_STRIDE, S_STRIDE, S_STRIDE).permute(0, 4, 1, 5, 2, 6, 3, 7)
     return torch.cat([f0, f1.reshape(B, 3, k * T_STRIDE, h * S_STRIDE, w * S_STRIDE)], dim=2)
 

@@ -143,7 +143,8 @@ def test_demo_preset_composes_to_the_shapes_corpus_a_16_channel_model_and_word_c
 
 
 def _corpus(kind: str, encoders=None):
-    return SimpleNamespace(indexes=[SimpleNamespace(meta={"kind": kind, **({"encoders": encoders} if encoders else {})})])
+    meta = {"kind": kind, **({"encoders": encoders} if encoders else {})}
+    return SimpleNamespace(indexes=[SimpleNamespace(meta=meta)])
 
 
 def test_encoders_are_named_and_random_ones_with_raw_media_or_a_large_model_warn(tmp_path, caplog):
@@ -160,9 +161,11 @@ def test_encoders_are_named_and_random_ones_with_raw_media_or_a_large_model_warn
     assert caplog.records[1].getMessage().startswith("RANDOM ENCODERS: raw media")
     sampled = compose_config([f"data.cache_dir={tmp_path}", "train.sample_every=10"])
     assert describe_encoders(sampled, _corpus("latent"), 1e6)[1] is None          # tiny model: a test
-    assert "1300M-parameter model is sampled with a random VAE" in describe_encoders(sampled, _corpus("latent"), 1.3e9)[1]
+    big = describe_encoders(sampled, _corpus("latent"), 1.3e9)[1]
+    assert "1300M-parameter model is sampled with a random VAE" in big
     tiny_made = {"vae": {"tiny": {}, "z_dim": 4, "seed": 0}, "text_encoder": "/models/umt5"}
-    assert "latents that a random VAE or text encoder made" in describe_encoders(default, _corpus("latent", tiny_made), 1.3e9)[1]
+    made = describe_encoders(default, _corpus("latent", tiny_made), 1.3e9)[1]
+    assert "latents that a random VAE or text encoder made" in made
     demo = compose_config(["conf=demo", f"data.cache_dir={tmp_path}"])
     line, warning = describe_encoders(demo, _corpus("latent"), 1.3e9)
     assert "PCA VAE fitted to the shapes corpus" in line and "bag of words" in line and warning is None

@@ -7,8 +7,8 @@ a pipeline root holding transformer/), with the config composed from conf/ and K
 
 Prompts: captions are encoded with `data.encoders`' text encoder and guided against its empty caption; without
 captions the text of `sample.val_prompts` held-out corpus samples is used with the corpus' stored empty-prompt
-embedding. One clip per (prompt, seed), decoded with the run's VAE (`run_vae`: `data.encoders.vae`, or the shapes corpus'
-own PCA VAE; it must be the one that made the corpus' latents), written as OUT/p{i}_s{seed}.mp4 with
+embedding. One clip per (prompt, seed), decoded with the run's VAE (`run_vae`: `data.encoders.vae`, or the shapes
+corpus' own PCA VAE; it must be the one that made the corpus' latents), written as OUT/p{i}_s{seed}.mp4 with
 OUT/samples.json. During training the first and the latest sampled steps are set side by side in
 run_dir/samples/contact_sheet.png (`contact_sheet`): a row per clip, evenly spaced frames of each step.
 
@@ -235,7 +235,8 @@ def contact_sheet(step_dirs: Sequence[str], out_png: str, frames: int = 5, scale
             y0 = head_h + r * (tile_h + sep)
             for k, f in enumerate(pick):
                 tile = (np.full((H, W, 3), 128, np.uint8) if clip is None or f >= len(clip) else clip[f])
-                sheet.paste(Image.fromarray(tile).resize((tile_w, tile_h), Image.NEAREST), (x0 + k * (tile_w + sep), y0))
+                tile = Image.fromarray(tile).resize((tile_w, tile_h), Image.NEAREST)
+                sheet.paste(tile, (x0 + k * (tile_w + sep), y0))
     for r, n in enumerate(names):
         draw.text((6, head_h + r * (tile_h + sep) + tile_h // 2 - 6), runs[-1][n]["prompt"][:36], fill=(0, 0, 0))
     tmp = out_png + ".tmp.png"
