@@ -41,7 +41,7 @@ from training.metrics import MetricsLogger, StepMetrics, busy_every
 from training.optim import EMA, build_optimizer
 from training.resume import apply_optim_config, check_config, optim_hyperparameters, resume
 from training.run_folder import RunFolder, multirun_job, write_whole
-from training.sampling import ValidationSampler
+from training.sampling import ValidationSampler, log_encoders
 from training.shape_benchmark import calibration_for_run
 from training.step import TrainParts, autocast_for, collector_every, train_step, validation_loss
 
@@ -173,6 +173,7 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str) -> dict:
                  ckpt or "scratch", schedule.table({n: buckets[n].tokens for n in corpus.bucket_names}))
         for note in schedule.notes:
             log.warning("scheduling: %s", note)
+        log_encoders(cfg, corpus, model.num_matmul_params(), log)  # which VAE and text encoder; random ones warn
     loader = Loader(corpus, cfg.model.text_len, cfg.data.caption_dropout, cfg.train.seed, ctx.rank,
                     cfg.data.num_workers)
     val_batches = loader.val_batches()
@@ -203,6 +204,8 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str) -> dict:
         val = validation_loss(parts, val_batches)  # None: no readable held-out sample (Loader.val_batches warns)
         logger.log_metrics(0, {"samples_seen": 0, "tokens_seen": 0, **({"val/loss": val} if val is not None else {}),
                                **table})
+        if sampler is not None:  # the start of the samples' contact sheet
+            logger.log_videos(0, sampler(model, 0, parts.autocast))
     while state.step < cfg.train.steps:
         t_step = time.perf_counter()
         epoch = state.epoch

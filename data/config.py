@@ -26,6 +26,8 @@ def auto_val_samples(num_samples: int) -> int:
 @dataclass
 class SyntheticConfig:
     """The embedded corpus, generated on first use into `data.cache_dir` when no index or urls are given."""
+    kind: str = "waves"                      # waves: latents of per-class travelling waves (data/synthetic.py);
+                                             # shapes: moving shapes with captions, PCA VAE (data/shapes.py)
     num_samples: int = 192
     num_val: int = 8
     num_classes: int = 8
@@ -35,6 +37,8 @@ class SyntheticConfig:
     dtype: str = "float32"
 
     def __post_init__(self):
+        if self.kind not in ("waves", "shapes"):
+            raise ValueError(f"data.synthetic.kind must be waves or shapes, got {self.kind!r}")
         if self.num_samples < 1:
             raise ValueError(f"data.synthetic.num_samples must be ≥ 1, got {self.num_samples}")
         if self.num_val < 0:

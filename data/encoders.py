@@ -7,6 +7,9 @@
             tokens [L_i, C] (the Batch zero-pads them to the model's text_len, 512 for Wan), the token mask, and a
             pooled embedding [C_pool] where the encoder has one (an MMDiT needs it; UMT5 has none)
 
+`data.encoders.vae` may also name a PCA VAE folder (data/pca_vae.py: the same strides, linear maps fitted to a
+corpus); `data.encoders.text: words` is a weightless bag of words. The demo uses both (data/shapes.py).
+
 Both load from local folders (a diffusers model root holding vae/, text_encoder/, tokenizer/, or the component
 folder itself; weights from safetensors only — a folder holding only .bin pickles is refused, never unpickled — and
 no remote code) or are built tiny from config with weights seeded by `data.encoders.seed` — so two processes (the
@@ -16,7 +19,9 @@ which needs no files. Heavy imports (diffusers, transformers) happen only when a
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -131,8 +136,25 @@ class WanVAE:
 
         return self.encode(to_model_range(u8_BFHWC, self.device, self.dtype))
 
+    @torch.inference_mode()
+    def decode(self, z_norm_BCFHW: torch.Tensor) -> torch.Tensor:
+        """Normalised latents → pixels [B, 3, 1 + 4·(F' − 1), 8·H', 8·W'] in [−1, 1], fp32 on the CPU:
+        z = z_norm·std + mean (the inverse of encode's normalisation), then the VAE decoder."""
+        z = z_norm_BCFHW.to(self.device, torch.float32) * self.std + self.mean
+        return self.model.decode(z.to(self.dtype), return_dict=False)[0].float().clamp(-1, 1).cpu()
 
-def build_vae(cfg: EncoderConfig, latent_channels: int, device: torch.device) -> WanVAE:
+
+def build_vae(cfg: EncoderConfig, latent_channels: int, device: torch.device):
+    """The VAE `data.encoders.vae` names: a diffusers Wan VAE folder (WanVAE), a PCA VAE folder (data/pca_vae.py,
+    `pca_vae.safetensors`), or null for the tiny Wan VAE with seeded random weights."""
+    from data.pca_vae import PCAVAE, is_pca_vae
+
+    if cfg.vae and is_pca_vae(cfg.vae):
+        vae = PCAVAE.load(cfg.vae, device)
+        if vae.latent_channels != latent_channels:
+            raise ValueError(f"the PCA VAE at data.encoders.vae={cfg.vae} has {vae.latent_channels} latent channels "
+                             f"but the model takes in_channels={latent_channels}")
+        return vae
     from diffusers import AutoencoderKLWan
 
     dtype = DTYPES[cfg.vae_dtype]
@@ -230,6 +252,43 @@ def build_umt5(cfg: EncoderConfig, text_dim: int, device: torch.device) -> UMT5T
         raise ValueError(f"the text encoder at {cfg.text_encoder} has d_model={model.config.d_model} but the model "
                          f"takes text_dim={text_dim}")
     return UMT5Text(model, tokenizer, cfg.max_text_len, dtype, device)
+
+
+class WordsText(TextEncoder):
+    """A bag of words, for demos and tests: each word of a caption (lower-cased runs of letters and digits) is one
+    token, embedded as a fixed vector of `dim` standard-normal entries drawn from a generator seeded by
+    sha256(data.encoders.seed, word). Deterministic, needs no weights, and captions that differ in a word differ in
+    that token — so a small model learns colour, shape and direction words in minutes (data/shapes.py). The empty
+    caption is one zero token. Not a language model: word order and unseen phrasings mean nothing to it."""
+
+    def __init__(self, dim: int, seed: int, max_len: int):
+        self.dim, self.seed, self.max_len = dim, seed, max_len
+        self._vectors: dict[str, torch.Tensor] = {}
+
+    def vector(self, word: str) -> torch.Tensor:
+        if word not in self._vectors:
+            h = hashlib.sha256(f"{self.seed}:{word}".encode()).digest()
+            g = torch.Generator().manual_seed(int.from_bytes(h[:8], "little"))
+            self._vectors[word] = torch.randn(self.dim, generator=g)
+        return self._vectors[word]
+
+    def encode(self, captions: Sequence[str]) -> TextOutput:
+        words = [re.findall(r"[a-z0-9]+", c.lower())[: self.max_len] for c in captions]
+        L = max(1, max(map(len, words)))
+        embeds, mask = torch.zeros(len(captions), L, self.dim), torch.zeros(len(captions), L, dtype=torch.bool)
+        for i, ws in enumerate(words):
+            for j, w in enumerate(ws):
+                embeds[i, j] = self.vector(w)
+            mask[i, : max(1, len(ws))] = True  # the empty caption: one zero token
+        return TextOutput(embeds, mask)
+
+
+@register_text_encoder("words")
+def build_words(cfg: EncoderConfig, text_dim: int, device: torch.device) -> WordsText:
+    if cfg.text_encoder:
+        raise ValueError(f"data.encoders.text=words takes no weights, but data.encoders.text_encoder="
+                         f"{cfg.text_encoder!r} is set: leave it null, or choose data.encoders.text=umt5")
+    return WordsText(text_dim, cfg.seed, cfg.max_text_len)
 
 
 class LlamaClipText(TextEncoder):

@@ -545,6 +545,13 @@ def open_corpus(data_cfg, buckets: dict[str, Bucket], latent_channels: int, text
     before training; so does a corpus whose small buckets all prove unreadable (LatentCorpus)."""
     check_corpus(data_cfg, latent_channels, text_dim)
     sources = _sources(data_cfg)
+    if sources is None and data_cfg.synthetic.kind == "shapes":
+        from data.shapes import ensure_shapes_corpus
+
+        if is_main:
+            ensure_shapes_corpus(data_cfg, buckets, latent_channels, text_dim)
+        barrier()
+        sources = [("synthetic", {"index": ensure_shapes_corpus(data_cfg, buckets, latent_channels, text_dim)})]
     if sources is None:
         from data.synthetic import ensure_synthetic_corpus
 

@@ -10,7 +10,8 @@ to t = 0 with explicit Euler steps gives a sample:
 ∅ is the empty prompt's text embedding (what caption dropout trained, contracts §2). The noise of clip k is drawn
 on the CPU from a generator seeded with its seed, so a clip is the same on every device, rank and run.
 Decoding un-normalises the latents with the VAE's own statistics, z = z_norm·std + mean (the inverse of
-data/encoders.py's normalisation, as diffusers' Wan pipeline does), then runs the VAE decoder: F' latent frames
+data/encoders.py's normalisation, as diffusers' Wan pipeline does), then runs the VAE decoder (a VAE that takes
+normalised latents itself, such as the demo's PCA VAE, decodes them directly): F' latent frames
 become 1 + 4·(F' − 1) frames, 8× the latent height and width, in [−1, 1].
 """
 from __future__ import annotations
@@ -107,8 +108,12 @@ def sample_latents(model: torch.nn.Module, text_BLC: torch.Tensor, empty_LC: tor
 def decode_latents(vae, z_norm_BCFHW: torch.Tensor) -> torch.Tensor:
     """Normalised latents → pixels [B, 3, 1 + 4·(F − 1), 8·H, 8·W] in [−1, 1], fp32 on the CPU.
 
-    `vae` is a diffusers AutoencoderKLWan (its config holds latents_mean / latents_std of z_dim entries).
+    `vae` is a diffusers AutoencoderKLWan (its config holds latents_mean / latents_std of z_dim entries: un-normalised
+    here, then decoded), or any VAE whose own `decode` takes normalised latents (data/encoders.py's WanVAE, the PCA
+    VAE of data/pca_vae.py) — told apart by the diffusers `config`.
     """
+    if not hasattr(vae, "config"):
+        return vae.decode(z_norm_BCFHW).float().clamp(-1, 1).cpu()
     param = next(vae.parameters())
     c = vae.config.z_dim
     mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32, device=param.device).view(1, c, 1, 1, 1)

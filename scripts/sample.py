@@ -27,10 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from data.encoders import build_vae  # noqa: E402
 from models.sampler import SampleConfig  # noqa: E402
 from training.cli import run_main  # noqa: E402
-from training.sampling import encode_prompts, held_out_prompts, load_source, pick_bucket, render  # noqa: E402
+from training.sampling import (encode_prompts, held_out_prompts, load_source, pick_bucket, render,  # noqa: E402
+                               run_vae)
 from training.step import autocast_for  # noqa: E402
 
 
@@ -65,7 +65,7 @@ def main(argv=None) -> None:
         texts, empty = encode_prompts(cfg, scfg.prompts, device)
     else:
         texts, empty = held_out_prompts(cfg, scfg.val_prompts)
-    vae = build_vae(cfg.data.encoders, cfg.model.in_channels, device).model
+    vae = run_vae(cfg, device)  # data.encoders.vae, or the shapes corpus' PCA VAE
     paths = render(model, vae, texts, empty, scfg, shape, args.out, autocast_for(device, cfg.model.precision), device,
                    scfg.prompts or None)
     for path in paths.values():

@@ -359,7 +359,9 @@ def test_lora_run_through_train_py_resumes_samples_and_exports(tmp_path):
             assert torch.equal(p, theirs[n.replace(".base_layer", "")]), n
     # samples on disk and in the JSONL; step_N/lora is what diffusers loads
     videos = [r for r in read_metrics(straight) if "samples/p0_s0" in r]
-    assert [r["step"] for r in videos] == [3, 6] and all(os.path.exists(r["samples/p0_s0"]) for r in videos)
+    assert [r["step"] for r in videos] == [0, 3, 6] and all(os.path.exists(r["samples/p0_s0"]) for r in videos)
+    sheets = [r["samples/contact_sheet"] for r in videos if "samples/contact_sheet" in r]  # step 0 beside the latest
+    assert len(sheets) == 2 and os.path.exists(sheets[-1])
     pre.load_lora_adapter(os.path.join(straight, "step_6", "lora"), weight_name=LORA_WEIGHT_NAME)
     x, t, ctx = torch.randn(1, 4, 3, 8, 8), torch.tensor([400.0]), torch.randn(1, 6, base_cfg.model.text_dim)
     with torch.no_grad():

@@ -132,14 +132,16 @@ class MetricsLogger:
             self._wandb.log({k: _scalar(v) for k, v in metrics.items() if _scalar(v) is not None}, step=step)
 
     def log_videos(self, step: int, videos: dict) -> None:
-        """{key: mp4 path}: the paths to JSONL, wandb.Video(path) to wandb (it needs no moviepy from a path)."""
+        """{key: mp4 or png path}: the paths to JSONL; to wandb a wandb.Video(path) (it needs no moviepy from a
+        path), or a wandb.Image for a png (the samples' contact sheet)."""
         if not self.enabled or not videos:
             return
         self._append({"step": step, **videos, "time": time.time()})
         if self._wandb is not None:
             import wandb
 
-            self._wandb.log({k: wandb.Video(p, format="mp4") for k, p in videos.items()}, step=step)
+            self._wandb.log({k: wandb.Image(p) if p.endswith(".png") else wandb.Video(p, format="mp4")
+                             for k, p in videos.items()}, step=step)
 
     def _append(self, row: dict) -> None:
         """One write of the whole line; a short or failed write is cut back so the file ends on a whole row."""
