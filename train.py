@@ -39,7 +39,7 @@ from training.dist import (check_devices, cpu_threads, fsdp_options_from_env, in
 from training.inputs import model_inputs
 from training.metrics import MetricsLogger, StepMetrics, busy_every
 from training.optim import EMA, build_optimizer
-from training.resume import apply_optim_config, check_config, optim_hyperparameters, resume
+from training.resume import apply_optim_config, check_config, nothing_to_do, optim_hyperparameters, resume
 from training.run_folder import RunFolder, multirun_job, write_whole
 from training.sampling import ValidationSampler
 from training.shape_benchmark import calibration_for_run
@@ -131,7 +131,8 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str) -> dict:
 
     def load(path: str) -> dict:
         check_config(path, cfg, cfg.resume_force, ctx.is_main)
-        meta = load_checkpoint(path, model, optimizer, parts.ema, ctx, trainable_only=adapter_only)
+        meta = load_checkpoint(path, model, optimizer, parts.ema, ctx, trainable_only=adapter_only,
+                               force=cfg.resume_force)
         try:
             scheduler.load_state_dict(meta["lr_scheduler"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -147,6 +148,11 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str) -> dict:
         if corpus_changed(corpus, bad, cfg.resume_force):  # another index: refused, or forced from a new epoch
             state.epoch, state.pos = state.epoch + 1, 0
         corpus.restore_bad(bad if ctx.is_main else {"bad": bad.get("bad", [])})
+        if state.step >= cfg.train.steps:  # nothing to train: said, and nothing written
+            if ctx.is_main:
+                log.warning(nothing_to_do(ckpt, state.step, cfg.train.steps))
+            shutdown()
+            return {}
 
     def checkpoint(diverged: bool = False) -> str:
         bad = merge_bad_states(ctx.gather_objects(corpus.bad_state()))  # every rank's, so a resume knows them all
