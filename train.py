@@ -36,6 +36,7 @@ from training.config import TrainConfig, config_warnings, load_config
 from training.cuda_graphs import graph_blockers, graphs_for
 from training.dist import (check_devices, cpu_threads, fsdp_options_from_env, init_distributed, launcher,
                            maybe_launch, shutdown)
+from training.host_memory import check_host_memory
 from training.inputs import model_inputs
 from training.metrics import MetricsLogger, StepMetrics, busy_every
 from training.optim import EMA, build_optimizer
@@ -65,6 +66,8 @@ def run(cfg: TrainConfig, config_yaml: str, preset: str = "default") -> dict:
     # run holds it or (a fresh run) holds another run's files (training/run_folder.py)
     check_devices(cfg.launch.num_processes, cfg.launch.device)
     ctx = init_distributed()
+    if ctx.device.type == "cpu":  # a GPU preset forced onto CPUs: its estimated memory first, refused above RAM
+        check_host_memory(cfg, ctx.world_size, ctx.is_main)
     folder = RunFolder(cfg.run_dir, cfg.resume, cfg.overwrite, ctx)
     try:
         with collector_every(cfg.train.gc_every) as gc_tick:  # Python's collector between steps, not inside them
