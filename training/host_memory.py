@@ -84,8 +84,8 @@ def check_host_memory(cfg, world_size: int, is_main: bool, ram: int | None = Non
     line = f"host memory: {need.describe()} estimated, of {ram / GIB:.1f} GiB of RAM"
     if need.total > ram and not cfg.launch.force:
         raise ValueError(f"{line}: this run would grow until the kernel kills it. Run it on its GPUs "
-                         f"(launch.device=cuda), or shrink it for CPUs (the default tiny model, shorter buckets, a "
-                         f"lower scheduling.m_tokens, model.checkpointing=full), or set launch.force=true to try "
+                         f"(launch.device=cuda), or shrink it for CPUs (the default tiny model, fewer and shorter "
+                         f"data.buckets, model.checkpointing=full), or set launch.force=true to try "
                          f"anyway")
     if is_main:
         log.warning("%s%s", line, " (launch.force=true: trying anyway)" if need.total > ram else "")
