@@ -395,7 +395,7 @@ def fit_state(path: str, held: dict, state: dict, meta: dict, optimizer, force: 
             + ("; " if missing and extra else "") + (f"it holds {_listed(extra)}, which this model lacks" if extra else "")
             + (". LoRA was turned on or off (model.lora.rank): the checkpoint is intact, but holds "
                "an adapter's or a full model's weights and optimizer state, not the other. To go on from it, export it "
-               "(python scripts/export.py RUN_DIR --out exported/NAME) and start a new run with "
+               f"(python scripts/export.py {path} --out exported/NAME) and start a new run with "
                "model.pretrained=exported/NAME and the model.lora.rank you want" if lora else
                ". The checkpoint is intact: resume with the model.* values it was saved with (its config.yaml), or "
                "start a new run under another name"))

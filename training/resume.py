@@ -90,7 +90,7 @@ def turned(key: str, a, b) -> Optional[str]:
 
 
 LORA_WAY = ("the checkpoint holds a {was} weights and optimizer state, not {will}: export it (python scripts/export.py "
-            "RUN_DIR --out exported/NAME) and start a new run with model.pretrained=exported/NAME and the "
+            "{ckpt} --out exported/NAME) and start a new run with model.pretrained=exported/NAME and the "
             "model.lora.rank you want")
 
 
@@ -140,7 +140,8 @@ def check_config(ckpt: str, now, force: bool, is_main: bool) -> None:
         on = turned("model.lora.rank", *lora) == "on"
         raise ValueError(f"resuming {ckpt} with model.lora.rank {lora[0]!r} → {lora[1]!r} turns LoRA "
                          f"{'on' if on else 'off'}; " + LORA_WAY.format(was="full model's" if on else "LoRA adapter's",
-                                                                  will="an adapter's" if on else "a full model's"))
+                                                                  will="an adapter's" if on else "a full model's",
+                                                                  ckpt=ckpt))
     if plan and not force:
         lines = "\n".join(f"  {k}: {a!r} → {b!r}" for k, (a, b) in plan.items())
         raise ValueError(f"resuming {ckpt} with values that change the plan or the trained state:\n{lines}\n"
