@@ -36,10 +36,11 @@ from training.config import TrainConfig, config_warnings, load_config
 from training.cuda_graphs import graph_blockers, graphs_for
 from training.dist import (check_devices, cpu_threads, fsdp_options_from_env, init_distributed, launcher,
                            maybe_launch, shutdown)
+from training.host_memory import check_host_memory
 from training.inputs import model_inputs
 from training.metrics import MetricsLogger, StepMetrics, busy_every
 from training.optim import EMA, build_optimizer
-from training.resume import apply_optim_config, check_config, optim_hyperparameters, resume
+from training.resume import apply_optim_config, check_config, nothing_to_do, optim_hyperparameters, resume
 from training.run_folder import RunFolder, multirun_job, write_whole
 from training.sampling import ValidationSampler, log_encoders
 from training.shape_benchmark import calibration_for_run
@@ -65,6 +66,8 @@ def run(cfg: TrainConfig, config_yaml: str, preset: str = "default") -> dict:
     # run holds it or (a fresh run) holds another run's files (training/run_folder.py)
     check_devices(cfg.launch.num_processes, cfg.launch.device)
     ctx = init_distributed()
+    if ctx.device.type == "cpu":  # a GPU preset forced onto CPUs: its estimated memory first, refused above RAM
+        check_host_memory(cfg, ctx.world_size, ctx.is_main)
     folder = RunFolder(cfg.run_dir, cfg.resume, cfg.overwrite, ctx)
     try:
         with collector_every(cfg.train.gc_every) as gc_tick:  # Python's collector between steps, not inside them
@@ -131,7 +134,8 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str) -> dict:
 
     def load(path: str) -> dict:
         check_config(path, cfg, cfg.resume_force, ctx.is_main)
-        meta = load_checkpoint(path, model, optimizer, parts.ema, ctx, trainable_only=adapter_only)
+        meta = load_checkpoint(path, model, optimizer, parts.ema, ctx, trainable_only=adapter_only,
+                               force=cfg.resume_force)
         try:
             scheduler.load_state_dict(meta["lr_scheduler"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -147,6 +151,11 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str) -> dict:
         if corpus_changed(corpus, bad, cfg.resume_force):  # another index: refused, or forced from a new epoch
             state.epoch, state.pos = state.epoch + 1, 0
         corpus.restore_bad(bad if ctx.is_main else {"bad": bad.get("bad", [])})
+        if state.step >= cfg.train.steps:  # nothing to train: said, and nothing written
+            if ctx.is_main:
+                log.warning(nothing_to_do(ckpt, state.step, cfg.train.steps))
+            shutdown()
+            return {}
 
     def checkpoint(diverged: bool = False) -> str:
         bad = merge_bad_states(ctx.gather_objects(corpus.bad_state()))  # every rank's, so a resume knows them all

@@ -1,8 +1,11 @@
 """Checkpoint files: no code runs from a crafted folder, damage is found before loading, resume rules hold."""
+import dataclasses
 import json
 import os
 import pickle
 import warnings
+
+import yaml
 
 import pytest
 import torch
@@ -545,3 +548,92 @@ def test_a_rollback_starts_a_branch_and_keep_last_keeps_its_rollback_point(tmp_p
     # resuming the newest explicitly abandons nothing: the lineage goes on as it was
     path, meta2 = resume(path, str(tmp_path), CTX, lambda p: json.load(open(os.path.join(p, "meta.json"))))
     assert meta2["lineage"] == meta["lineage"] and len([d for d in os.listdir(tmp_path) if "abandoned" in d]) == 1
+
+
+# -- what a checkpoint cannot serve: handled or refused as a config matter, never called damaged -------------------
+
+def test_turning_ema_on_at_resume_starts_a_fresh_ema_from_the_loaded_weights(tmp_path, caplog):
+    model, opt, sched, _ = _trained(steps=2)
+    _save(tmp_path, 2, model, opt, sched, None)  # a run without EMA
+    m2, o2, s2, _ = _fresh()
+    e2 = EMA(m2, 0.999)  # the fresh model's weights: what a wrong EMA would keep
+    with caplog.at_level("INFO"):
+        path, meta = resume("auto", str(tmp_path), CTX, lambda p: load_checkpoint(p, m2, o2, e2, CTX))
+    assert path.endswith("step_2") and meta["step"] == 2
+    assert all(torch.equal(e2.shadow[n], p.detach()) and torch.equal(p, dict(model.named_parameters())[n])
+               for n, p in m2.named_parameters())
+    assert "holds no EMA" in caplog.text and "a fresh EMA starts from the loaded weights" in caplog.text
+    assert "skipping" not in caplog.text
+
+
+def test_turning_ema_off_at_resume_drops_the_stored_one_and_says_so(tmp_path, caplog):
+    model, opt, sched, ema = _trained(steps=2)
+    _save(tmp_path, 2, model, opt, sched, ema)
+    m2, o2, _, _ = _fresh()
+    with caplog.at_level("INFO"):
+        path, _ = resume("auto", str(tmp_path), CTX, lambda p: load_checkpoint(p, m2, o2, None, CTX))
+    assert path.endswith("step_2") and torch.equal(m2[0].weight, model[0].weight)
+    assert "optim.ema_decay is null: the EMA that" in caplog.text and "is not loaded (dropped)" in caplog.text
+
+
+def test_another_optimizer_type_is_refused_as_a_config_change_and_forced_starts_it_fresh(tmp_path, caplog):
+    model, opt, sched, ema = _trained(steps=2)
+    path = _save(tmp_path, 2, model, opt, sched, ema)
+    m2 = _model()
+    sgd = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError) as err:  # resume=auto stops at once: the older ones would fail alike
+        resume("auto", str(tmp_path), CTX, lambda p: load_checkpoint(p, m2, sgd, None, CTX))
+    text = str(err.value)
+    assert "AdamW's state" in text and "this run's optimizer is SGD" in text and "resume_force=true" in text
+    assert "damaged" not in text and "move" not in text and "skipping" not in caplog.text
+    assert os.path.isdir(path) and verify_checkpoint(path, CTX) is None
+    assert not torch.equal(m2[0].weight, model[0].weight)  # refused before anything was read
+    with caplog.at_level("WARNING"):
+        load_checkpoint(path, m2, sgd, None, CTX, force=True)
+    assert torch.equal(m2[0].weight, model[0].weight) and "the optimizer starts from a fresh state" in caplog.text
+    buffers = [s.get("momentum_buffer") for s in sgd.state.values()]  # no AdamW moment read into SGD's momentum
+    assert all(b is None or not b.any() for b in buffers)
+
+
+def test_other_model_weights_are_refused_with_the_key_named_not_called_damaged(tmp_path):
+    model, opt, sched, ema = _trained(steps=1)
+    _save(tmp_path, 1, model, opt, sched, ema)
+    torch.manual_seed(0)
+    m2 = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    m2.add_module("lora_A", torch.nn.Linear(4, 2))  # what LoRA turned on adds
+    o2, _ = build_optimizer(m2, OptimConfig(lr=1e-2), 10)
+    with pytest.raises(ValueError, match=r"(?s)lora_A.weight.*model.lora.rank.*scripts/export.py") as err:
+        resume("auto", str(tmp_path), CTX, lambda p: load_checkpoint(p, m2, o2, EMA(m2, 0.9), CTX))
+    assert "move" not in str(err.value)
+
+
+def test_a_read_error_shows_the_end_of_its_cause_and_calls_verified_files_intact(tmp_path, caplog):
+    """Files rewritten with their manifest that DCP cannot read: the error keeps the cause's last lines (where a
+    traceback says what failed; its first 500 characters are frames), and resume=auto's advice keeps the folder."""
+    model, opt, sched, ema = _trained(steps=1)
+    path = _save(tmp_path, 1, model, opt, sched, ema)
+    shard = next(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".distcp"))
+    with open(shard, "r+b") as f:
+        f.truncate(64)
+    _rehash(path)
+    assert verify_checkpoint(path, CTX) is None
+    m2, o2, _, e2 = _fresh()
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path, m2, o2, e2, CTX)
+    cause = str(err.value.__cause__).strip().splitlines()
+    assert len("\n".join(cause)) > 500 and cause[-1] in str(err.value)
+    with caplog.at_level("WARNING"), pytest.raises(ValueError) as err:
+        resume("auto", str(tmp_path), CTX, lambda p: load_checkpoint(p, m2, o2, e2, CTX))
+    assert "intact" in str(err.value) and "Keep it" in str(err.value) and "move the damaged" not in str(err.value)
+
+
+def test_lora_turned_on_at_resume_is_refused_up_front_forced_or_not(tmp_path):
+    from tests.helpers import compose_config
+
+    ckpt = tmp_path / "step_1"
+    ckpt.mkdir()
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(compose_config([]))))
+    now = compose_config(["+model.lora.rank=4"])
+    for force in (False, True):
+        with pytest.raises(ValueError, match=r"model.lora.rank 0 → 4 turns LoRA on.*model.pretrained=exported/NAME"):
+            check_config(str(ckpt), now, force, False)

@@ -14,6 +14,14 @@ read; every rank hashes its share of the files and the verdict is agreed.
 A checkpoint written because the NaN guard tripped is `diverged_step_N/`: kept for inspection, never counted by
 `keep_last`, never taken by `resume=auto`, written once and never overwritten.
 
+What the checkpoint cannot serve (`fit_state`, before any tensor is read): its keys (DCP's metadata) are compared with
+what this run's model, optimizer and EMA ask for. Another optimizer type (other state names) or other model weights
+(LoRA turned on or off, a forced change of shape) raise `StateMismatch`, a config error rather than damage, so a good
+checkpoint is never skipped or called damaged for it; with `force` an optimizer of another type starts from a fresh
+state instead. EMA turned on starts a fresh EMA from the loaded weights; EMA turned off leaves the stored one unread.
+Each is said in the log. A read that fails for another reason shows the last lines of its cause (where a traceback
+says what went wrong).
+
 Lineage: meta.json's `lineage.rollback_point` names the checkpoint the current branch started from (a resume from
 an explicit older checkpoint, training/resume.py); `keep_last` never deletes it.
 
@@ -42,7 +50,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import default_planner as _default_planner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 
 from training.dist import DistContext
 from training.run_folder import NoSpaceLeft, no_space, open_in, read_text, write_whole
@@ -56,6 +65,21 @@ HASH_CHUNK = 8 << 20
 
 class CheckpointError(ValueError):
     """A checkpoint folder that is incomplete, damaged or not ours to load."""
+
+
+class NotLoaded(CheckpointError):
+    """Tensors that DCP could not read into this run's objects, from files that passed their manifest: most likely
+    something this run asks of them (a shape, a key), not damage."""
+
+
+class StateMismatch(ValueError):
+    """A sound checkpoint that this run's config cannot take (another optimizer type, other model weights): the
+    config is what to change, not the checkpoint (so not a CheckpointError: resume=auto does not skip past it)."""
+
+
+def tail(text: str, lines: int = 8, chars: int = 1500) -> str:
+    """The last `lines` lines of an error's text (at most `chars` characters): a traceback's cause is at its end."""
+    return "\n".join(str(text).strip().splitlines()[-lines:])[-chars:]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -282,7 +306,7 @@ def _write(tmp: str, step: int, model, optimizer, ema, meta: dict, config_yaml: 
     if ctx.is_main:
         write_whole(tmp, "config.yaml", config_yaml)
         write_whole(tmp, "meta.json", json.dumps({"step": step, "world_size": ctx.world_size, "diverged": diverged,
-                                                  **meta}, indent=1))
+                                                  "optimizer": type(optimizer).__name__, **meta}, indent=1))
     ctx.barrier()
     write_manifest(tmp, ctx)
 
@@ -336,26 +360,101 @@ def read_meta(path: str) -> dict:
     return meta
 
 
-def load_checkpoint(path: str, model, optimizer, ema, ctx: DistContext, trainable_only: bool = False) -> dict:
+def _names(keys, section: str) -> set[str]:
+    return {k[len(section) + 1:] for k in keys if k.startswith(section + ".")}
+
+
+def _listed(names, n: int = 4) -> str:
+    names = sorted(names)
+    return ", ".join(names[:n]) + (f" (and {len(names) - n} more)" if len(names) > n else "")
+
+
+def fit_state(path: str, held: dict, state: dict, meta: dict, optimizer, force: bool, is_main: bool) -> bool:
+    """Fit the live state dict `state` ({model, optim, ema?}) to what the checkpoint holds (`held`: DCP's flat key →
+    its storage metadata), in place, before anything is read: the EMA entry is dropped where the checkpoint has none
+    (returns True: the caller starts a fresh EMA from the loaded weights), the optimizer entry where `force` takes
+    another optimizer type (it starts fresh). Other weights or shapes, or another optimizer type unforced, raise
+    StateMismatch."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat = flatten_state_dict(state)[0]
+    want = set(flat)
+    missing, extra = _names(want, "model") - _names(held, "model"), _names(held, "model") - _names(want, "model")
+    shapes = {k[6:]: (tuple(held[k].size), tuple(t.shape)) for k, t in flat.items() if k.startswith("model.")
+              and k in held and hasattr(held[k], "size") and tuple(held[k].size) != tuple(t.shape)}
+    if shapes and not (missing or extra):
+        raise StateMismatch(f"{path} holds weights of other shapes than this run's model (a forced model.* change): "
+                            + "; ".join(f"{k} {a} here {b}" for k, (a, b) in list(shapes.items())[:4])
+                            + ". The checkpoint is intact: resume with the model.* values it was saved with (its "
+                            "config.yaml), or start a new run under another name")
+    if missing or extra:
+        lora = any("lora" in n for n in missing | extra)
+        raise StateMismatch(
+            f"{path} holds other model weights than this run's model: "
+            + (f"this model's {_listed(missing)} are not in it" if missing else "")
+            + ("; " if missing and extra else "") + (f"it holds {_listed(extra)}, which this model lacks" if extra else "")
+            + (". LoRA was turned on or off (model.lora.rank): the checkpoint is intact, but holds "
+               "an adapter's or a full model's weights and optimizer state, not the other. To go on from it, export it "
+               f"(python scripts/export.py {path} --out exported/NAME) and start a new run with "
+               "model.pretrained=exported/NAME and the model.lora.rank you want" if lora else
+               ". The checkpoint is intact: resume with the model.* values it was saved with (its config.yaml), or "
+               "start a new run under another name"))
+    saved_kind, kind = meta.get("optimizer"), type(optimizer).__name__
+    held_opt = {n.rsplit(".", 1)[-1] for n in _names(held, "optim.state")}
+    want_opt = {n.rsplit(".", 1)[-1] for n in _names(want, "optim.state")}
+    if held_opt != want_opt or (saved_kind is not None and saved_kind != kind):
+        was = f"{saved_kind}'s" if saved_kind else "another optimizer's"
+        if not force:
+            raise StateMismatch(
+                f"{path} holds {was} state ({_listed(held_opt)}); this run's optimizer is {kind} "
+                f"({_listed(want_opt) or 'no state'}): the optimizer type changed (optim.*). The checkpoint is "
+                f"intact: resume with the optimizer it was saved with, or set resume_force=true to load the model "
+                f"(and EMA) and start {kind} from a fresh state")
+        state.pop("optim")
+        if is_main:
+            log.warning("resume_force: %s holds %s state, this run's optimizer is %s: the model (and EMA) are "
+                        "loaded, the optimizer starts from a fresh state", path, was, kind)
+    ema_fresh = "ema" in state and not _names(held, "ema")
+    if ema_fresh:
+        state.pop("ema")
+        if is_main:
+            log.info("resume: %s holds no EMA (optim.ema_decay was null): a fresh EMA starts from the loaded "
+                     "weights", path)
+    elif "ema" not in state and _names(held, "ema") and is_main:
+        log.info("resume: optim.ema_decay is null: the EMA that %s holds is not loaded (dropped)", path)
+    return ema_fresh
+
+
+def load_checkpoint(path: str, model, optimizer, ema, ctx: DistContext, trainable_only: bool = False,
+                    force: bool = False) -> dict:
     """Load into the live objects; returns meta.json. RNG states are restored when the world size is unchanged.
-    Raises CheckpointError for a folder that is damaged or holds anything but data."""
+    Raises CheckpointError for a folder that is damaged or holds anything but data, StateMismatch for a sound one
+    this run cannot take (`fit_state`; `force`: another optimizer type starts fresh)."""
     meta = read_meta(path)
     if not isinstance(meta.get("lr_scheduler"), dict):
         raise CheckpointError(f"{path}/meta.json has no lr_scheduler state")
     rng = _read_rng(path, ctx) if meta.get("world_size") == ctx.world_size else None
-    read_metadata(path)  # its refusals as they are (inside dcp.load they come wrapped in DCP's exception)
+    md = read_metadata(path)  # its refusals as they are (inside dcp.load they come wrapped in DCP's exception)
     state = _live_state(model, optimizer, ema, trainable_only)
+    ema_fresh = fit_state(path, md.state_dict_metadata, state, meta, optimizer, force, ctx.is_main)
     try:
         safe_load(state, path)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP raises every rank's read error on all ranks, as one
-        # CheckpointException (a BaseException)
-        raise CheckpointError(f"{path} could not be read ({type(e).__name__}: {str(e)[:500]})") from e
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=StateDictOptions(strict=not trainable_only))
+        # CheckpointException (a BaseException) whose text is every rank's traceback: its cause is at the end
+        raise NotLoaded(f"{path} could not be read ({type(e).__name__}: ...\n{tail(e)})") from e
+    options = StateDictOptions(strict=not trainable_only)
+    if "optim" in state:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=options)
+    else:
+        set_model_state_dict(model, state["model"], options=options)
     if ema is not None:
-        ema.load_state_dict(state["ema"])
+        if ema_fresh:
+            ema.reset(model)
+        else:
+            ema.load_state_dict(state["ema"])
     if rng is not None:
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():

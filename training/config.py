@@ -37,6 +37,8 @@ class LaunchConfig:
     num_processes: int = 1  # processes on this node; train.py starts them when no launcher did
     device: str = "auto"    # auto | cuda | cpu: cuda refuses a machine without a GPU for every local process
     cpu_threads: Optional[int] = None  # intra-op threads per CPU process; null: OMP_NUM_THREADS, else 1
+    force: bool = False     # on CPUs, run even where the estimated host memory exceeds this machine's RAM (a GPU
+                            # preset with launch.device=cpu is refused there otherwise: training/host_memory.py)
 
     def __post_init__(self):
         if not 1 <= self.num_processes <= MAX_PROCESSES:

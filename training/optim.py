@@ -141,6 +141,13 @@ class EMA:
             for shadow, p in pairs:
                 shadow.lerp_(p, 1 - self.decay)
 
+    @torch.no_grad()
+    def reset(self, model: torch.nn.Module) -> None:
+        """Start again from the model's weights (a resume that turns EMA on: the checkpoint holds none)."""
+        for n, p in model.named_parameters():
+            if n in self.shadow:
+                self.shadow[n].copy_(p.detach().float())
+
     def state_dict(self) -> dict:
         return self.shadow
 

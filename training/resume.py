@@ -22,6 +22,16 @@ Which values win (the checkpoint's `config.yaml` against this run's config):
   sets how many micro-batches a step takes from the same sample order — logging, checkpointing, ...) is this
   run's value, with one log line each. The optimizer's hyper-parameters are re-applied after the state is loaded (`apply_optim_config`):
   the LR follows the schedule from the new base rate at the restored step.
+
+What the checkpoint cannot serve (training/checkpoint.py's `fit_state` checks its keys before anything is read):
+- EMA turned on (`optim.ema_decay` null → a value): a fresh EMA starts from the loaded weights; turned off: the stored
+  EMA is not loaded. The log says which.
+- LoRA turned on or off (`model.lora.rank` 0 ↔ > 0) is refused up front like any `model.*` change, with the way on:
+  export the checkpoint and start a new run from it (`model.pretrained`); `resume_force` cannot serve it either.
+- Another optimizer type is refused (the state names differ); `resume_force=true` loads the model and EMA and starts
+  the new optimizer from a fresh state.
+A checkpoint whose files match their manifest but do not load is called intact, never damaged: the advice is to
+resume with the config it was saved with, not to move it away.
 """
 from __future__ import annotations
 
@@ -33,7 +43,7 @@ from typing import Callable, Optional
 
 import yaml
 
-from training.checkpoint import CheckpointError, list_checkpoints, verify_checkpoint
+from training.checkpoint import CheckpointError, NotLoaded, list_checkpoints, verify_checkpoint
 from training.run_folder import read_text
 from training.config import load_config
 from training.dist import DistContext
@@ -69,6 +79,19 @@ def changes_plan(key: str) -> bool:
     if key.startswith("optim.groups"):  # which parameters a group holds shapes the optimizer state; its rates do not
         return key == "optim.groups" or key.endswith(".match")
     return key.startswith(PLAN_PREFIXES)
+
+
+def turned(key: str, a, b) -> Optional[str]:
+    """'on' / 'off' where `key` switches a part of the trained state (EMA, LoRA) on or off between a and b."""
+    if key not in ("optim.ema_decay", "model.lora.rank"):
+        return None
+    was, now = bool(a), bool(b)  # ema_decay: null or a value; lora.rank: 0 or more
+    return None if was == now else ("on" if now else "off")
+
+
+LORA_WAY = ("the checkpoint holds a {was} weights and optimizer state, not {will}: export it (python scripts/export.py "
+            "{ckpt} --out exported/NAME) and start a new run with model.pretrained=exported/NAME and the "
+            "model.lora.rank you want")
 
 
 def config_changes(saved: dict, now: dict) -> tuple[dict, dict]:
@@ -112,6 +135,13 @@ def check_config(ckpt: str, now, force: bool, is_main: bool) -> None:
         if is_main:
             log.info("resume: logging.group %r kept (the run's wandb group)", group)
     plan, other = config_changes(typed_plain(saved), dataclasses.asdict(now))
+    lora = plan.get("model.lora.rank")
+    if lora and turned("model.lora.rank", *lora):  # no force serves it (checkpoint.fit_state refuses it too)
+        on = turned("model.lora.rank", *lora) == "on"
+        raise ValueError(f"resuming {ckpt} with model.lora.rank {lora[0]!r} → {lora[1]!r} turns LoRA "
+                         f"{'on' if on else 'off'}; " + LORA_WAY.format(was="full model's" if on else "LoRA adapter's",
+                                                                  will="an adapter's" if on else "a full model's",
+                                                                  ckpt=ckpt))
     if plan and not force:
         lines = "\n".join(f"  {k}: {a!r} → {b!r}" for k, (a, b) in plan.items())
         raise ValueError(f"resuming {ckpt} with values that change the plan or the trained state:\n{lines}\n"
@@ -121,6 +151,8 @@ def check_config(ckpt: str, now, force: bool, is_main: bool) -> None:
         for k, (a, b) in plan.items():
             log.warning("resume_force: %s %r → %r (the plan position is reread under the new plan)", k, a, b)
         for k, (a, b) in other.items():
+            if turned(k, a, b):  # EMA on or off: said where the checkpoint is loaded (checkpoint.fit_state)
+                continue
             log.info("resume: %s %r → %r (this run's value is used)", k, a, b)
 
 
@@ -137,9 +169,12 @@ def candidates(resume: str, run_dir: str) -> list[str]:
 def resume(resume: Optional[str], run_dir: str, ctx: DistContext, load: Callable[[str], dict]) -> tuple[Optional[str], Optional[dict]]:
     """(path, meta) of the checkpoint loaded by `load(path) -> meta`, or (None, None) when there is none to take.
 
-    With `auto` a checkpoint that fails verification or loading is skipped with a warning; a named one raises."""
+    With `auto` a checkpoint that fails verification or loading is skipped with a warning; a named one raises. A
+    config this checkpoint cannot serve (a ValueError from `load` that is no CheckpointError) raises at once. One whose
+    files match their manifest but fail to load is called intact: the advice never says to move it away."""
     if not resume:
         return None, None
+    intact = []  # verified, yet not loaded: the cause is between it and this run, not in its files
     for path in candidates(resume, run_dir):
         problem = verify_checkpoint(path, ctx)
         if problem is None:
@@ -147,17 +182,32 @@ def resume(resume: Optional[str], run_dir: str, ctx: DistContext, load: Callable
                 meta = load(path)
             except CheckpointError as e:
                 problem = str(e)
+                if isinstance(e, NotLoaded):
+                    intact.append(path)
             else:
                 if resume != "auto":
                     meta["lineage"] = branch(run_dir, path, meta, ctx)
                 return path, meta
         if resume != "auto":
-            raise ValueError(f"resume={path}: {problem}")
+            raise ValueError(f"resume={path}: {problem}" + (f"\n{INTACT}" if intact else ""))
         log.warning("resume=auto: skipping %s: %s; trying the next older checkpoint", path, problem)
+    if resume == "auto" and intact:
+        raise ValueError(f"resume=auto: no checkpoint in {run_dir} could be loaded (each one's problem is logged "
+                         f"above). {', '.join(os.path.basename(p) for p in intact)}: {INTACT}")
     if resume == "auto" and list_checkpoints(run_dir):
         raise ValueError(f"resume=auto: no checkpoint in {run_dir} could be loaded (each one's problem is logged "
                          f"above); move the damaged ones away to start from scratch")
     return None, None
+
+
+INTACT = ("its files match their manifest (intact, not damaged): the load failed on what this run asks of it. Keep "
+          "it; resume with the config it was saved with (its config.yaml), or start a new run under another name")
+
+
+def nothing_to_do(ckpt: str, step: int, steps: int) -> str:
+    """What a resume whose checkpoint is already at or past train.steps says before it stops (exit status 0)."""
+    return (f"nothing to do: {ckpt} is at step {step} and train.steps={steps}, so no step is left to train; raise "
+            f"train.steps (e.g. train.steps={step + max(steps, 1)}) to go on from it")
 
 
 def branch(run_dir: str, path: str, meta: dict, ctx: DistContext) -> dict:

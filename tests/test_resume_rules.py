@@ -1,0 +1,51 @@
+"""Resume rules through the trainer: EMA turned on at resume, and a resume with no step left to train."""
+import os
+
+import pytest
+import torch
+
+from tests.helpers import run_training, tiny_overrides
+from training.checkpoint import list_checkpoints
+from training.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def _tensors(ckpt: str, tmp_path) -> dict:
+    """A checkpoint's tensors by flat key ("model.x", "ema.x"), read through torch's own DCP → torch.save converter."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    out = str(tmp_path / (os.path.basename(ckpt) + ".pt"))
+    dcp_to_torch_save(ckpt, out)
+    flat = flatten_state_dict(torch.load(out, weights_only=False))[0]
+    return {k: v for k, v in flat.items() if isinstance(v, torch.Tensor) and k.startswith(("model.", "ema."))}
+
+
+def test_ema_turned_on_at_resume_starts_from_the_loaded_weights_and_nothing_to_do_says_so(tmp_path, cache, caplog):
+    run_dir = str(tmp_path / "run")
+    run_training(tiny_overrides(run_dir, cache, "train.steps=2", "train.val_every=2"))  # no EMA
+    with caplog.at_level("INFO"):
+        run_training(tiny_overrides(run_dir, cache, "train.steps=3", "train.val_every=3", "resume=auto",
+                                    "optim.ema_decay=0.5"))
+    assert "holds no EMA (optim.ema_decay was null): a fresh EMA starts from the loaded weights" in caplog.text
+    assert "skipping" not in caplog.text and "optim.ema_decay None → 0.5 (this run's value" not in caplog.text
+    assert [s for s, _ in list_checkpoints(run_dir)] == [2, 3] and max(r["step"] for r in read_metrics(run_dir)) == 3
+    w2, w3 = (_tensors(os.path.join(run_dir, f"step_{s}"), tmp_path) for s in (2, 3))
+    ema = {k[4:]: v for k, v in w3.items() if k.startswith("ema.")}
+    assert ema and not any(k.startswith("ema.") for k in w2)
+    for name, shadow in ema.items():  # one update of d = 0.5 from the loaded (step 2) weights: ½ w2 + ½ w3
+        torch.testing.assert_close(shadow, 0.5 * w2["model." + name] + 0.5 * w3["model." + name])
+
+    rows = read_metrics(run_dir)
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        out = run_training(tiny_overrides(run_dir, cache, "train.steps=3", "train.val_every=3", "resume=auto"))[1]
+    assert out == {} and read_metrics(run_dir) == rows  # nothing trained, nothing written
+    assert "nothing to do: " in caplog.text and "is at step 3 and train.steps=3" in caplog.text
+    assert "raise train.steps" in caplog.text
