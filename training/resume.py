@@ -44,6 +44,7 @@ from typing import Callable, Optional
 import yaml
 
 from training.checkpoint import CheckpointError, NotLoaded, list_checkpoints, verify_checkpoint
+from training.run_configs import flatten
 from training.run_folder import read_text
 from training.config import load_config
 from training.dist import DistContext
@@ -55,18 +56,6 @@ PLAN_KEYS = ("train.seed",)
 ALLOWED_UNDER_PLAN = ("data.num_workers", "data.caption_dropout")
 EXECUTION_KNOBS = ("adaln_backend", "fused_ops", "glue_backend", "checkpointing", "offload_checkpoints",
                    "keep_attention", "compile", "precision")
-
-
-def flatten(d, prefix: str = "") -> dict:
-    """{'a.b.c': leaf} of a nested dict (lists are leaves)."""
-    out = {}
-    for k, v in (d or {}).items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
 
 
 def changes_plan(key: str) -> bool:

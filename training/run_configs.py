@@ -19,9 +19,9 @@ IDENTITY_KEYS = ("name", "run_dir", "resume", "resume_force", "overwrite", "logg
 
 
 def flatten(cfg: dict, prefix: str = "") -> dict[str, Any]:
-    """{"optim": {"lr": 1e-3}} → {"optim.lr": 1e-3}; lists and scalars are leaves."""
+    """{"optim": {"lr": 1e-3}} → {"optim.lr": 1e-3}; lists and scalars are leaves (None: {})."""
     out: dict[str, Any] = {}
-    for k, v in cfg.items():
+    for k, v in (cfg or {}).items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v:
             out.update(flatten(v, key + "."))
