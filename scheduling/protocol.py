@@ -2,7 +2,8 @@
 
 Fixed global batch (the protocol practitioners run): the optimizer's settings are tuned for a global batch, so
 every strategy is held to the same real tokens per rank per optimizer step, g = G_FACTORS · S_max, and
-best-tuned inside it over its knob and M (balanced also over scheduling.window). Two readings of "held":
+best-tuned inside it over its knob and M (balanced also over scheduling.window), under the memory bound of the R
+simulated (m_mem from the memory model at 90 % of HBM; an FSDP model's sharded states ÷ R). Two readings of "held":
     steady     every step a batch of about g: expected tokens within ±10 % and their CV over steps ≤ 10 %
     expected   the expectation alone (±10 %), balanced without a window (a window deals sorted groups to steps:
                with few slots a step it trades the batch's steadiness for balance, which this reading cannot see) The planner
