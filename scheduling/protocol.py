@@ -2,7 +2,8 @@
 
 Fixed global batch (the protocol practitioners run): the optimizer's settings are tuned for a global batch, so
 every strategy is held to the same real tokens per rank per optimizer step, g = G_FACTORS · S_max, and
-best-tuned inside it over its knob and M (balanced also over scheduling.window). Two readings of "held":
+best-tuned inside it over its knob and M (balanced also over scheduling.window), under the memory bound of the R
+simulated (m_mem from the memory model at 90 % of HBM; an FSDP model's sharded states ÷ R). Two readings of "held":
     steady     every step a batch of about g: expected tokens within ±10 % and their CV over steps ≤ 10 %
     expected   the expectation alone (±10 %), balanced without a window (a window deals sorted groups to steps:
                with few slots a step it trades the batch's steadiness for balance, which this reading cannot see) The planner
@@ -21,9 +22,10 @@ import datetime
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from scheduling.calibrate import HBM_FRACTION, Calibration
+from scheduling.fsdp_memory import FSDPMemoryModel
 from scheduling.simulate import (G_FACTORS, KNOB, TOKENS_CV, Mix, SimResult, simulate, sizes_for, sweep,
                                  sweep_at_tokens)
 from scheduling.truth import Cluster, CommModel, MeasuredTruth, ModelTruth
@@ -35,7 +37,8 @@ WINDOWS = (1, 2, 4, 8)  # balanced's scheduling.window, tuned with its knob and 
 @dataclass
 class Inputs:
     """What a comparison stands on: the planner's cost model, the memory bound, the power fit's p, the optimizer's
-    ms, and the truth a simulated micro-batch takes."""
+    ms, and the truth a simulated micro-batch takes. m_mem is the bound at the calibration's own world size;
+    m_mem_at(R) the one every comparison at R uses (an FSDP memory model's states shrink as 1/R)."""
     cost: object
     m_mem: float
     p: float
@@ -43,25 +46,51 @@ class Inputs:
     truth: object
     comm: Optional[CommModel] = None
     notes: list = field(default_factory=list)
+    m_mem_by_ranks: Optional[Callable[[int], float]] = None  # R → m_mem; None: m_mem whatever R
+
+    def m_mem_at(self, R: int) -> float:
+        return self.m_mem if self.m_mem_by_ranks is None else self.m_mem_by_ranks(R)
+
+    def m_mem_by_world_size(self, ranks: Sequence[int]) -> Optional[dict]:
+        """{R: m_mem_at(R)} where the bound depends on R, else None (one m_mem for all)."""
+        return None if self.m_mem_by_ranks is None else {int(R): self.m_mem_at(R) for R in ranks}
+
+
+def m_mem_for(cal: Calibration, mode: str, mix: Mix, world_size: Optional[int] = None) -> Optional[int]:
+    """m_mem from the calibration's memory model at 90 % of HBM over world_size ranks (an FSDP model rescaled to
+    them; the file's own ranks when None), at the mix's shortest S; None without a memory model or the HBM size.
+    Raises where the longest bucket does not fit."""
+    memory = cal.memory_model(mode, world_size)
+    if memory is None or not cal.hbm_bytes:
+        return None
+    m_mem = memory.m_mem(HBM_FRACTION * cal.hbm_bytes, min(mix.S))
+    if m_mem < mix.S_max:
+        on = f" over {world_size} ranks" if world_size else ""
+        raise ValueError(f"m_mem={m_mem}{on} at {HBM_FRACTION:.0%} of HBM is below the longest bucket's "
+                         f"S={mix.S_max}")
+    return m_mem
 
 
 def inputs_from(cal: Calibration, mode: str, mix: Mix, comm_bandwidth: Optional[float] = None,
                 inter_node_bandwidth: float = 50.0, measured_extra: Optional[dict] = None) -> Inputs:
-    """The calibration's cost model (the planner's), m_mem from its memory model at 90 % of HBM (or its chosen
-    m_mem on a CPU calibration), and the measured truth of its points (plus a replay's micro-batches)."""
+    """The calibration's cost model (the planner's), m_mem from its memory model at 90 % of HBM at each simulated
+    world size (or its chosen m_mem on a CPU calibration), and the measured truth of its points (plus a replay's
+    micro-batches)."""
     cost = cal.cost_model(mode)
-    memory = cal.memory_model(mode)
     notes = []
-    if memory is not None and cal.hbm_bytes:
-        m_mem = memory.m_mem(HBM_FRACTION * cal.hbm_bytes, min(mix.S))
+    m_mem = m_mem_for(cal, mode, mix)
+    by_ranks = None
+    if m_mem is not None:
+        if isinstance(cal.memory_model(mode), FSDPMemoryModel):
+            by_ranks = lambda R: m_mem_for(cal, mode, mix, R)  # noqa: E731
     elif (cal.data.get("chosen") or {}).get("m_mem"):
         m_mem = cal.data["chosen"]["m_mem"]
         notes.append(f"no memory model: m_mem={m_mem} from the calibration's chosen settings")
+        if m_mem < mix.S_max:
+            raise ValueError(f"the calibration's chosen m_mem={m_mem} is below the longest bucket's S={mix.S_max}")
     else:
         raise ValueError(f"{cal.path}: the protocol needs a memory model and the device memory (m_mem at "
                          f"{HBM_FRACTION:.0%} of HBM), or a chosen m_mem")
-    if m_mem < mix.S_max:
-        raise ValueError(f"m_mem={m_mem} at {HBM_FRACTION:.0%} of HBM is below the longest bucket's S={mix.S_max}")
     truth = MeasuredTruth.from_points(cal.measured_points(mode), measured_extra)
     comm = None
     if comm_bandwidth:
@@ -71,7 +100,8 @@ def inputs_from(cal: Calibration, mode: str, mix: Mix, comm_bandwidth: Optional[
             raise ValueError(f"{cal.path}: the FSDP model needs the parameter count (model.params in the file)")
         comm = CommModel(param_bytes=4.0 * params, grad_bytes=4.0 * params, blocks=int(layers),
                          bandwidth=comm_bandwidth, inter_node_bandwidth=inter_node_bandwidth)
-    return Inputs(cost, m_mem, cal.cost_model(mode, "power").params["p"], cal.optim_ms(mode), truth, comm, notes)
+    return Inputs(cost, m_mem, cal.cost_model(mode, "power").params["p"], cal.optim_ms(mode), truth, comm, notes,
+                  by_ranks)
 
 
 READINGS = {"steady": (TOKENS_CV, WINDOWS), "expected": (None, (1,))}  # tokens CV cap, balanced's windows
@@ -83,7 +113,7 @@ def best_at_g(inp: Inputs, mix: Mix, strategy: str, R: int, g: float, truth=None
     """The strategy best-tuned inside g tokens per rank per step, under one reading of the batch (READINGS)."""
     cluster = Cluster(truth or inp.truth, inp.comm, dict(slow_ranks or {}))
     tokens_cv, windows = READINGS[reading]
-    runs = [sweep_at_tokens(inp.cost.predict, mix, strategy, R, g, p=inp.p, m_mem=inp.m_mem, cluster=cluster,
+    runs = [sweep_at_tokens(inp.cost.predict, mix, strategy, R, g, p=inp.p, m_mem=inp.m_mem_at(R), cluster=cluster,
                             optim_ms=inp.optim_ms, seed=seed, mbs=mbs, mbs_final=mbs_final, per_M=per_M, window=w,
                             tokens_cv=tokens_cv)[0] for w in (windows if strategy == "balanced" else (1,))]
     steady = [r for r in runs if tokens_cv is None or r.tokens_step_cv <= tokens_cv]
@@ -115,21 +145,37 @@ def run_fixed_batch(inp: Inputs, mix: Mix, ranks: Sequence[int] = (8, 64), g_fac
     return out
 
 
-def record_chosen_at_g(cal: Calibration, res: dict, mix: Mix, mode: str, m_mem: float) -> None:
+def _m_mem_record(m_mem: float, by_world_size: Optional[Mapping[int, float]], S_min: float) -> dict:
+    """The chosen m_mem keys. One m_mem where the bound is the same at every world size; where it depends on R
+    (FSDP's states ÷ R) none (None: training takes the memory model at its own world size, which gives these
+    values), and the simulated ones beside it for the record."""
+    out = {"m_mem_why": f"memory model at {HBM_FRACTION:.0%} of HBM", "m_mem_S_min": int(S_min)}
+    if by_world_size:
+        return out | {"m_mem": None, "m_mem_by_world_size": {str(R): int(v) for R, v in sorted(by_world_size.items())},
+                      "m_mem_why": f"memory model at {HBM_FRACTION:.0%} of HBM over each world size's ranks"}
+    return out | {"m_mem": int(m_mem), "m_mem_by_world_size": None}
+
+
+def record_chosen_at_g(cal: Calibration, res: dict, mix: Mix, mode: str, m_mem: float,
+                       m_mem_at: Optional[Callable[[int], float]] = None) -> None:
     """The fixed-batch protocol's best settings (the steady reading) into the calibration's "chosen"
-    by_tokens_per_step[R][g]: what training reads for scheduling.tokens_per_step (nearest g and world size)."""
-    by = {}
+    by_tokens_per_step[R][g]: what training reads for scheduling.tokens_per_step (nearest g and world size). The
+    world sizes simulated replace their own entries; others stay. m_mem_at: R → the bound R runs under, where it
+    depends on R (Inputs.m_mem_by_ranks)."""
+    chosen = cal.data.setdefault("chosen", {})
+    by = dict(chosen.get("by_tokens_per_step") or {})
+    for R in {R for R, _, _ in res["steady"]}:
+        by[str(R)] = {}
     for (R, gf, s), r in res["steady"].items():
         g = round(gf * mix.S_max)
         keep = {"equal_token": ("m_tokens",), "dual_constraint": ("m_comp", "p"),
                 "cost": ("target_microbatch_ms",), "balanced": ("target_microbatch_ms",)}[s]
-        by.setdefault(str(R), {}).setdefault(str(g), {})[s] = (
+        by[str(R)].setdefault(str(g), {})[s] = (
             {k: r.setting[k] for k in keep} | {"micro_batches": r.M, "window": r.window,
                                                "tokens_per_step": r.setting.get("tokens_per_step")})
-    chosen = cal.data.setdefault("chosen", {})
     chosen.update({"by": "scripts/simulate_cluster.py", "date": datetime.date.today().isoformat(), "mode": mode,
-                   "m_mem": int(m_mem), "m_mem_why": f"memory model at {HBM_FRACTION:.0%} of HBM",
-                   "m_mem_S_min": int(min(mix.S)), "by_tokens_per_step": by,
+                   **_m_mem_record(m_mem, {int(R): m_mem_at(int(R)) for R in by} if m_mem_at else None, min(mix.S)),
+                   "by_tokens_per_step": dict(sorted(by.items(), key=lambda kv: int(kv[0]))),
                    "mix": [{"bucket": n, "S": S, "share": sh} for n, S, sh in zip(mix.names, mix.S, mix.share)]})
 
 
@@ -142,7 +188,7 @@ def run_unconstrained(cal: Calibration, mode: str, mix: Mix, ranks, sweep_ranks,
                       seed: int = 0, log=print) -> dict:
     """M fixed, each knob swept without a batch constraint, under the model truth (the earlier protocol)."""
     inp = inputs_from(cal, mode, mix)
-    cost, p, m_mem, optim_ms = inp.cost, inp.p, inp.m_mem, inp.optim_ms
+    cost, p, optim_ms = inp.cost, inp.p, inp.optim_ms
     kw = dict(residuals=cost.residuals, optim_ms=optim_ms, seed=seed)  # the sweeps choose on this draw
     ev = dict(kw, seed=seed + 1)  # every reported row on this one, as sweep() re-draws its best
     best: dict = {}
@@ -150,6 +196,7 @@ def run_unconstrained(cal: Calibration, mode: str, mix: Mix, ranks, sweep_ranks,
     sweeps: list[tuple[str, SimResult]] = []
     for R in ranks:
         K = steps_for(R, M, mbs)
+        m_mem = inp.m_mem_at(R)
         src = R if R in sweep_ranks else max(r for r in sweep_ranks if r <= R) if any(r <= R for r in sweep_ranks) \
             else min(sweep_ranks)
         for s in STRATEGIES:
@@ -158,7 +205,8 @@ def run_unconstrained(cal: Calibration, mode: str, mix: Mix, ranks, sweep_ranks,
                 b, runs = sweep(cost.predict, mix, s, R, p=p, m_mem=m_mem, M=M, steps=K, **kw)
                 sweeps += [("sweep", r) for r in runs]
             else:
-                st = best[(src, s)].setting
+                st = best[(src, s)].setting  # the knob from src, under the memory bound of R
+                st = dict(st, m_mem=m_mem) if "m_mem" in st else st
                 b = simulate(cost.predict, mix, s, sizes_for(s, mix, st, cost.predict), R, M, K, setting=st, **ev)
             best[(R, s)] = b
             rows.append(b)
@@ -169,8 +217,8 @@ def run_unconstrained(cal: Calibration, mode: str, mix: Mix, ranks, sweep_ranks,
                         setting=st, **ev)
         best[(R, "equal_token@S_max")] = base
         rows.append(base)
-    return dict(best=best, rows=rows, sweeps=sweeps, m_mem=m_mem, p=p, optim_ms=optim_ms, ranks=list(ranks),
-                sweep_ranks=list(sweep_ranks), M=M, mbs=mbs, mix=mix, cost=cost, memory=cal.memory_model(mode))
+    return dict(best=best, rows=rows, sweeps=sweeps, m_mem=inp.m_mem, m_mem_by_world_size=inp.m_mem_by_world_size(ranks),
+                p=p, optim_ms=optim_ms, ranks=list(ranks), sweep_ranks=list(sweep_ranks), M=M, mbs=mbs, mix=mix, cost=cost, memory=cal.memory_model(mode))
 
 
 def record_chosen(cal: Calibration, res: dict, mode: str) -> None:
@@ -188,8 +236,7 @@ def record_chosen(cal: Calibration, res: dict, mode: str) -> None:
     chosen = cal.data.setdefault("chosen", {})
     chosen.update({
         "by": "scripts/simulate_cluster.py", "date": datetime.date.today().isoformat(), "mode": mode,
-        "m_mem": int(res["m_mem"]), "m_mem_why": f"memory model at {HBM_FRACTION:.0%} of HBM",
-        "m_mem_S_min": int(min(res["mix"].S)),  # safe for buckets from this S up (training checks it)
+        **_m_mem_record(res["m_mem"], res["m_mem_by_world_size"], min(mix.S)),  # m_mem_S_min: safe for buckets
         "micro_batches": res["M"], "reference_world_size": 8,
         "mix": [{"bucket": n, "S": S, "share": s} for n, S, s in zip(mix.names, mix.S, mix.share)],
         "criterion": "highest simulated tokens/s (≡ samples/s: the mix is fixed)", "by_world_size": by_r})

@@ -107,8 +107,12 @@ def report(res: dict, inp, cal: Calibration, cal_path: str, mix: Mix, args, elap
              ""]
     lines += [f"- {n}" for n in cal.data.get("notes", []) + inp.notes]
     t = inp.truth
-    lines += ["", f"Planner's cost model: {inp.cost.describe()}. m_mem = {inp.m_mem:,.0f} tokens "
-              f"({HBM_FRACTION:.0%} of HBM), p = {inp.p:.3f}, optimizer {inp.optim_ms:.0f} ms / R a step.",
+    by_r = inp.m_mem_by_world_size(ranks)
+    bound = (f"m_mem = {inp.m_mem:,.0f} tokens ({HBM_FRACTION:.0%} of HBM)" if by_r is None else
+             "m_mem = " + ", ".join(f"{v:,.0f} tokens at R = {R}" for R, v in by_r.items())
+             + f" ({HBM_FRACTION:.0%} of HBM, FSDP's states over R ranks)")
+    lines += ["", f"Planner's cost model: {inp.cost.describe()}. {bound}, p = {inp.p:.3f}, optimizer "
+              f"{inp.optim_ms:.0f} ms / R a step.",
               f"Truth: the measured times of {len(t.runs)} (S, B) micro-batches, {sum(map(len, t.runs.values()))} "
               f"repeats (each drawn as measured; other (S, B) interpolated between them; noise from the repeats' "
               f"spread, ±{100 * abs(t.noise).max():.1f} % at most)."
@@ -223,7 +227,7 @@ def main(argv=None) -> None:
     with open(files[0], "w") as f:
         f.write("\n".join(lines) + "\n")
     if args.write_chosen:
-        record_chosen_at_g(cal, res, mix, mode, inp.m_mem)
+        record_chosen_at_g(cal, res, mix, mode, inp.m_mem, inp.m_mem_by_ranks)
         cal.save(args.calibration)
         files.append(args.calibration)
     print(f"wrote {', '.join(files)} ({time.perf_counter() - t0:.0f} s)")

@@ -192,3 +192,45 @@ def test_default_calibration_memory_estimate():
     mem = MemoryModel.from_dict(cal.data["modes"]["full"]["memory_model"])
     assert mem.c0 == 16.0 * 1_418_996_800 + 2 * 2**30 and mem.c1 == 30 * 1536 * 4 + (14 * 1536 + 3 * 8960) * 2
     assert not mem.measured and 23 < mem.c0 / 2**30 < 24
+
+
+def test_the_memory_bound_is_the_one_of_each_simulated_world_size(tmp_path, monkeypatch):
+    """FSDP's states shrink as 1/R, so the 14B's m_mem at R = 64 is the 64-rank one (205,477 tokens), not the
+    8-rank one (152,901) the file was measured over: in the protocol's rows, in what it records for training, and
+    in what training then resolves at each world size."""
+    import json
+
+    from scheduling.calibrate import Calibration
+    from scheduling.protocol import best_at_g, inputs_from, record_chosen_at_g
+    from tests.helpers import ROOT
+
+    monkeypatch.chdir(ROOT)
+    cal = Calibration.load("results/calibration_h200_14b.json")
+    hbm = 0.9 * cal.hbm_bytes
+    want = {R: cal.memory_model("full", R).m_mem(hbm, min(MIX.S)) for R in (8, 64)}
+    assert want == {8: 152_901, 64: 205_477}
+    inp = inputs_from(cal, "full", MIX)
+    rows = {R: best_at_g(inp, MIX, "dual_constraint", R, 2 * MIX.S_max, mbs=64, mbs_final=64, per_M=2)
+            for R in (8, 64)}
+    assert {R: r.setting["m_mem"] for R, r in rows.items()} == want  # the bound each row ran under
+    # the dual-constraint table is pinned at the memory bound for images: B·S of i480 follows m_mem
+    assert [r.batch_sizes[0] for r in rows.values()] == [want[8] // 1560, want[64] // 1560]
+
+    # recorded for training: no single m_mem (it would hold at one R only), the bound per simulated R beside it
+    res = {"steady": {(R, 2.0, "dual_constraint"): r for R, r in rows.items()}}
+    record_chosen_at_g(cal, res, MIX, "full", inp.m_mem, inp.m_mem_by_ranks)
+    assert cal.data["chosen"]["m_mem"] is None
+    assert cal.data["chosen"]["m_mem_by_world_size"] == {"8": want[8], "64": want[64]}
+    path = cal.save(str(tmp_path / "cal.json"))
+    wan = {n: S for n, S, _ in DEFAULT_MIX}
+    shape = ModelShape(1, 40, 5120, 512)
+    for R in (8, 64):
+        s = resolve_schedule(SchedulingConfig("dual_constraint", calibration=path), wan, shape,
+                             checkpointing="full", world_size=R)
+        assert s.values["m_mem"] == want[R], (R, s.sources["m_mem"])
+    # ... and so does the committed file, which the simulator's run wrote the same way
+    with open("results/calibration_h200_14b.json") as f:
+        assert json.load(f)["chosen"]["m_mem_by_world_size"] == {"8": want[8], "64": want[64]}
+    s = resolve_schedule(SchedulingConfig("balanced", calibration="results/calibration_h200_14b.json"), wan, shape,
+                         checkpointing="full", world_size=64)
+    assert s.values["m_mem"] == want[64] and "FSDP over 64 ranks" in s.sources["m_mem"]
