@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
 ADALN_BACKENDS = ("auto", "triton", "torch")
@@ -60,22 +60,36 @@ class LoRAConfig:
         return (self.alpha or self.rank) / self.rank if self.rank else 0.0
 
 
+EXECUTION = {"resume": "execution"}  # field metadata: how a model runs, free to change when a run resumes
+
+
+def execution_knobs(cls) -> tuple[str, ...]:
+    """The fields of a config dataclass declared with EXECUTION metadata (training/resume.py lets them change)."""
+    return tuple(f.name for f in fields(cls) if f.metadata.get("resume") == "execution")
+
+
 @dataclass
 class RunKnobs:
     """How a model runs and trains, whatever its architecture (the non-architecture half of `model:`)."""
     text_len: int = 512                   # text tokens after zero-padding (diffusers' Wan pipeline: 512); at most
                                           # data.encoders.max_text_len (training/config.py checks it)
-    precision: str = "bf16"               # matmuls under autocast on GPU; fp32 on CPU; master weights stay fp32
-    adaln_backend: str = "auto"
-    fused_ops: str = "auto"               # models/fused_wan.py's blocks: torch | triton | auto (Triton on CUDA)
-    attention_backend: str = "auto"       # SDPA's kernel: auto (cuDNN on Hopper+, else flash) | cudnn | flash |
-                                          # efficient | math (ops/attention_backend.py)
-    glue_backend: Optional[str] = None    # deprecated alias of fused_ops (one release): when set, it overrides it
-    checkpointing: str = "none"
-    offload_checkpoints: bool = False     # recomputed blocks' inputs wait in pinned host memory (one process)
-    keep_attention: Union[bool, str] = False  # recomputed blocks keep self-attention's output: false | true (every
-                                          # recomputed block) | auto (as many as the memory budget allows)
-    compile: bool = False
+    # How a micro-batch executes, not what is trained: these may change on resume (EXECUTION, training/resume.py)
+    precision: str = field(default="bf16", metadata=EXECUTION)  # matmuls under autocast on GPU; fp32 on CPU;
+                                                                 # master weights stay fp32
+    adaln_backend: str = field(default="auto", metadata=EXECUTION)
+    fused_ops: str = field(default="auto", metadata=EXECUTION)  # models/fused_wan.py's blocks: torch | triton |
+                                                                # auto (Triton on CUDA)
+    attention_backend: str = field(default="auto", metadata=EXECUTION)  # SDPA's kernel: auto (cuDNN on Hopper+,
+                                          # else flash) | cudnn | flash | efficient | math (ops/attention_backend.py)
+    glue_backend: Optional[str] = field(default=None, metadata=EXECUTION)  # deprecated alias of fused_ops (one
+                                          # release): when set, it overrides it
+    checkpointing: str = field(default="none", metadata=EXECUTION)
+    offload_checkpoints: bool = field(default=False, metadata=EXECUTION)  # recomputed blocks' inputs wait in
+                                          # pinned host memory (one process)
+    keep_attention: Union[bool, str] = field(default=False, metadata=EXECUTION)  # recomputed blocks keep
+                                          # self-attention's output: false | true (every recomputed block) | auto
+                                          # (as many as the memory budget allows)
+    compile: bool = field(default=False, metadata=EXECUTION)
     pretrained: Optional[str] = None      # a local diffusers-format folder (config.json + safetensors)
     freeze: list[str] = field(default_factory=list)  # regexes (re.search) of parameter names that do not train
     lora: LoRAConfig = field(default_factory=LoRAConfig)

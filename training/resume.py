@@ -44,6 +44,7 @@ from typing import Callable, Optional
 import yaml
 
 from training.checkpoint import CheckpointError, NotLoaded, list_checkpoints, verify_checkpoint
+from models.config import RunKnobs, execution_knobs
 from training.run_configs import flatten
 from training.run_folder import read_text
 from training.config import load_config
@@ -54,8 +55,7 @@ log = logging.getLogger(__name__)
 PLAN_PREFIXES = ("data.", "scheduling.", "model.")
 PLAN_KEYS = ("train.seed",)
 ALLOWED_UNDER_PLAN = ("data.num_workers", "data.caption_dropout")
-EXECUTION_KNOBS = ("adaln_backend", "fused_ops", "glue_backend", "checkpointing", "offload_checkpoints",
-                   "keep_attention", "compile", "precision")
+EXECUTION_KNOBS = execution_knobs(RunKnobs)  # declared beside the model config's fields (EXECUTION metadata)
 
 
 def changes_plan(key: str) -> bool:
