@@ -49,3 +49,38 @@ def test_ema_turned_on_at_resume_starts_from_the_loaded_weights_and_nothing_to_d
     assert out == {} and read_metrics(run_dir) == rows  # nothing trained, nothing written
     assert "nothing to do: " in caplog.text and "is at step 3 and train.steps=3" in caplog.text
     assert "raise train.steps" in caplog.text
+
+
+def test_an_optimizer_registered_in_one_place_trains_and_resumes_like_the_uninterrupted_run(tmp_path, cache):
+    """A new optimizer is one register_optimizer call: optim.name picks it, its state is checkpointed, a resume
+    continues it bit for bit, and switching back to AdamW on resume is refused (its stored state is another's)."""
+    from training import optim as optim_module
+    from training.optim import register_optimizer
+
+    register_optimizer("sgd_momentum", lambda groups, cfg: torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9))
+    try:
+        common = ("optim.name=sgd_momentum", "train.val_every=4")
+        whole = str(tmp_path / "whole")
+        run_training(tiny_overrides(whole, cache, "train.steps=4", *common))
+        split = str(tmp_path / "split")
+        run_training(tiny_overrides(split, cache, "train.steps=2", *common))
+        run_training(tiny_overrides(split, cache, "train.steps=4", "resume=auto", *common))
+        loss = lambda d: [(r["step"], r["train/loss"]) for r in read_metrics(d) if "train/loss" in r]  # noqa: E731
+        assert loss(split) == loss(whole) and len(loss(whole)) == 4
+        state = _optimizer_state_keys(os.path.join(whole, "step_4"), tmp_path)
+        assert any(k.endswith("momentum_buffer") for k in state) and not any(k.endswith("exp_avg") for k in state)
+        from training.checkpoint import StateMismatch
+
+        with pytest.raises(StateMismatch, match="holds SGD's state .* this run's optimizer is AdamW"):
+            run_training(tiny_overrides(split, cache, "train.steps=6", "resume=auto", "train.val_every=4"))
+    finally:
+        optim_module.OPTIMIZERS.pop("sgd_momentum", None)
+
+
+def _optimizer_state_keys(ckpt: str, tmp_path) -> list:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    out = str(tmp_path / "opt.pt")
+    dcp_to_torch_save(ckpt, out)
+    return [k for k in flatten_state_dict(torch.load(out, weights_only=False))[0] if k.startswith("optim")]

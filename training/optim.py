@@ -1,7 +1,13 @@
 """Optimizer, learning-rate schedule and EMA.
 
-AdamW over fp32 master weights; LR: linear warm-up over `warmup_steps`, then constant, cosine or linear decay to
-`min_lr_ratio`·lr at `train.steps`. EMA: θ_ema ← d·θ_ema + (1 − d)·θ after each update, kept in fp32.
+The optimizer (`optim.name`) and the schedule (`optim.schedule`) are chosen by name from two registries, so a new
+one is added in one place: `register_optimizer(name, build)` with build(param_groups, cfg) → a torch optimizer, and
+`register_schedule(name, decay)` with decay(frac) → the factor after warm-up at frac ∈ [0, 1] of the decay phase.
+Both are checked where the config is (OptimConfig), and resume refuses an optimizer whose stored state is another's
+(training/checkpoint.py).
+
+Built in: AdamW over fp32 master weights; LR: linear warm-up over `warmup_steps`, then constant, cosine or linear
+decay to `min_lr_ratio`·lr at `train.steps`. EMA: θ_ema ← d·θ_ema + (1 − d)·θ after each update, kept in fp32.
 
 Parameter groups (`optim.groups`, for fine-tuning): each named group takes the trainable parameters whose names
 match its regex (`re.search`, first group in name order wins) and trains them at its own `lr` (and optional
@@ -12,19 +18,34 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+
+OPTIMIZERS: dict[str, Callable] = {}   # name → build(param_groups, cfg) → torch.optim.Optimizer
+SCHEDULES: dict[str, Callable[[float], float]] = {}  # name → decay(frac) → factor in [0, 1] before min_lr_ratio
+
+
+def register_optimizer(name: str, build: Callable) -> None:
+    """Make `optim.name=<name>` build its optimizer with build(param_groups, cfg) (param_groups as param_groups()
+    returns them: each group's lr and weight_decay set)."""
+    OPTIMIZERS[name] = build
+
+
+def register_schedule(name: str, decay: Callable[[float], float]) -> None:
+    """Make `optim.schedule=<name>` decay the LR by decay(frac) after the warm-up (frac from 0 to 1 at train.steps)."""
+    SCHEDULES[name] = decay
 
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"          # the optimizer, from OPTIMIZERS (register_optimizer adds one)
     lr: float = 1e-4
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     warmup_steps: int = 0
-    schedule: str = "constant"   # constant | cosine | linear (after warm-up)
+    schedule: str = "constant"   # constant | cosine | linear (after warm-up), from SCHEDULES (register_schedule)
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0       # max global grad norm; 0 disables clipping (the norm is still logged)
     ema_decay: Optional[float] = None
@@ -43,8 +64,12 @@ class OptimConfig:
             raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
         if self.warmup_steps < 0:
             raise ValueError(f"optim.warmup_steps must be ≥ 0, got {self.warmup_steps}")
-        if self.schedule not in ("constant", "cosine", "linear"):
-            raise ValueError(f"optim.schedule must be constant, cosine or linear, got {self.schedule!r}")
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optim.name must be one of {sorted(OPTIMIZERS)} (training/optim.py register_optimizer "
+                             f"adds one), got {self.name!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"optim.schedule must be one of {sorted(SCHEDULES)} (training/optim.py "
+                             f"register_schedule adds one), got {self.schedule!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"optim.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
         if not self.grad_clip >= 0:
@@ -77,8 +102,7 @@ def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
     if cfg.schedule == "constant":
         return 1.0
     frac = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-    decay = 0.5 * (1 + math.cos(math.pi * frac)) if cfg.schedule == "cosine" else 1 - frac
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * SCHEDULES[cfg.schedule](frac)
 
 
 def param_groups(model: torch.nn.Module, cfg: OptimConfig) -> list[dict]:
@@ -115,12 +139,22 @@ def _plain_cuda(tensors) -> bool:
     return bool(tensors) and all(t.device.type == "cuda" and not isinstance(t, DTensor) for t in tensors)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int):
+def _adamw(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     """AdamW: fused (a few kernels for every parameter) on one CUDA device, foreach elsewhere."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = param_groups(model, cfg)
+    params = [p for g in groups for p in g["params"]]
     kind = {"fused": True} if _plain_cuda(params) else {"foreach": not any(p.device.type == "meta" for p in params)}
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kind)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kind)
+
+
+register_optimizer("adamw", _adamw)
+register_schedule("constant", lambda frac: 1.0)
+register_schedule("cosine", lambda frac: 0.5 * (1 + math.cos(math.pi * frac)))
+register_schedule("linear", lambda frac: 1 - frac)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int):
+    """The optimizer optim.name names over param_groups(model, cfg), and its LR schedule (lr_factor)."""
+    opt = OPTIMIZERS[cfg.name](param_groups(model, cfg), cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg, total_steps))
     return opt, sched
 
