@@ -42,7 +42,7 @@ CUDNN_MIN_CAPABILITY = 9  # auto prefers cuDNN from Hopper on (measured: results
 
 log = logging.getLogger(__name__)
 _seen: set = set()      # fallbacks already logged
-_served: dict = {}      # (asked, shape, dtype, device, masked) → the kernel that serves it
+_served: dict = {}      # (asked, shapes, strides, dtype, device, mask, cudnn) → the kernel that serves it
 
 
 def check_backend(name: str, field: str = "model.attention_backend") -> str:
@@ -88,8 +88,8 @@ def describe(name: str, device: torch.device, cudnn: bool = True) -> str:
         why = f"auto on {torch.cuda.get_device_name(device)} (compute capability {major}.{minor})" + (
             "" if cudnn else "; this model's attention never runs cuDNN")
     return (f"attention: model.attention_backend={name} → {first} ({why}); a call it cannot serve falls back in "
-            f"the order {', '.join(k for k in ORDER if k != first and (cudnn or k != 'cudnn'))}, said once; a masked "
-            "call runs the memory-efficient kernel")
+            f"the order {', '.join(order(name, device, cudnn=cudnn)[1:])}, said once; a masked call runs the "
+            "memory-efficient kernel")
 
 
 def sdpa(q_BHND: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, mask: torch.Tensor | None = None,
@@ -113,7 +113,7 @@ def kernel_for(backend: str, q_BHND: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD:
     if key not in _served:
         kinds = order(backend, dev, mask is not None, cudnn)
         with sdpa_kernel([_SDP[k] for k in kinds], set_priority=True), torch.enable_grad():
-            views = [t.detach().requires_grad_(torch.is_grad_enabled()) for t in (q_BHND, k_BHLD, v_BHLD)]
+            views = [t.detach().requires_grad_() for t in (q_BHND, k_BHLD, v_BHLD)]
             _served[key] = _CHOICE.get(int(torch._fused_sdp_choice(*views, attn_mask=mask)), "math")
     got, asked = _served[key], preferred(backend, dev, cudnn)
     # auto says nothing on a CPU (torch chooses) nor under a mask (the memory-efficient kernel is the intended one)

@@ -125,10 +125,10 @@ class PartialRecompute:
         none, full = float(self.none_mem.predict(B, S)), float(self.full_mem.predict(B, S))
         L = self.layers
         kept = self.kept_bytes(B, S) if self.keep else 0.0
-        left = lambda k: self.budget - (none - k / L * (none - full))  # noqa: E731 - bytes left with k recomputed
         if self.all_blocks:
-            return L, (L if kept <= 0 else max(0, min(L, math.floor((self.budget - full) / kept)))) if self.keep \
-                else 0
+            if not self.keep:
+                return L, 0
+            return L, L if kept <= 0 else max(0, min(L, math.floor((self.budget - full) / kept)))
         if none <= self.budget or none <= full:  # fits, or recompute saves nothing in this calibration
             return 0, 0
         k = min(L, math.ceil(L * (none - self.budget) / (none - full) - 1e-9))
@@ -138,7 +138,8 @@ class PartialRecompute:
             return k, k
         net = (none - full) / L - kept
         if net <= 0:  # keeping costs more memory than recomputing frees: the fewest recomputed, keeping what fits
-            return k, max(0, min(k, math.floor(left(k) / kept + 1e-9)))
+            left = self.budget - (none - k / L * (none - full))  # bytes left with k blocks recomputed
+            return k, max(0, min(k, math.floor(left / kept + 1e-9)))
         k_kept = math.ceil((none - self.budget) / net - 1e-9)
         if k_kept <= L:
             return k_kept, k_kept
