@@ -25,6 +25,7 @@ from typing import Mapping
 import numpy as np
 
 from data.buckets import Bucket
+from data.config import synthetic_mix
 
 COLOURS = {"red": (225, 45, 45), "green": (50, 190, 70), "blue": (55, 105, 235), "yellow": (235, 210, 40)}
 SHAPES = ("square", "circle")
@@ -132,7 +133,7 @@ def shapes_spec(data_cfg, buckets: Mapping[str, Bucket], latent_channels: int, t
     from dataclasses import asdict
 
     syn, enc = data_cfg.synthetic, data_cfg.encoders
-    mix = dict(syn.mix) or {n: 1.0 for n in buckets}
+    mix = synthetic_mix(dict(syn.mix), list(buckets))  # the shares every synthetic corpus takes, leftovers included
     return {"mix": {n: float(v) for n, v in mix.items()}, "num_samples": syn.num_samples, "num_val": syn.num_val,
             "seed": syn.seed, "samples_per_shard": syn.samples_per_shard, "dtype": syn.dtype,
             "latent_channels": latent_channels, "text_dim": text_dim, "version": VERSION,

@@ -116,6 +116,19 @@ def test_shapes_captions_say_the_colour_shape_and_direction_of_their_pixels():
     assert len({c for c, _, _ in seen}) == 4 and len({d for _, _, d in seen}) == 5  # each colour, direction, still
 
 
+def test_the_shapes_corpus_gives_a_bucket_the_mix_leaves_out_what_the_shares_leave_under_one():
+    """As every synthetic corpus does (data.config.synthetic_mix): a bucket missing from data.synthetic.mix gets the
+    remainder, not nothing."""
+    from data.shapes import shapes_spec
+
+    cfg = compose_config(["conf=demo"])
+    names = list(cfg.data.buckets)[:2]
+    buckets = {n: b for n, b in bucket_table(cfg.data.buckets, patch=cfg.model.patch).items() if n in names}
+    data = SimpleNamespace(synthetic=SimpleNamespace(**{**vars(cfg.data.synthetic), "mix": {names[0]: 0.25}}),
+                           encoders=cfg.data.encoders)
+    assert shapes_spec(data, buckets, 16, cfg.model.text_dim)["mix"] == {names[0]: 0.25, names[1]: 0.75}
+
+
 def test_words_text_encoder_is_deterministic_and_a_changed_word_changes_only_its_token():
     from data.encoders import EncoderConfig, build_words
 

@@ -27,6 +27,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from data.pca_vae import is_pca_vae
 from training.config import compose_config
 from training.load import checkpoint_config, find_checkpoint, load_checkpoint_model
 
@@ -103,8 +104,7 @@ def describe_encoders(cfg, corpus, num_params: int) -> tuple[str, Optional[str]]
     enc = cfg.data.encoders
     shapes = shapes_corpus_root(cfg)
     if enc.vae:
-        vae, vae_random = f"{'PCA' if os.path.isfile(os.path.join(enc.vae, 'pca_vae.safetensors')) else 'Wan'} " \
-                          f"VAE {enc.vae}", False
+        vae, vae_random = f"{'PCA' if is_pca_vae(enc.vae) else 'Wan'} VAE {enc.vae}", False
     elif shapes:
         vae, vae_random = f"PCA VAE fitted to the shapes corpus ({shapes}/vae)", False
     else:
