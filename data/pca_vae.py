@@ -83,9 +83,6 @@ class PCAVAE:
         p1 = a["mean1"] + (z[:, :, 1:].permute(0, 2, 3, 4, 1) * a["sigma1"]) @ a["axes1"]
         return _unpatch(p0, p1).clamp(-1, 1).cpu()
 
-    def describe(self) -> dict:
-        return {"kind": "pca", "z_dim": self.latent_channels}
-
     def save(self, folder: str) -> str:
         from safetensors.torch import save_file
 
