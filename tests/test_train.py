@@ -308,7 +308,9 @@ def test_two_runs_started_together_into_one_folder_one_runs_the_other_is_refused
     exactly one run; the other exits with status 2 within seconds, naming the holder, and leaves nothing behind.
     The winner's metrics hold each step once."""
     run_dir = str(tmp_path / "same")
-    args = [sys.executable, "train.py", *tiny_overrides(run_dir, cache, "train.steps=6", "train.val_every=6")]
+    # long enough (~8 s of steps) that the winner still holds the folder whichever process starts first: with 6
+    # steps an idle machine finished the first run before the second was up, which then met a finished run instead
+    args = [sys.executable, "train.py", *tiny_overrides(run_dir, cache, "train.steps=200", "train.val_every=200")]
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     env.pop("HYDRA_FULL_ERROR", None)
     procs = [subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -329,8 +331,8 @@ def test_two_runs_started_together_into_one_folder_one_runs_the_other_is_refused
     assert f"is in use by another run (pid {winner.pid} on host " in err and "Traceback" not in err, err
     assert ended[loser.pid] < ended[winner.pid]  # refused at once, while the winner still ran
     steps = [r["step"] for r in read_metrics(run_dir)]
-    assert steps == list(range(7)), steps  # each step once
-    assert sorted(os.listdir(run_dir)) == ["config.yaml", "metrics.jsonl", "step_6", "train.log"]  # no lock left
+    assert steps == list(range(201)), steps  # each step once
+    assert sorted(os.listdir(run_dir)) == ["config.yaml", "metrics.jsonl", "step_200", "train.log"]  # no lock left
     assert "in use by another run" not in open(os.path.join(run_dir, "train.log")).read()
 
 
