@@ -64,8 +64,8 @@ def run(cfg: TrainConfig, config_yaml: str, preset: str = "default") -> dict:
     (a wandb tag)."""
     # 1. process group and run folder: locked for this run's life before anything is written, refused when another
     # run holds it or (a fresh run) holds another run's files (training/run_folder.py)
-    check_devices(cfg.launch.num_processes, cfg.launch.device)
-    ctx = init_distributed()
+    check_devices(cfg.launch.num_processes, cfg.launch.device, cfg.launch.debug_share_gpu)
+    ctx = init_distributed(cfg.launch.debug_share_gpu)
     if ctx.device.type == "cpu":  # a GPU preset forced onto CPUs: its estimated memory first, refused above RAM
         check_host_memory(cfg, ctx.world_size, ctx.is_main)
     folder = RunFolder(cfg.run_dir, cfg.resume, cfg.overwrite, ctx)
@@ -328,7 +328,7 @@ def _main(dcfg: DictConfig) -> None:
 
         print_buckets(cfg)
         return
-    maybe_launch(cfg.launch.num_processes, cfg.launch.device)
+    maybe_launch(cfg.launch.num_processes, cfg.launch.device, cfg.launch.debug_share_gpu)
     run(cfg, OmegaConf.to_yaml(OmegaConf.create(raw)), preset=hc.runtime.choices.get("conf") or "default")
 
 

@@ -1,7 +1,8 @@
 """Run under `torchrun --nproc_per_node 2` by tests/test_distributed.py: FSDP2 (gloo) with deliberately unequal
 work per rank; argv[2] (optional) is the model's glue and AdaLN backend ("triton": the fused ops, which call the
 block's weights inside their own autograd functions, under the interpreter on CPU; every block recomputed, the
-block's tail as one op). Checks nothing itself; writes
+block's tail as one op), or "staged": the reference glue with every collective staged through host copies
+(training/shared_gpu.py, which launch.debug_share_gpu=host uses for CUDA tensors). Checks nothing itself; writes
 rank 0's findings as JSON to argv[1]:
   - the sharded gradients (full tensors) and the single-process gradients of the same samples and loss;
   - measured busy seconds per (rank, slot) and their CV.
@@ -62,6 +63,12 @@ class CaptureGrads(torch.optim.SGD):
 def main(out_path, glue="torch"):
     torch.set_num_threads(1)
     ctx = init_distributed()
+    staged = []
+    if glue == "staged":
+        from training.shared_gpu import stage_through_host
+
+        stage_through_host(lambda t: staged.append(tuple(t.shape)) or True)
+        glue = "torch"
     torch.manual_seed(0)
     model = build_parallel_model(CFG, ctx.rank, ctx.world_size, ctx.device)
     model.glue_backend = model.adaln_backend = glue
@@ -94,7 +101,8 @@ def main(out_path, glue="torch"):
         diff = max(diffs.values())
         with open(out_path, "w") as f:
             json.dump({"max_rel_grad_diff": diff, "busy": busy.tolist(), "busy_cv": compute_cv(busy),
-                       "idle_fraction": idle_fraction(busy), "num_params": len(opt.grads)}, f)
+                       "idle_fraction": idle_fraction(busy), "num_params": len(opt.grads),
+                       "staged_tensors": len(staged)}, f)
     ctx.barrier()  # rank 1 must not tear down gloo while rank 0 still works
     prof.settle()
     shutdown()

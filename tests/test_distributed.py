@@ -25,10 +25,11 @@ def torchrun(*args, timeout=300, **env_extra):
     return out
 
 
-@pytest.mark.parametrize("glue", ["torch", "triton"])
+@pytest.mark.parametrize("glue", ["torch", "triton", "staged"])
 def test_unequal_work_per_rank_gives_single_process_gradients_and_high_busy_cv(tmp_path, glue):
     """glue "triton": the fused ops (their own autograd functions reading the block's weights) under FSDP2's
-    per-block gathers, against the one-process reference glue; the interpreter runs them on CPU."""
+    per-block gathers, against the one-process reference glue; the interpreter runs them on CPU. "staged": every
+    collective FSDP2 calls runs on host copies (launch.debug_share_gpu=host's path for CUDA tensors)."""
     if glue == "triton" and (torch.cuda.is_available() or not importlib.util.find_spec("triton")):
         pytest.skip("the fused glue on CPU ranks (gloo) needs the interpreter and triton")
     out = str(tmp_path / "worker.json")
@@ -36,7 +37,10 @@ def test_unequal_work_per_rank_gives_single_process_gradients_and_high_busy_cv(t
     with open(out) as f:
         r = json.load(f)
     assert r["num_params"] > 50
+    assert (r["staged_tensors"] > 2 * r["num_params"] // 10) == (glue == "staged")  # gathers and reductions staged
     assert r["max_rel_grad_diff"] < 1e-5  # FSDP2 with padding slots == one process over the same samples
+    if glue == "staged":
+        return  # the host copies count as busy time, which blurs the busy check below
     busy = r["busy"]
     assert sum(busy[0]) > 2 * sum(busy[1])  # rank 0 was given far more work, and the profiler sees it
     assert r["busy_cv"] >= 0.3 and 0 < r["idle_fraction"] < 1

@@ -26,6 +26,7 @@ from models.sampler import SampleConfig
 from scheduling.config import SchedulingConfig
 from training.metrics import LoggingConfig, MetricsConfig
 from training.optim import OptimConfig
+from training.shared_gpu import check_mode
 
 
 MAX_PROCESSES = 256  # processes train.py starts on one node (8-16 GPUs; CPU processes for tests)
@@ -39,6 +40,8 @@ class LaunchConfig:
     cpu_threads: Optional[int] = None  # intra-op threads per CPU process; null: OMP_NUM_THREADS, else 1
     force: bool = False     # on CPUs, run even where the estimated host memory exceeds this machine's RAM (a GPU
                             # preset with launch.device=cpu is refused there otherwise: training/host_memory.py)
+    debug_share_gpu: Optional[str] = None  # debug only: several ranks on one GPU (nccl | gloo | host), to rehearse
+                                           # the multi-rank CUDA code; training/shared_gpu.py
 
     def __post_init__(self):
         if not 1 <= self.num_processes <= MAX_PROCESSES:
@@ -48,6 +51,7 @@ class LaunchConfig:
             raise ValueError(f"launch.device must be auto, cuda or cpu, got {self.device!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"launch.cpu_threads must be ≥ 1 or null, got {self.cpu_threads}")
+        check_mode(self.debug_share_gpu)
 
 
 @dataclass

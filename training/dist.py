@@ -20,6 +20,7 @@ class DistContext:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    ranks_per_device: int = 1  # >1 only under launch.debug_share_gpu (training/shared_gpu.py)
 
     @property
     def is_main(self) -> bool:
@@ -69,9 +70,14 @@ class DistContext:
         return self.device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def init_distributed() -> DistContext:
+def init_distributed(share_gpu: Optional[str] = None) -> DistContext:
     """accelerate's PartialState owns the process group and device placement (NCCL on GPUs, gloo on CPUs), whether
-    torchrun, `accelerate launch` or train.py's own launcher started us."""
+    torchrun, `accelerate launch` or train.py's own launcher started us. share_gpu (launch.debug_share_gpu, a debug
+    rehearsal): every local rank on the machine's GPUs round-robin, the process group of training/shared_gpu.py."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and share_gpu is not None:
+        from training.shared_gpu import init_process_group
+
+        return DistContext(*init_process_group(share_gpu))
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         if device.type == "cuda":
@@ -91,11 +97,19 @@ def fsdp_options_from_env() -> dict:
             "offload_params": flag("FSDP_OFFLOAD_PARAMS", False)}
 
 
-def check_devices(num_processes: int, device: str) -> None:
+def check_devices(num_processes: int, device: str, share_gpu: Optional[str] = None) -> None:
     """Refuse at once what cannot run here: launch.device=cuda with fewer GPUs than local processes (a GPU preset
     on a CPU machine would otherwise build its model in host memory, once per process), or more processes than
-    GPUs on a GPU machine."""
+    GPUs on a GPU machine — unless launch.debug_share_gpu puts them on the GPUs there are (it needs one)."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if share_gpu is not None:
+        from training.shared_gpu import check_mode, device_for
+
+        check_mode(share_gpu)
+        if device == "cpu":
+            raise ValueError("launch.debug_share_gpu puts ranks on a GPU, launch.device=cpu on CPUs: choose one")
+        device_for(0, gpus)  # refuses a machine without a GPU
+        return
     local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))
     if device == "cuda" and gpus < local:
         raise ValueError(f"this run wants {local} GPU process(es) (launch.device=cuda, launch.num_processes="
@@ -125,9 +139,9 @@ def cpu_threads(requested: Optional[int]) -> int:
     return n
 
 
-def maybe_launch(num_processes: int, device: str = "auto") -> None:
+def maybe_launch(num_processes: int, device: str = "auto", share_gpu: Optional[str] = None) -> None:
     """Re-run this command under torch's elastic launcher with `num_processes` processes when no launcher did."""
-    check_devices(num_processes, device)
+    check_devices(num_processes, device, share_gpu)
     if num_processes <= 1 or "LOCAL_RANK" in os.environ or "WORLD_SIZE" in os.environ:
         return
     from torch.distributed.run import main as torchrun

@@ -281,7 +281,8 @@ def calibrate_config(cfg, opts: CalibrateOptions | dict | None = None, command: 
     autocast = autocast_for(ctx.device, cfg.model.precision, cache=graphs is None)
     objective = FlowMatching(cfg.objective)
     cuda = ctx.device.type == "cuda"
-    hbm = float(torch.cuda.get_device_properties(ctx.device).total_memory) if cuda else None
+    # ranks sharing one GPU (launch.debug_share_gpu) each budget their share of it
+    hbm = float(torch.cuda.get_device_properties(ctx.device).total_memory) / ctx.ranks_per_device if cuda else None
     budget = (cfg.scheduling.mem_budget_gib * 2**30 if cfg.scheduling.mem_budget_gib
               else HBM_FRACTION * hbm if hbm else None)
     modes = policies_to_measure(cfg.model)
