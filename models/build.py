@@ -55,11 +55,13 @@ def build_parallel_model(cfg: ModelConfig, rank: int, world_size: int, device: t
                          fsdp: FSDPOptions | None = None) -> torch.nn.Module:
     """The model as training runs it: on one device, or sharded with FSDP2 from rank 0's full copy.
 
-    Under FSDP2 only rank 0 builds the full model in host memory (random under the caller's seed — the same init
-    a one-process run gets — or from cfg.pretrained); the others build on the meta device and receive their shards.
+    The random init is always drawn in host memory (torch's CPU generator, under the caller's seed), then moved: a
+    one-process run on a GPU starts from the same weights as rank 0 of a sharded run, on any GPU (the CUDA
+    generator would draw other numbers). Under FSDP2 only rank 0 builds the full model (random, or from
+    cfg.pretrained); the others build on the meta device and receive their shards.
     """
     if world_size == 1:
-        return parallelize(build_model(cfg, device), compile=cfg.compile)
+        return parallelize(build_model(cfg, "cpu").to(device), compile=cfg.compile)
     full_sd = build_model(cfg, "cpu").state_dict() if rank == 0 else {}
     model = build_model(replace(cfg, pretrained=None), "meta")
     parallelize(model, compile=cfg.compile, world_size=world_size, fsdp=fsdp)

@@ -15,13 +15,19 @@
 # Needs .whl/ (bash scripts/make_wheels.sh): the GPU image lacks diffusers, hydra, omegaconf.
 set -uo pipefail
 source scripts/h200_env.sh h200_two_ranks_out
-PART=${PART:-pab}
+PART=${PART:-pabde}
+# $LOGS (the logs, metrics, probes and calibrations) is packed into $OUT/two_ranks.tgz at the end: a device call
+# returns at most 8 files
+LOGS=/tmp/two_ranks_logs; mkdir -p "$LOGS"
+trap 'tar czf "$OUT/two_ranks.tgz" -C "$LOGS" . 2>/dev/null' EXIT
 RUNS=/tmp/runs
 mkdir -p $RUNS
 export ADAPTIVELOAD_CACHE=/tmp/al_cache
-# the 1.3B at full size on a small bucket table (480p images and 17-frame clips), the paper's equal-token rule so
-# that the plan needs no calibration, every block recomputed, eager (graphs are one-process only)
-SMALL=(conf=wan21_1p3b scheduling=equal_token scheduling.calibration=null scheduling.m_tokens=7800
+# the 1.3B's width on a small bucket table (480p images and 17-frame clips), the paper's equal-token rule so that
+# the plan needs no calibration, every block recomputed, eager (graphs are one-process only). LAYERS of its 30
+# blocks (default 4): gloo moves every all-gather and reduce-scatter through host memory, and at 30 blocks a
+# two-rank step took 42 s (1.7 s in one process) on the H200
+SMALL=(conf=wan21_1p3b model.num_layers=${LAYERS:-4} scheduling=equal_token scheduling.calibration=null scheduling.m_tokens=7800
        model.checkpointing=full model.keep_attention=false train.cuda_graphs=off train.steps=6 train.val_every=3
        train.progress=false logging.wandb=disabled data.synthetic.num_samples=48 data.synthetic.mix.i720=0
        data.synthetic.mix.v480_33f=0 data.synthetic.mix.v480_49f=0 data.synthetic.mix.v480_81f=0
@@ -32,7 +38,7 @@ pick() {  # the two-rank runs' process group: MODE, else gloo where the probe fo
   if [[ ${GPUS:-1} == 2 ]]; then TWO=(); return; fi
   if [[ -n ${MODE:-} ]]; then TWO=(launch.debug_share_gpu=$MODE); return; fi
   TWO=(launch.debug_share_gpu=host)
-  [[ -f $OUT/probe_gloo.json ]] && python3 - "$OUT/probe_gloo.json" <<'EOF2' && TWO=(launch.debug_share_gpu=gloo)
+  [[ -f $LOGS/probe_gloo.json ]] && python3 - "$LOGS/probe_gloo.json" <<'EOF2' && TWO=(launch.debug_share_gpu=gloo)
 import json, sys
 p = json.load(open(sys.argv[1]))
 sys.exit(0 if p["rows"] and all(r["right"] for r in p["rows"]) else 1)
@@ -40,8 +46,8 @@ EOF2
 }
 
 losses() {  # run name → its metrics in OUT, and the losses on one line
-  cp $RUNS/$1/metrics.jsonl "$OUT/metrics_$1.jsonl" 2>/dev/null
-  python3 - "$OUT/metrics_$1.jsonl" "$1" <<'EOF'
+  cp $RUNS/$1/metrics.jsonl "$LOGS/metrics_$1.jsonl" 2>/dev/null
+  python3 - "$LOGS/metrics_$1.jsonl" "$1" <<'EOF'
 import json, sys
 try:
     rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
@@ -56,10 +62,10 @@ train() {  # name, launcher words..., -- overrides...
   local name=$1; shift
   local cmd=(); while [[ $1 != -- ]]; do cmd+=("$1"); shift; done; shift
   local t0=$SECONDS
-  timeout ${LIMIT:-240} "${cmd[@]}" "${SMALL[@]}" name=$name run_dir=$RUNS/$name "$@" > "$OUT/train_$name.log" 2>&1
+  timeout ${LIMIT:-150} "${cmd[@]}" "${SMALL[@]}" name=$name run_dir=$RUNS/$name "$@" > "$LOGS/train_$name.log" 2>&1
   local rc=$?
   echo "$name: rc=$rc in $((SECONDS - t0)) s: ${cmd[*]} $*" | tee -a "$OUT/runs.txt"
-  grep -E "process\(es\)|debug_share_gpu|resum|Error|error:|refus" "$OUT/train_$name.log" | head -6 | cut -c1-400
+  grep -E "process\(es\)|debug_share_gpu|resum|Error|error:|refus" "$LOGS/train_$name.log" | head -6 | cut -c1-400
   losses $name
   return $rc
 }
@@ -67,23 +73,23 @@ train() {  # name, launcher words..., -- overrides...
 if [[ $PART == *p* ]]; then
   for b in nccl gloo; do
     timeout 120 torchrun --standalone --nproc_per_node 2 scripts/bench/two_ranks_probe.py --backend $b \
-      --out "$OUT/probe_$b.json" > "$OUT/probe_$b.log" 2>&1
-    echo "probe $b: rc=$?"; grep -vE "^\s*$" "$OUT/probe_$b.log" | grep -vE "W[0-9]{4}|\*\*\*\*" | head -30 | cut -c1-300
+      --out "$LOGS/probe_$b.json" > "$LOGS/probe_$b.log" 2>&1
+    echo "probe $b: rc=$?"; grep -vE "^\s*$" "$LOGS/probe_$b.log" | grep -vE "W[0-9]{4}|\*\*\*\*" | head -30 | cut -c1-300
   done
 fi
 pick
-[[ -f $OUT/two_mode.txt && $PART != *a* ]] && read -ra TWO < "$OUT/two_mode.txt"
+[[ -f $LOGS/two_mode.txt && $PART != *a* ]] && read -ra TWO < "$LOGS/two_mode.txt"
 echo "two-rank process group: ${TWO[*]:-NCCL, one GPU each}" | tee -a "$OUT/gpu.txt"
 if [[ $PART == *a* ]]; then
   train one python3 train.py -- train.micro_batches=4 "${CKPT[@]}"
   if ! train two_self python3 train.py -- train.micro_batches=2 launch.num_processes=2 "${TWO[@]}" "${CKPT[@]}" \
        && [[ ${TWO[*]} == *gloo* ]]; then
     echo "gloo failed in the trainer: the host-staged group instead" | tee -a "$OUT/gpu.txt"
-    tail -30 "$OUT/train_two_self.log" | cut -c1-400 > "$OUT/two_self_gloo_failure.txt"
+    tail -30 "$LOGS/train_two_self.log" | cut -c1-400 > "$LOGS/two_self_gloo_failure.txt"
     TWO=(launch.debug_share_gpu=host); rm -rf $RUNS/two_self
     train two_self python3 train.py -- train.micro_batches=2 launch.num_processes=2 "${TWO[@]}" "${CKPT[@]}"
   fi
-  echo "${TWO[*]}" > "$OUT/two_mode.txt"
+  echo "${TWO[*]}" > "$LOGS/two_mode.txt"
   train two_torchrun torchrun --standalone --nproc_per_node 2 train.py -- train.micro_batches=2 "${TWO[@]}" \
     "${NOCKPT[@]}"
   train two_accelerate accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \
@@ -102,9 +108,9 @@ if [[ $PART == *e* ]]; then
   CAL=(scheduling=balanced scheduling.calibration=auto scheduling.benchmark_points=4 scheduling.benchmark_time_s=90
        train.steps=2 train.val_every=100)
   train cal_two python3 train.py -- train.micro_batches=2 launch.num_processes=2 "${TWO[@]}" "${CAL[@]}" "${NOCKPT[@]}"
-  cp $RUNS/cal_two/calibration.json "$OUT/calibration_two.json" 2>/dev/null
+  cp $RUNS/cal_two/calibration.json "$LOGS/calibration_two.json" 2>/dev/null
   train cal_one python3 train.py -- train.micro_batches=4 "${CAL[@]}" "${NOCKPT[@]}"
-  cp $RUNS/cal_one/calibration.json "$OUT/calibration_one.json" 2>/dev/null
-  grep -h "scheduling" "$OUT/train_cal_two.log" "$OUT/train_cal_one.log" | cut -c1-400
+  cp $RUNS/cal_one/calibration.json "$LOGS/calibration_one.json" 2>/dev/null
+  grep -h "scheduling" "$LOGS/train_cal_two.log" "$LOGS/train_cal_one.log" | cut -c1-400
 fi
 df -h /tmp | tail -1

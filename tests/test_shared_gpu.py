@@ -56,3 +56,22 @@ def test_a_staged_collective_runs_on_copies_and_writes_back_only_its_output():
     plain, plain_in = torch.zeros(4), torch.tensor([5.0, 6.0])
     staged(collective, stage)(plain, plain_in)  # nothing to stage: the collective itself, on the caller's tensors
     assert seen[-1][0] is plain and plain_in.tolist() == [-5.0, -6.0]
+
+
+def test_one_process_draws_its_random_init_on_the_host_as_rank_0_of_a_sharded_run(monkeypatch):
+    """Found by the two-rank GPU rehearsal: one process on a GPU drew its init with the CUDA generator, rank 0 of a
+    sharded run with the CPU one, so the two started from different weights."""
+    import models.build as build
+    from models.config import ModelConfig
+
+    drawn_on, real = [], build.build_model
+    monkeypatch.setattr(build, "build_model", lambda cfg, device="cpu": drawn_on.append(str(device)) or real(cfg, device))
+    cfg = ModelConfig(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=16,
+                      freq_dim=16, ffn_dim=32, num_layers=1, text_len=4)
+    torch.manual_seed(0)
+    model = build.build_parallel_model(cfg, 0, 1, torch.device("meta"))
+    assert drawn_on == ["cpu"] and all(p.is_meta for p in model.parameters())
+    torch.manual_seed(0)
+    on_host = build.build_parallel_model(cfg, 0, 1, torch.device("cpu"))
+    torch.manual_seed(0)
+    assert all(torch.equal(a, b) for a, b in zip(on_host.state_dict().values(), real(cfg, "cpu").state_dict().values()))
