@@ -6,7 +6,7 @@
 #   a. one process (M = 4) and two (M = 2, launch.debug_share_gpu=$MODE) over the same samples: self-launched
 #      (launch.num_processes=2), torchrun, accelerate launch; checkpoints at step 3 of the first two;
 #   b. resume 2 → 1 and 1 → 2 from those step-3 checkpoints;
-#   c. (nothing yet)
+#   r. the same resumes from a one-process and a two-process run of 3 steps (in place of a);
 #   d. a second one-process run: the run-to-run spread of the GPU's own kernels, the tolerance's control;
 #   e. the live shape benchmark (scheduling.calibration=auto, no file) over 2 processes and over 1.
 # MODE (gloo | host | nccl): the process group of the two-rank runs (training/shared_gpu.py); default: gloo where the
@@ -31,7 +31,7 @@ SMALL=(conf=wan21_1p3b model.num_layers=${LAYERS:-4} scheduling=equal_token sche
        model.checkpointing=full model.keep_attention=false train.cuda_graphs=off train.steps=6 train.val_every=3
        train.progress=false logging.wandb=disabled data.synthetic.num_samples=48 data.synthetic.mix.i720=0
        data.synthetic.mix.v480_33f=0 data.synthetic.mix.v480_49f=0 data.synthetic.mix.v480_81f=0
-       data.synthetic.mix.v720_81f=0 checkpoint.at_end=false checkpoint.keep_last=1)
+       data.synthetic.mix.v720_81f=0 checkpoint.at_end=false checkpoint.keep_last=2)
 CKPT=(checkpoint.every=3)
 NOCKPT=(checkpoint.every=0)
 pick() {  # the two-rank runs' process group: MODE, else gloo where the probe found it serve every collective right
@@ -96,7 +96,11 @@ if [[ $PART == *a* ]]; then
     --dynamo_backend no --main_process_port 29533 train.py -- train.micro_batches=2 "${TWO[@]}" "${NOCKPT[@]}"
   rm -rf $RUNS/two_torchrun $RUNS/two_accelerate
 fi
-if [[ $PART == *b* ]]; then
+if [[ $PART == *r* ]]; then  # b's resumes from runs of 3 steps (quicker where a and its checkpoints are not here)
+  train one python3 train.py -- train.micro_batches=4 train.steps=3 "${CKPT[@]}"
+  train two_self python3 train.py -- train.micro_batches=2 train.steps=3 launch.num_processes=2 "${TWO[@]}" "${CKPT[@]}"
+fi
+if [[ $PART == *[br]* ]]; then
   train two_to_one python3 train.py -- train.micro_batches=4 resume=$RUNS/two_self/step_3 "${NOCKPT[@]}"
   train one_to_two python3 train.py -- train.micro_batches=2 launch.num_processes=2 "${TWO[@]}" \
     resume=$RUNS/one/step_3 "${NOCKPT[@]}"
@@ -105,12 +109,14 @@ if [[ $PART == *d* ]]; then
   train one_again python3 train.py -- train.micro_batches=4 "${NOCKPT[@]}"
 fi
 if [[ $PART == *e* ]]; then
-  CAL=(scheduling=balanced scheduling.calibration=auto scheduling.benchmark_points=4 scheduling.benchmark_time_s=90
+  CAL=(scheduling=balanced scheduling.calibration=auto scheduling.benchmark_points=${POINTS:-4} scheduling.benchmark_time_s=${BENCH_S:-90}
        train.steps=2 train.val_every=100)
   train cal_two python3 train.py -- train.micro_batches=2 launch.num_processes=2 "${TWO[@]}" "${CAL[@]}" "${NOCKPT[@]}"
   cp $RUNS/cal_two/calibration.json "$LOGS/calibration_two.json" 2>/dev/null
-  train cal_one python3 train.py -- train.micro_batches=4 "${CAL[@]}" "${NOCKPT[@]}"
-  cp $RUNS/cal_one/calibration.json "$LOGS/calibration_one.json" 2>/dev/null
-  grep -h "scheduling" "$LOGS/train_cal_two.log" "$LOGS/train_cal_one.log" | cut -c1-400
+  if [[ ${CAL_ONE:-1} == 1 ]]; then
+    train cal_one python3 train.py -- train.micro_batches=4 "${CAL[@]}" "${NOCKPT[@]}"
+    cp $RUNS/cal_one/calibration.json "$LOGS/calibration_one.json" 2>/dev/null
+  fi
+  grep -h "scheduling" "$LOGS"/train_cal_*.log | cut -c1-400
 fi
 df -h /tmp | tail -1

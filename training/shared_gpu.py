@@ -14,7 +14,8 @@ accelerate's PartialState (which would place local rank r on cuda:r):
            copied back. For the collectives gloo does not serve on CUDA tensors. Functional collectives
            (DTensor's redistribution) bypass it and reach gloo directly.
 
-Each rank's memory budget is its share of the device: total memory / ranks on it (`ranks_per_device`).
+Each rank's memory is its share of the device: total memory / ranks on it (`ranks_per_device`), as the allocator's
+cap (torch.cuda.set_per_process_memory_fraction) and as the shape benchmark's budget.
 """
 from __future__ import annotations
 
@@ -70,6 +71,11 @@ def init_process_group(mode: str) -> tuple[int, int, int, torch.device, int]:
     if mode == "host":
         stage_through_host(lambda t: t.is_cuda)
     share = ranks_per_device(local_world, gpus, local_rank)
+    # each rank's allocator holds its share of the device and no more: the memory budget is then true per rank, and
+    # a micro-batch that does not fit runs out of memory on every rank at the same allocation (ranks sharing the
+    # device without a cap ran out one at a time: one rank's cached blocks starved the other, which left it alone in
+    # the shape benchmark's out-of-memory handling while the other waited in FSDP's reduce-scatter)
+    torch.cuda.set_per_process_memory_fraction(1.0 / share, device)
     if rank == 0:
         log.warning("launch.debug_share_gpu=%s: %d local rank(s) on %d GPU(s), %d on this one; process group %s%s. "
                     "A rehearsal of the multi-rank CUDA code, not a way to train", mode, local_world, gpus, share,
