@@ -12,7 +12,7 @@ checkpoints, now abandoned, are moved into `run_dir/abandoned-<date>-<time>/` (k
 carried on in every later checkpoint's meta.json (`lineage`), and never deleted by `keep_last`.
 
 Which values win (the checkpoint's `config.yaml` against this run's config) is each key's resume class, declared
-where its field is declared, never listed here:
+where its field is declared (this file keeps no list of keys; tests/test_resume_table.py writes the table out):
 - `RESUME_DEFAULT = "<class>"` on a config dataclass classifies every field of it that declares none, so a field
   added later is classified by its section (`scheduling.*` and `data.*`: plan; `model.*`: trained; `optim.*`,
   `train.*`: free). A nested config dataclass without its own takes its enclosing one's (`data.raw.*` is plan).
