@@ -80,6 +80,7 @@ def synthetic_mix(mix: dict[str, float], bucket_names: list[str]) -> dict[str, f
 
 @dataclass
 class DataConfig:
+    RESUME_DEFAULT = "plan"  # the corpus and its buckets; data.raw/encoders/synthetic too (training/resume.py)
     buckets: dict[str, dict[str, int]] = field(default_factory=dict)  # name → {frames, height, width} in pixels
     index: Optional[str] = None                  # a corpus folder holding index.jsonl (latent or raw); with urls:
                                                  # where their index goes (default: beside the shards)
@@ -89,8 +90,9 @@ class DataConfig:
     encoders: EncoderConfig = field(default_factory=EncoderConfig)  # VAE + text encoder for raw corpora
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     cache_dir: str = ".cache"
-    num_workers: int = 0                         # threads decoding this and the next step's micro-batches ahead
-    caption_dropout: float = 0.1
+    num_workers: int = field(default=0, metadata={"resume": "execution"})  # threads decoding this and the next
+                                                 # step's micro-batches ahead
+    caption_dropout: float = field(default=0.1, metadata={"resume": "free"})
     val_samples: Optional[int] = None            # held-out samples for val/loss; null: auto_val_samples(M)
 
     def __post_init__(self):

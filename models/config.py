@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 ADALN_BACKENDS = ("auto", "triton", "torch")
@@ -34,7 +34,7 @@ class LoRAConfig:
 
     A starts Kaiming-uniform and B at zero (peft's default), so an adapted model starts equal to its base.
     """
-    rank: int = 0
+    rank: int = field(default=0, metadata={"switch": True})  # 0 ↔ > 0 turns LoRA off / on (a resume refuses it)
     alpha: Optional[float] = None   # null: alpha = rank (scale 1)
     targets: list[str] = field(default_factory=lambda: list(LORA_BLOCK_LINEARS))  # module-name suffixes (peft)
     dropout: float = 0.0
@@ -63,14 +63,10 @@ class LoRAConfig:
 EXECUTION = {"resume": "execution"}  # field metadata: how a model runs, free to change when a run resumes
 
 
-def execution_knobs(cls) -> tuple[str, ...]:
-    """The fields of a config dataclass declared with EXECUTION metadata (training/resume.py lets them change)."""
-    return tuple(f.name for f in fields(cls) if f.metadata.get("resume") == "execution")
-
-
 @dataclass
 class RunKnobs:
     """How a model runs and trains, whatever its architecture (the non-architecture half of `model:`)."""
+    RESUME_DEFAULT = "trained"  # model.* (model.lora.* too) changes what is trained (training/resume.py)
     text_len: int = 512                   # text tokens after zero-padding (diffusers' Wan pipeline: 512); at most
                                           # data.encoders.max_text_len (training/config.py checks it)
     # How a micro-batch executes, not what is trained: these may change on resume (EXECUTION, training/resume.py)

@@ -19,6 +19,7 @@ VAL_TIMES = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 @dataclass
 class ObjectiveConfig:
+    RESUME_DEFAULT = "free"
     t_sampling: str = "logit_normal"  # uniform | logit_normal
     shift: float = 1.0                # Wan's timestep shift (5.0 at 720p, 3.0 at 480p in its pipelines)
     logit_mean: float = 0.0           # any finite value: the mean of the normal before the sigmoid

@@ -28,6 +28,7 @@ from models.flow_matching import shift_t
 @dataclass
 class SampleConfig:
     """`sample:` — what validation sampling and scripts/sample.py generate (`train.sample_every` says when)."""
+    RESUME_DEFAULT = "free"
     steps: int = 30
     guidance: float = 5.0               # classifier-free guidance scale g; 1 disables the empty-prompt pass
     shift: float = 3.0                  # Wan's sampling shift (3 at 480p, 5 at 720p in its pipelines)

@@ -9,6 +9,7 @@ from scheduling.batching import STRATEGIES
 
 @dataclass
 class SchedulingConfig:
+    RESUME_DEFAULT = "plan"  # every field changes the sample plan (resume classes: training/resume.py)
     strategy: str = "equal_token"
     m_tokens: Optional[int] = None              # equal_token: tokens per micro-batch
     m_mem: Optional[float] = None               # memory bound on B·S

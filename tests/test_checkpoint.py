@@ -258,22 +258,6 @@ def test_which_changes_change_the_plan(key, plan):
     assert changes_plan(key) is plan
 
 
-def test_a_knob_declared_as_execution_may_change_on_resume_where_it_is_declared():
-    """The model's execution knobs are classified by their field's metadata (models/config.py EXECUTION), so a new
-    knob joins resume's rules where it is declared: a config class with one more such field lists it."""
-    import dataclasses
-
-    from models.config import EXECUTION, RunKnobs, execution_knobs
-
-    @dataclasses.dataclass
-    class WithNewKnob(RunKnobs):
-        new_kernel: str = dataclasses.field(default="auto", metadata=EXECUTION)
-        new_width: int = 8  # not declared an execution knob: part of what is trained
-
-    assert execution_knobs(WithNewKnob) == execution_knobs(RunKnobs) + ("new_kernel",)
-    assert "attention_backend" in execution_knobs(RunKnobs) and "text_len" not in execution_knobs(RunKnobs)
-
-
 def test_config_changes_split_plan_from_hyperparameters():
     saved = {"name": "a", "optim": {"lr": 1e-3}, "train": {"seed": 0, "steps": 10}, "data": {"buckets": {"a": 1}}}
     now = {"name": "b", "optim": {"lr": 5e-4}, "train": {"seed": 0, "steps": 20},

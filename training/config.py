@@ -35,6 +35,7 @@ MAX_LAYERS = 1024    # transformer blocks: the largest video DiTs have 60; a typ
 
 @dataclass
 class LaunchConfig:
+    RESUME_DEFAULT = "ignored"  # how this run starts: another number of processes resumes alike
     num_processes: int = 1  # processes on this node; train.py starts them when no launcher did
     device: str = "auto"    # auto | cuda | cpu: cuda refuses a machine without a GPU for every local process
     cpu_threads: Optional[int] = None  # intra-op threads per CPU process; null: OMP_NUM_THREADS, else 1
@@ -56,8 +57,9 @@ class LaunchConfig:
 
 @dataclass
 class LoopConfig:
+    RESUME_DEFAULT = "free"
     steps: int = 60
-    seed: int = 0               # in [0, 2^64)
+    seed: int = field(default=0, metadata={"resume": "plan"})  # in [0, 2^64)
     micro_batches: int = 2      # M: micro-batches per rank per optimizer step (gradient accumulation)
     log_every: int = 1
     val_every: int = 20
@@ -83,6 +85,7 @@ class LoopConfig:
 
 @dataclass
 class CheckpointConfig:
+    RESUME_DEFAULT = "free"
     every: int = 0              # steps between checkpoints; 0: only at the end and on SIGTERM/SIGINT
     keep_last: int = 2
     at_end: bool = True
@@ -94,14 +97,21 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.keep_last must be ≥ 1, got {self.keep_last}")
 
 
+IGNORED = {"resume": "ignored"}  # field metadata: names this run or how it starts, not compared on resume
+
+
 @dataclass
 class TrainConfig:
-    name: str = "default"
-    run_dir: str = "runs/default"
-    resume: Optional[str] = None  # null | auto | a checkpoint folder
-    resume_force: bool = False    # resume even where the config changes the plan or the trained state
+    # Each field's resume class (what a resume does when its value differs from the checkpoint's) is declared here
+    # and beside each section's fields: RESUME_DEFAULT and field metadata, read by training/resume.py.
+    RESUME_DEFAULT = "free"
+    name: str = field(default="default", metadata=IGNORED)
+    run_dir: str = field(default="runs/default", metadata=IGNORED)
+    resume: Optional[str] = field(default=None, metadata=IGNORED)  # null | auto | a checkpoint folder
+    resume_force: bool = field(default=False, metadata=IGNORED)  # resume even where the config changes the plan
+                                                                 # or the trained state
     overwrite: bool = False       # a fresh run into a folder holding another: its files move aside (run_folder.py)
-    show_buckets: bool = False
+    show_buckets: bool = field(default=False, metadata=IGNORED)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     train: LoopConfig = field(default_factory=LoopConfig)
     model: Any = field(default_factory=ModelConfig)  # ModelConfig | MMDiTConfig, chosen by model.name

@@ -49,6 +49,7 @@ METRICS_FILE = "metrics.jsonl"
 
 @dataclass
 class LoggingConfig:
+    RESUME_DEFAULT = "free"
     wandb: str = "offline"
     project: str = "adaptiveload"
     entity: Optional[str] = None
@@ -63,6 +64,7 @@ class LoggingConfig:
 
 @dataclass
 class MetricsConfig:
+    RESUME_DEFAULT = "free"
     peak_tflops: Optional[float] = None   # the accelerator's dense bf16 peak, for perf/mfu (null on CPU)
     busy_every: Optional[int] = None      # profile a step every N steps for measured busy time (0: never; null:
                                           # BUSY_EVERY_MULTI on several processes, never on one)

@@ -39,6 +39,7 @@ def register_schedule(name: str, decay: Callable[[float], float]) -> None:
 
 @dataclass
 class OptimConfig:
+    RESUME_DEFAULT = "free"  # hyper-parameters re-applied over the loaded state (training/resume.py)
     name: str = "adamw"          # the optimizer, from OPTIMIZERS (register_optimizer adds one)
     lr: float = 1e-4
     weight_decay: float = 0.0
@@ -48,8 +49,11 @@ class OptimConfig:
     schedule: str = "constant"   # constant | cosine | linear (after warm-up), from SCHEDULES (register_schedule)
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0       # max global grad norm; 0 disables clipping (the norm is still logged)
-    ema_decay: Optional[float] = None
-    groups: dict = field(default_factory=dict)  # name → {match: regex, lr: float, weight_decay: float (optional)}
+    ema_decay: Optional[float] = field(default=None, metadata={"switch": True})  # null: no EMA
+    # name → {match: regex, lr: float, weight_decay: float (optional)}. Which parameters a group holds shapes the
+    # optimizer state (a resume refuses another `match`); its rates do not.
+    groups: dict = field(default_factory=dict,
+                         metadata={"resume": "trained", "resume_under": {"*": "free", "*.match": "trained"}})
 
     def __post_init__(self):
         # Comparisons written so that NaN fails them (training/config.py refuses NaN and ±Inf before this runs).

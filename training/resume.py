@@ -11,19 +11,32 @@ checkpoints, now abandoned, are moved into `run_dir/abandoned-<date>-<time>/` (k
 `resume=auto` can only take the current branch's. The checkpoint resumed from is the branch's rollback point:
 carried on in every later checkpoint's meta.json (`lineage`), and never deleted by `keep_last`.
 
-Which values win (the checkpoint's `config.yaml` against this run's config):
-- values that change the plan — the corpus and buckets (`data.*` but `data.num_workers` and
-  `data.caption_dropout`), `scheduling.*`, `train.seed` — and values that change what is
-  trained or its shape (`model.*` but the execution knobs in `EXECUTION_KNOBS`, `optim.groups.*.match`) are refused,
-  because the stored plan position and optimizer state mean something else under them; `resume_force=true`
-  takes them anyway, with a warning;
-- every other difference (`optim.lr`, `optim.weight_decay`, `optim.betas`, `optim.eps`, the LR schedule,
-  `optim.grad_clip`, `objective.*`, `train.steps`, `train.micro_batches` — which, like the number of processes,
-  sets how many micro-batches a step takes from the same sample order — logging, checkpointing, ...) is this
-  run's value, with one log line each. The optimizer's hyper-parameters are re-applied after the state is loaded (`apply_optim_config`):
-  the LR follows the schedule from the new base rate at the restored step.
+Which values win (the checkpoint's `config.yaml` against this run's config) is each key's resume class, declared
+where its field is declared (this file keeps no list of keys; tests/test_resume_table.py writes the table out):
+- `RESUME_DEFAULT = "<class>"` on a config dataclass classifies every field of it that declares none, so a field
+  added later is classified by its section (`scheduling.*` and `data.*`: plan; `model.*`: trained; `optim.*`,
+  `train.*`: free). A nested config dataclass without its own takes its enclosing one's (`data.raw.*` is plan).
+- field metadata `{"resume": "<class>"}` classifies that field, and every key beneath it when it holds a dict;
+  `{"resume_under": {pattern: class}}` classifies the keys beneath a dict field by pattern (`fnmatch` on the rest of
+  the key: `optim.groups` declares `*.match` trained, `*` free); `{"switch": True}` marks a value whose 0 / null turns
+  a part of the trained state off (`optim.ema_decay`, `model.lora.rank`).
+`resume_table` walks the config dataclasses to {dotted key or pattern: Rule}; a key takes its exact entry, else the
+longest pattern it matches (a section's `prefix.*` last), so a key the checkpoint has and this version lacks is
+classified by its section. The classes (CLASSES):
+- `plan` (changes the sample plan: the corpus, its buckets, the batch rule, `train.seed`) and `trained` (changes
+  what is trained or its shape: `model.*` but the execution knobs, which parameters an `optim.groups` entry holds)
+  are refused, because the stored plan position and optimizer state mean something else under them;
+  `resume_force=true` takes them anyway, with a warning each;
+- `execution` (how a step runs: the model's kernels and recompute, `data.num_workers`) and `free` (`optim.lr` and
+  the other hyper-parameters, the LR schedule, `objective.*`, `train.steps`, `train.micro_batches` — which, like the
+  number of processes, sets how many micro-batches a step takes from the same sample order — logging,
+  checkpointing, ...) are this run's value, with one log line each. The optimizer's hyper-parameters are re-applied
+  after the state is loaded (`apply_optim_config`): the LR follows the schedule from the new base rate at the
+  restored step;
+- `ignored` (what names this run or says how it starts: `name`, `run_dir`, `resume`, `launch.*`) is not compared.
 
-What the checkpoint cannot serve (training/checkpoint.py's `fit_state` checks its keys before anything is read):
+What the checkpoint cannot serve (training/checkpoint.py's `fit_state` checks its keys before anything is read);
+a switch turned on or off is not logged as a plain change:
 - EMA turned on (`optim.ema_decay` null → a value): a fresh EMA starts from the loaded weights; turned off: the stored
   EMA is not loaded. The log says which.
 - LoRA turned on or off (`model.lora.rank` 0 ↔ > 0) is refused up front like any `model.*` change, with the way on:
@@ -36,43 +49,97 @@ resume with the config it was saved with, not to move it away.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
-from typing import Callable, Optional
+from fnmatch import fnmatchcase
+from typing import Callable, NamedTuple, Optional
 
 import yaml
 
 from training.checkpoint import CheckpointError, NotLoaded, list_checkpoints, verify_checkpoint
-from models.config import RunKnobs, execution_knobs
+from models.config import MODEL_CONFIGS
 from training.run_configs import flatten
 from training.run_folder import read_text
-from training.config import load_config
+from training.config import TrainConfig, load_config
 from training.dist import DistContext
 
 log = logging.getLogger(__name__)
 
-PLAN_PREFIXES = ("data.", "scheduling.", "model.")
-PLAN_KEYS = ("train.seed",)
-ALLOWED_UNDER_PLAN = ("data.num_workers", "data.caption_dropout")
-EXECUTION_KNOBS = execution_knobs(RunKnobs)  # declared beside the model config's fields (EXECUTION metadata)
+CLASSES = {  # what a resume does with a key whose value differs from the checkpoint's
+    "plan": "changes the sample plan: refused unless resume_force",
+    "trained": "changes what is trained or its shape: refused unless resume_force",
+    "execution": "how a step runs, not what it computes: this run's value, logged",
+    "free": "this run's value, logged",
+    "ignored": "names this run or says how it starts: not compared",
+}
+REFUSED = ("plan", "trained")
+
+
+class Rule(NamedTuple):
+    """A key's resume class, and whether its 0 / null turns a part of the trained state off (a switch)."""
+    cls: str
+    switch: bool = False
+
+    def __str__(self) -> str:
+        return self.cls + " switch" * self.switch
+
+
+def _declared(cls: str, where: str) -> str:
+    if cls not in CLASSES:
+        raise ValueError(f"{where} declares resume class {cls!r}: use one of {sorted(CLASSES)} (training/resume.py)")
+    return cls
+
+
+def resume_table(config, prefix: str = "", section: Optional[str] = None) -> dict[str, Rule]:
+    """{dotted key or pattern: Rule} for config dataclass instance `config` (keys as `flatten` makes them), from the
+    declarations beside its fields: each dataclass's RESUME_DEFAULT (a nested one without it takes `section`, its
+    enclosing one's) as `prefix*`, each field's `resume` metadata or else that default, and for a dict field its
+    entries (`key.*`, and `resume_under` patterns)."""
+    name = type(config).__name__
+    section = _declared(getattr(type(config), "RESUME_DEFAULT", section), f"{name}.RESUME_DEFAULT")
+    table = {prefix + "*": Rule(section)}
+    for f in dataclasses.fields(config):
+        key, value = prefix + f.name, getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            table.update(resume_table(value, key + ".", section))
+            continue
+        rule = Rule(_declared(f.metadata.get("resume", section), f"{name}.{f.name}"), bool(f.metadata.get("switch")))
+        table[key] = rule
+        if isinstance(value, dict):
+            table[key + ".*"] = Rule(rule.cls)
+            for pattern, cls in f.metadata.get("resume_under", {}).items():
+                table[f"{key}.{pattern}"] = Rule(_declared(cls, f"{name}.{f.name}[{pattern!r}]"))
+    return table
+
+
+@functools.lru_cache(maxsize=None)
+def schema_table() -> dict[str, Rule]:
+    """resume_table over this version's config, with every model architecture (`model:` takes any of them)."""
+    table: dict[str, Rule] = {}
+    for model in MODEL_CONFIGS.values():
+        table.update(resume_table(TrainConfig(model=model())))
+    return table
+
+
+def resume_rule(key: str, table: Optional[dict] = None) -> Rule:
+    """The Rule of dotted key `key`: its exact entry, else the longest pattern it matches (schema_table by default)."""
+    table = schema_table() if table is None else table
+    if key in table:
+        return table[key]
+    patterns = sorted((p for p in table if "*" in p), key=len, reverse=True)
+    return table[next(p for p in patterns if fnmatchcase(key, p))]  # the root's "*" matches every key
 
 
 def changes_plan(key: str) -> bool:
-    if key in PLAN_KEYS:
-        return True
-    if key in ALLOWED_UNDER_PLAN or key.startswith(tuple(k + "." for k in ALLOWED_UNDER_PLAN)):
-        return False
-    if key.startswith("model."):
-        return key.split(".")[1] not in EXECUTION_KNOBS
-    if key.startswith("optim.groups"):  # which parameters a group holds shapes the optimizer state; its rates do not
-        return key == "optim.groups" or key.endswith(".match")
-    return key.startswith(PLAN_PREFIXES)
+    """Whether a change of `key` is refused without resume_force (its class changes the plan or the trained state)."""
+    return resume_rule(key).cls in REFUSED
 
 
 def turned(key: str, a, b) -> Optional[str]:
-    """'on' / 'off' where `key` switches a part of the trained state (EMA, LoRA) on or off between a and b."""
-    if key not in ("optim.ema_decay", "model.lora.rank"):
+    """'on' / 'off' where `key` is a switch (EMA's decay, LoRA's rank) turned on or off between a and b."""
+    if not resume_rule(key).switch:
         return None
     was, now = bool(a), bool(b)  # ema_decay: null or a value; lora.rank: 0 or more
     return None if was == now else ("on" if now else "off")
@@ -84,15 +151,14 @@ LORA_WAY = ("the checkpoint holds a {was} weights and optimizer state, not {will
 
 
 def config_changes(saved: dict, now: dict) -> tuple[dict, dict]:
-    """({key: (saved, now)} that change the plan or the trained state, {key: (saved, now)} of the rest), between
-    two plain configs already filled with their defaults (`typed_plain`)."""
+    """({key: (saved, now)} of a refused class (plan, trained), {key: (saved, now)} of the rest but `ignored`),
+    between two plain configs already filled with their defaults (`typed_plain`)."""
     a, b = flatten(saved), flatten(now)
     plan, other = {}, {}
     for key in sorted(set(a) | set(b)):
-        if key in ("name", "run_dir", "resume", "resume_force", "show_buckets") or key.startswith("launch."):
-            continue
-        if a.get(key) != b.get(key):
-            (plan if changes_plan(key) else other)[key] = (a.get(key), b.get(key))
+        cls = resume_rule(key).cls
+        if cls != "ignored" and a.get(key) != b.get(key):
+            (plan if cls in REFUSED else other)[key] = (a.get(key), b.get(key))
     return plan, other
 
 

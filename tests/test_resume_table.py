@@ -1,0 +1,161 @@
+"""Resume's table of which keys may change, derived from the declarations beside the config fields.
+
+EXPECTED is the table written out: every key of the default config and of every conf/ preset, with the class a
+resume gives it (plan / trained: refused unless resume_force; execution / free: this run's value, logged; ignored:
+not compared; "switch": its 0 / null turns a part of the trained state off). A key added later that is not listed
+here is checked against its section's class (SECTIONS).
+"""
+import dataclasses
+
+import pytest
+
+from tests.helpers import PRESETS, compose_config
+from training.resume import config_changes, resume_rule, resume_table, schema_table, turned
+from training.run_configs import flatten
+
+
+def _keys(prefix: str, names: str, cls: str) -> dict:
+    return {prefix + n: cls for n in names.split()}
+
+
+EXPECTED = {
+    **_keys("", "name run_dir resume resume_force show_buckets", "ignored"),
+    "overwrite": "free",
+    **_keys("launch.", "num_processes device cpu_threads force", "ignored"),
+    **_keys("train.", "steps micro_batches log_every val_every max_bad_steps progress sample_every gc_every "
+                      "cuda_graphs graph_max_tokens", "free"),
+    "train.seed": "plan",
+    **_keys("model.", "precision adaln_backend fused_ops attention_backend glue_backend checkpointing "
+                      "offload_checkpoints keep_attention compile", "execution"),
+    **_keys("model.", "name text_len pretrained freeze patch_size num_attention_heads attention_head_dim in_channels "
+                      "out_channels num_layers qk_norm", "trained"),
+    **_keys("model.", "text_dim freq_dim ffn_dim cross_attn_norm eps rope_max_seq_len", "trained"),  # Wan's
+    **_keys("model.", "num_single_layers num_refiner_layers mlp_ratio patch_size_t guidance_embeds text_embed_dim "
+                      "pooled_projection_dim rope_theta rope_axes_dim image_condition_type guidance_scale",
+            "trained"),  # the MMDiT's
+    **_keys("model.lora.", "alpha targets dropout", "trained"),
+    "model.lora.rank": "trained switch",
+    **_keys("objective.", "t_sampling shift logit_mean logit_std", "free"),
+    **_keys("data.", "index urls sources cache_dir val_samples", "plan"),
+    "data.num_workers": "execution",
+    "data.caption_dropout": "free",
+    **_keys("data.raw.", "fps max_upscale max_crop aspect_tolerance clip decode_threads max_pixels", "plan"),
+    **_keys("data.encoders.", "vae vae_dtype text text_encoder tokenizer text_encoder_2 tokenizer_2 pooled_dim "
+                              "llama_skip_layers text_dtype max_text_len device batch_size seed", "plan"),
+    **_keys("data.encoders.tiny_vae.", "base_dim dim_mult num_res_blocks", "plan"),
+    **_keys("data.encoders.tiny_text.", "d_kv d_ff num_layers num_heads", "plan"),
+    **_keys("data.synthetic.", "kind num_samples num_val num_classes seed samples_per_shard dtype", "plan"),
+    **_keys("scheduling.", "strategy m_tokens m_mem mem_budget_gib m_comp p target_microbatch_ms window "
+                           "calibration benchmark_points benchmark_time_s tokens_per_step", "plan"),
+    **_keys("optim.", "name lr weight_decay betas eps warmup_steps schedule min_lr_ratio grad_clip", "free"),
+    "optim.ema_decay": "free switch",
+    "optim.groups": "trained",  # empty in every preset: one leaf
+    **_keys("checkpoint.", "every keep_last at_end", "free"),
+    **_keys("sample.", "steps guidance shift bucket prompts val_prompts seeds fps", "free"),
+    **_keys("logging.", "wandb project entity group tags", "free"),
+    **_keys("metrics.", "peak_tflops busy_every profile_steps", "free"),
+}
+UNDER = {"data.buckets.": "plan", "data.synthetic.mix.": "plan"}  # keys named by the presets' buckets
+SECTIONS = {"data": "plan", "scheduling": "plan", "model": "trained", "launch": "ignored"}  # the rest: free
+
+
+def _expected(key: str) -> str:
+    if key in EXPECTED:
+        return EXPECTED[key]
+    under = next((cls for prefix, cls in UNDER.items() if key.startswith(prefix)), None)
+    return under or SECTIONS.get(key.split(".")[0], "free")
+
+
+def test_every_key_of_the_default_config_and_of_every_preset_has_the_class_the_table_gives():
+    seen = set()
+    for preset in [None] + PRESETS:
+        keys = flatten(dataclasses.asdict(compose_config([f"conf={preset}"] if preset else [])))
+        wrong = {k: (str(resume_rule(k)), _expected(k)) for k in keys if str(resume_rule(k)) != _expected(k)}
+        assert not wrong, f"conf={preset}: {{key: (declared, expected)}} {wrong}"
+        seen |= set(keys)
+    assert set(EXPECTED) <= seen, f"listed but in no config: {sorted(set(EXPECTED) - seen)}"
+    assert any(k.startswith("data.buckets.") for k in seen) and any(k.startswith("data.synthetic.mix.") for k in seen)
+
+
+@pytest.mark.parametrize("key, cls", [
+    ("optim.groups.head.match", "trained"),  # which parameters a group holds shapes the optimizer state
+    ("optim.groups.head.lr", "free"), ("optim.groups.head.weight_decay", "free"),
+    ("data.buckets", "plan"), ("data.synthetic.mix", "plan"),  # a dict emptied: one leaf
+    ("data.buckets.new.frames", "plan"),
+    # Keys a checkpoint of another version holds (compared as written): classified by their section.
+    ("data.gone", "plan"), ("data.raw.gone", "plan"), ("scheduling.gone", "plan"), ("model.gone", "trained"),
+    ("model.lora.gone", "trained"), ("launch.gone", "ignored"), ("train.gone", "free"), ("optim.gone", "free"),
+    ("gone", "free"),
+])
+def test_keys_beneath_a_dict_field_or_unknown_to_this_version_take_their_declared_or_section_class(key, cls):
+    assert str(resume_rule(key)) == cls
+
+
+def test_the_switches_are_the_fields_declared_so_and_turned_says_on_or_off():
+    assert {k for k, r in schema_table().items() if r.switch} == {"optim.ema_decay", "model.lora.rank"}
+    assert turned("optim.ema_decay", None, 0.9) == "on" and turned("optim.ema_decay", 0.9, None) == "off"
+    assert turned("optim.ema_decay", 0.9, 0.99) is None
+    assert turned("model.lora.rank", 0, 4) == "on" and turned("model.lora.rank", 4, 0) == "off"
+    assert turned("model.lora.rank", 4, 8) is None and turned("optim.lr", 0, 1e-3) is None
+
+
+def test_a_new_field_without_metadata_takes_its_sections_class():
+    """A field added to a section is classified where the section declares RESUME_DEFAULT: a new scheduling knob
+    changes the plan, a new model field what is trained, a new optimizer knob is free; a knob declared EXECUTION is
+    execution; a nested config dataclass without RESUME_DEFAULT takes its enclosing section's."""
+    from data.config import DataConfig
+    from models.config import EXECUTION, ModelConfig
+    from scheduling.config import SchedulingConfig
+    from training.config import TrainConfig
+    from training.optim import OptimConfig
+
+    @dataclasses.dataclass
+    class Scheduling(SchedulingConfig):
+        planner: str = "windowed"
+
+    @dataclasses.dataclass
+    class Model(ModelConfig):
+        new_width: int = 8
+        new_kernel: str = dataclasses.field(default="auto", metadata=EXECUTION)
+
+    @dataclasses.dataclass
+    class Optim(OptimConfig):
+        new_knob: float = 0.5
+
+    @dataclasses.dataclass
+    class Extra:  # no RESUME_DEFAULT
+        x: int = 1
+
+    @dataclasses.dataclass
+    class Data(DataConfig):
+        extra: Extra = dataclasses.field(default_factory=Extra)
+
+    table = resume_table(TrainConfig(scheduling=Scheduling(), model=Model(), optim=Optim(), data=Data()))
+    got = {k: str(resume_rule(k, table)) for k in ("scheduling.planner", "model.new_width", "model.new_kernel",
+                                                    "optim.new_knob", "data.extra.x")}
+    assert got == {"scheduling.planner": "plan", "model.new_width": "trained", "model.new_kernel": "execution",
+                   "optim.new_knob": "free", "data.extra.x": "plan"}
+    new = ("scheduling.planner", "model.new_width", "model.new_kernel", "optim.new_knob", "data.extra.x",
+           "data.extra.*")
+    assert {k: r for k, r in table.items() if k not in new} == resume_table(TrainConfig())  # nothing else moved
+
+
+def test_a_class_that_is_not_one_of_the_five_is_refused_naming_the_field():
+    from training.optim import OptimConfig
+
+    @dataclasses.dataclass
+    class Optim(OptimConfig):
+        typo: float = dataclasses.field(default=0.0, metadata={"resume": "fre"})
+
+    with pytest.raises(ValueError, match=r"Optim.typo declares resume class 'fre': use one of \['execution', 'free'"):
+        resume_table(Optim())
+
+
+def test_config_changes_sorts_each_difference_by_its_class():
+    saved = dataclasses.asdict(compose_config([]))
+    now = dataclasses.asdict(compose_config(["name=other", "launch.num_processes=2", "train.seed=3", "optim.lr=0.0007",
+                                             "model.compile=true", "data.num_workers=2", "scheduling.window=2",
+                                             "model.num_layers=3", "optim.ema_decay=0.9"]))
+    plan, other = config_changes(saved, now)
+    assert sorted(plan) == ["model.num_layers", "scheduling.window", "train.seed"]
+    assert sorted(other) == ["data.num_workers", "model.compile", "optim.ema_decay", "optim.lr"]
