@@ -106,17 +106,19 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str) -> dict:
     if ctx.is_main:
         log.info(describe_attention(cfg.model.attention_backend, ctx.device, cudnn=cfg.model.name != "mmdit"))
 
-    # 5. the schedule: batch size per bucket, cost model, M (scheduling.tokens_per_step), recompute per micro-batch
+    # 5. the schedule: batch size per bucket, cost model, M (scheduling.tokens_per_step), recompute per micro-batch;
+    # micro-batches replayed as CUDA graphs keep a pool that larger ones' memory budget leaves room for
+    graphs = graphs_for(cfg.train.cuda_graphs, ctx.device, ctx.world_size, graph_blockers(cfg.model),
+                        cfg.train.graph_max_tokens)
     shape = ModelShape.of(cfg.model, model.num_matmul_params())
     shares = dict(zip(corpus.bucket_names, np.bincount(corpus.table.bucket, minlength=len(corpus.bucket_names))))
-    schedule = schedule_for(scfg, {n: b.tokens for n, b in buckets.items()}, shape, ctx.world_size, shares)
+    schedule = schedule_for(scfg, {n: b.tokens for n, b in buckets.items()}, shape, ctx.world_size, shares,
+                            graph_tokens=graphs.max_tokens if graphs is not None else 0)
     micro_batches = schedule.micro_batches or cfg.train.micro_batches
     batch_sizes = [schedule.batch_sizes[n] for n in corpus.bucket_names]
 
-    # 6. optimizer, LR schedule, EMA, objective, precision, graphs: the parts every step uses
+    # 6. optimizer, LR schedule, EMA, objective, precision: the parts every step uses
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.train.steps)
-    graphs = graphs_for(cfg.train.cuda_graphs, ctx.device, ctx.world_size, graph_blockers(cfg.model),
-                        cfg.train.graph_max_tokens)
     parts = TrainParts(
         model, FlowMatching(cfg.objective), optimizer, scheduler, ctx, cfg.train.seed, cfg.optim.grad_clip,
         ema=EMA(model, cfg.optim.ema_decay) if cfg.optim.ema_decay else None,

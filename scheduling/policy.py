@@ -18,6 +18,7 @@ m_mem, m_comp and p): the run then goes on without it and says so in its notes.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -96,6 +97,16 @@ class PartialRecompute:
     keep_mem: object = None       # the keep policy's memory and cost models, where the calibration measured them
     keep_cost: object = None
     all_blocks: bool = False      # checkpointing=full: every block recomputes, only j is chosen
+    graph_tokens: int = 0         # micro-batches of more tokens run eager beside the CUDA graphs' pool, which holds
+    graph_reserve: float = 0.0    # this many bytes (graph_pool_bytes): their budget is that much smaller
+
+    def budget_at(self, B: int, S: int) -> float:
+        return self.budget - self.graph_reserve if B * S > self.graph_tokens else self.budget
+
+    def peak(self, B: int, S: int, k: int, j: int) -> float:
+        """Predicted peak bytes of (B, S) with k blocks recomputed, j of them keeping their attention."""
+        none, full = float(self.none_mem.predict(B, S)), float(self.full_mem.predict(B, S))
+        return none - k / self.layers * (none - full) + j * (self.kept_bytes(B, S) if self.keep else 0.0)
 
     @property
     def keep(self) -> bool:
@@ -105,7 +116,9 @@ class PartialRecompute:
     @property
     def none_tokens(self) -> int:
         """The largest B·S that runs without any recompute (in every bucket)."""
-        return self.none_mem.m_mem(self.budget, self.S_min)
+        t = self.none_mem.m_mem(self.budget, self.S_min)
+        return t if t <= self.graph_tokens else max(self.graph_tokens,
+                                                    self.none_mem.m_mem(self.budget - self.graph_reserve, self.S_min))
 
     def blocks(self, B: int, S: int) -> int:
         return self.decide(B, S)[0]
@@ -123,27 +136,27 @@ class PartialRecompute:
         many as the budget leaves. Where keeping costs more than recomputing frees, k is the fewest without keeping
         and j what the memory left holds."""
         none, full = float(self.none_mem.predict(B, S)), float(self.full_mem.predict(B, S))
-        L = self.layers
+        L, budget = self.layers, self.budget_at(B, S)
         kept = self.kept_bytes(B, S) if self.keep else 0.0
         if self.all_blocks:
             if not self.keep:
                 return L, 0
-            return L, L if kept <= 0 else max(0, min(L, math.floor((self.budget - full) / kept)))
-        if none <= self.budget or none <= full:  # fits, or recompute saves nothing in this calibration
+            return L, L if kept <= 0 else max(0, min(L, math.floor((budget - full) / kept)))
+        if none <= budget or none <= full:  # fits, or recompute saves nothing in this calibration
             return 0, 0
-        k = min(L, math.ceil(L * (none - self.budget) / (none - full) - 1e-9))
+        k = min(L, math.ceil(L * (none - budget) / (none - full) - 1e-9))
         if not self.keep:
             return k, 0
         if kept <= 0:
             return k, k
         net = (none - full) / L - kept
         if net <= 0:  # keeping costs more memory than recomputing frees: the fewest recomputed, keeping what fits
-            left = self.budget - (none - k / L * (none - full))  # bytes left with k blocks recomputed
+            left = budget - (none - k / L * (none - full))  # bytes left with k blocks recomputed
             return k, max(0, min(k, math.floor(left / kept + 1e-9)))
-        k_kept = math.ceil((none - self.budget) / net - 1e-9)
+        k_kept = math.ceil((none - budget) / net - 1e-9)
         if k_kept <= L:
             return k_kept, k_kept
-        return L, max(0, min(L, math.floor((self.budget - full) / kept)))
+        return L, max(0, min(L, math.floor((budget - full) / kept)))
 
     def predict(self, B, S) -> float:
         """Predicted ms of the policy decide() runs, interpolated between the measured policies."""
@@ -183,15 +196,41 @@ def _keep_source(partial: PartialRecompute) -> str:
             else "; kept attention's bytes computed, its time not credited (no keep policy measured)")
 
 
+def graph_pool_bytes(tokens: Mapping[str, int], graph_tokens: Optional[int], memory=None,
+                     partial: Optional[PartialRecompute] = None) -> float:
+    """Bytes the CUDA graphs' shared pool holds while a larger, eager micro-batch runs (training/cuda_graphs.py:
+    micro-batches of up to graph_tokens tokens are captured, and the pool is the largest capture's activations).
+    The largest (B, S) the bucket table can capture — B = ⌊graph_tokens / S⌋ for each S — at the policy it runs
+    under the whole budget (PartialRecompute's choice, else the mode's memory model): its peak above the same
+    policy's peak at B = 0. 0 without graphs (graph_tokens 0) or a memory model; with no cap (None) every
+    micro-batch is captured, none runs beside the pool, and nothing is reserved."""
+    if not graph_tokens or (memory is None and partial is None):
+        return 0.0
+    worst = 0.0
+    for S in set(tokens.values()):
+        B = graph_tokens // S
+        if B < 1:
+            continue
+        if partial is not None:
+            k, j = partial.decide(B, S)
+            act = partial.peak(B, S, k, j) - partial.peak(0, S, k, j)
+        else:
+            act = float(memory.predict(B, S)) - float(memory.predict(0, S))
+        worst = max(worst, act)
+    return worst
+
+
 def schedule_for(cfg, tokens: Mapping[str, int], shape: ModelShape, world_size: int,
-                 shares: Optional[Mapping[str, float]] = None) -> Schedule:
+                 shares: Optional[Mapping[str, float]] = None, graph_tokens: Optional[int] = 0) -> Schedule:
     """The run's schedule from a training config, as train.py and scripts/show_buckets.py both need it: tokens
     (bucket → S), the model's shape and checkpointing knobs, the scheduling group; shares (bucket → share of the
-    corpus' samples) for scheduling.tokens_per_step."""
+    corpus' samples) for scheduling.tokens_per_step; graph_tokens: the CUDA graphs' train.graph_max_tokens where the
+    run captures micro-batches (0 where it does not: graph_pool_bytes)."""
     m = cfg.model
     return resolve_schedule(cfg.scheduling, tokens, shape,
                             proxy_tflops=cfg.metrics.peak_tflops or 100.0, checkpointing=m.checkpointing,
-                            world_size=world_size, keep_attention=m.keep_attention, shares=shares)
+                            world_size=world_size, keep_attention=m.keep_attention, shares=shares,
+                            graph_tokens=graph_tokens)
 
 
 def kept_bytes_per_token(dim: int) -> float:
@@ -243,16 +282,18 @@ def _fsdp_source(memory, cal: Calibration, mode: str) -> str:
 def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: ModelShape,
                      proxy_tflops: float = 100.0, checkpointing: Optional[str] = None,
                      world_size: Optional[int] = None, keep_attention: bool | str = False,
-                     shares: Optional[Mapping[str, float]] = None) -> Schedule:
+                     shares: Optional[Mapping[str, float]] = None, graph_tokens: Optional[int] = 0) -> Schedule:
     """tokens: bucket name → S, in bucket order; checkpointing: model.checkpointing (picks the calibration's
     record); world_size: picks the simulator's choice made for the nearest cluster size; keep_attention: the
     model's knob of that name (checkpointing=auto then spends memory on kept self-attention outputs first);
-    shares: bucket → share of the corpus' samples (scheduling.tokens_per_step needs them: fixed_batch)."""
+    shares: bucket → share of the corpus' samples (scheduling.tokens_per_step needs them: fixed_batch);
+    graph_tokens: micro-batches up to this many tokens replay as CUDA graphs (0: none), whose pool the memory
+    budget of every larger micro-batch leaves room for (graph_pool_bytes)."""
     S_max, S_min = max(tokens.values()), min(tokens.values())
     src: dict = {}
     val: dict = {}
     notes: list = []
-    recompute = None
+    recompute, reserve = None, 0.0
     cal = _load_calibration(cfg, notes)
     chosen: dict = {}
     if cal is None:
@@ -271,6 +312,13 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
         chosen = cal.chosen(cfg.strategy, world_size)
         partial = _partial_recompute(cfg, cal, shape, checkpointing, keep_attention, world_size, memory, cost_model,
                                      S_min)
+        reserve = graph_pool_bytes(tokens, graph_tokens, memory, partial)
+        if reserve > 0:
+            src["graph_pool"] = (f"{reserve / 2**30:.2f} GiB kept free beside micro-batches over {graph_tokens:,} "
+                                 "tokens for the CUDA graphs' pool (memory model)")
+            val["graph_pool_gib"] = reserve / 2**30
+            if partial is not None:
+                partial = dataclasses.replace(partial, graph_tokens=int(graph_tokens), graph_reserve=reserve)
         if partial is not None:
             recompute, cost_fn = (partial.decide if partial.keep else partial.blocks), partial.predict
             if partial.all_blocks:
@@ -302,6 +350,13 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
     elif cal is not None and (default := cal.default_m_mem(mode, S_min, world_size)) is not None:
         val["m_mem"] = default
         src["m_mem"] = f"calibration:memory model at {HBM_FRACTION:.0%} of HBM" + _fsdp_source(memory, cal, mode)
+    if cfg.m_mem is None and val.get("m_mem") and cal is not None and reserve > 0 and memory is not None:
+        # the bound's micro-batches run eager beside the graphs' pool: their budget is the pool smaller
+        budget = (cfg.mem_budget_gib * 2**30 if cfg.mem_budget_gib is not None
+                  else HBM_FRACTION * cal.hbm_bytes if cal.hbm_bytes else None)
+        bound = memory.m_mem(budget - reserve, S_min) if budget else 0
+        if graph_tokens < bound < val["m_mem"]:
+            val["m_mem"], src["m_mem"] = bound, src["m_mem"] + ", less the graphs' pool"
     m_mem = val.get("m_mem")
 
     def pick(name: str, default, default_why: str):

@@ -461,3 +461,44 @@ def test_keeping_never_pushes_more_blocks_into_recompute_than_it_saves():
                           keep_mem=Flat(110.0))  # a kept block holds 6 units, recomputing one frees 5
     k, j = pr.decide(1, 1)
     assert (k, j) == (4, 0)  # 100 − 4·5 = 80 fits; nothing left for a kept block
+
+
+def test_micro_batches_beside_the_cuda_graphs_pool_leave_room_for_it():
+    """train.graph_max_tokens: micro-batches up to it replay as CUDA graphs, whose shared pool (the largest
+    capture's activations) stays allocated while a larger, eager micro-batch runs. That one's budget is the pool
+    smaller; the captured ones keep the whole budget; without graphs, or with no cap (nothing runs beside the pool),
+    nothing is reserved. The 1.3B's measured three-policy calibration, at its 90 %-of-HBM budget."""
+    import os
+
+    from scheduling.policy import PartialRecompute, graph_pool_bytes, resolve_schedule
+    from tests.helpers import ROOT
+
+    path, tokens = os.path.join(ROOT, "results", "calibration_h200_policies.json"), dict(WAN_TOKENS)
+    cfg = SchedulingConfig("balanced", calibration=path)
+    plain = resolve_schedule(cfg, tokens, WAN13, checkpointing="auto", keep_attention="auto", world_size=1)
+    graphs = resolve_schedule(cfg, tokens, WAN13, checkpointing="auto", keep_attention="auto", world_size=1,
+                              graph_tokens=16384)
+    cal = Calibration.load(path)
+    none = cal.memory_model("none", 1)
+    # the largest capture: no recompute fits, so the pool is none's activations at the largest B·S ≤ 16384
+    want = max(float(none.predict(16384 // S, S) - none.predict(0, S)) for S in tokens.values() if S <= 16384)
+    assert graphs.values["graph_pool_gib"] * 2**30 == pytest.approx(want, rel=1e-9)
+    assert "graph_pool_gib" not in plain.values and 15 < graphs.values["graph_pool_gib"] < 30
+    assert graphs.values["m_mem"] < plain.values["m_mem"] and "less the graphs' pool" in graphs.sources["m_mem"]
+    assert graphs.values["m_mem"] == none.m_mem(0.9 * cal.hbm_bytes - want, min(tokens.values())) or \
+        graphs.values["m_mem"] == cal.memory_model("full", 1).m_mem(0.9 * cal.hbm_bytes - want, min(tokens.values()))
+    # a long micro-batch recomputes more beside the pool, a captured one is decided as before
+    assert graphs.recompute_blocks(2, 32760)[0] > plain.recompute_blocks(2, 32760)[0]
+    assert graphs.recompute_blocks(10, 1560) == plain.recompute_blocks(10, 1560) == (0, 0)
+    assert graph_pool_bytes(tokens, 0, none) == 0.0 and graph_pool_bytes(tokens, None, none) == 0.0
+    uncapped = resolve_schedule(cfg, tokens, WAN13, checkpointing="auto", keep_attention="auto", world_size=1,
+                                graph_tokens=None)
+    assert uncapped.values["m_mem"] == plain.values["m_mem"]
+
+    class Line:  # peak = 10 + 2·B·S
+        def predict(self, B, S):
+            return 10.0 + 2.0 * B * S
+
+    pr = PartialRecompute(4, 100.0, Line(), Line(), None, None, graph_tokens=20, graph_reserve=30.0)
+    assert pr.budget_at(4, 5) == 100.0 and pr.budget_at(3, 7) == 70.0
+    assert pr.peak(3, 7, 0, 0) == 52.0 and graph_pool_bytes({"a": 5, "b": 7}, 20, Line()) == 40.0  # 2·(4·5)
