@@ -27,6 +27,7 @@ from scheduling.batching import _check_fits, batch_sizes
 from scheduling.calibrate import HBM_FRACTION, Calibration
 from scheduling.config import SchedulingConfig
 from scheduling.fsdp_memory import FSDPMemoryModel
+from scheduling.planner import resolve_planner
 from scheduling.efficiency import model_flops
 
 # the knobs that, all set in the config, let a strategy run without its calibration file
@@ -55,6 +56,7 @@ class Schedule:
     sources: dict = field(default_factory=dict)  # knob → where its value came from
     values: dict = field(default_factory=dict)   # knob → the value used (m_mem, m_tokens, m_comp, p, target ms)
     window: int = 1
+    planner: str = "stream"              # stream | sorted | windowed (scheduling/planner.py)
     micro_batches: Optional[int] = None  # M chosen for scheduling.tokens_per_step (None: train.micro_batches)
     # model.checkpointing=auto: (B, S) → blocks to recompute, or (blocks, of them keeping attention) with
     # model.keep_attention
@@ -350,11 +352,15 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
         if over:
             notes.append(f"scheduling.target_microbatch_ms={target:g}: buckets {over} exceed it at B=1 and run "
                          "one sample per micro-batch")
+    planner = resolve_planner(s, window, cfg.planner)
+    src["planner"] = "config" if cfg.planner is not None else f"default for {s}"
     if window > 1:
         src.setdefault("window", "config")
-        if s != "balanced":
-            notes.append(f"scheduling.window={window} only affects the balanced strategy")
-    return Schedule(s, dict(zip(tokens, sizes)), cost_fn, src, val, window, micro_batches, recompute, notes)
+        if planner != "windowed":
+            notes.append(f"scheduling.window={window} only affects scheduling.planner=windowed; {s} runs "
+                         f"{planner} by default: set scheduling.planner=windowed to plan {window} steps together")
+    return Schedule(s, dict(zip(tokens, sizes)), cost_fn, src, val, window, planner, micro_batches, recompute,
+                    notes)
 
 
 def fixed_batch(cfg: SchedulingConfig, tokens: Mapping[str, int], shares: Mapping[str, float], cost_fn,
@@ -386,7 +392,8 @@ def fixed_batch(cfg: SchedulingConfig, tokens: Mapping[str, int], shares: Mappin
         got = expected({knob: chosen[knob]}, int(chosen["micro_batches"]))
         if abs(got - g) <= TOKENS_TOL * g:
             out = {knob: chosen[knob], "micro_batches": int(chosen["micro_batches"]),
-                   "window": int(chosen.get("window") or cfg.window)}
+                   # the chosen window belongs to the rule's default planner; a configured planner keeps its own
+                   "window": int(chosen.get("window") or cfg.window) if cfg.planner is None else cfg.window}
             why = (f"calibration:chosen (simulated at R={chosen['simulated_world_size']}, "
                    f"g={chosen['simulated_g']:,.0f})")
         else:

@@ -1,0 +1,162 @@
+"""The planner as an axis of its own (scheduling.planner = stream | sorted | windowed) under every batch rule."""
+import numpy as np
+import pytest
+
+from scheduling.batching import STRATEGIES, batch_sizes
+from scheduling.config import SchedulingConfig
+from scheduling.cost_model import CostModel
+from scheduling.planner import _layout, advance, default_planner, plan_step
+from scheduling.policy import ModelShape, resolve_schedule
+from scheduling.simulate import DEFAULT_MIX, Mix
+
+QUAD = CostModel("quadratic", {"a": 15.7, "b1": 0.0238, "b2": 1.44e-6})
+MIX = Mix.of(DEFAULT_MIX)
+TOKENS = {n: S for n, S, _ in DEFAULT_MIX}
+WAN13 = ModelShape(p_matmul=1_250_623_488, layers=30, dim=1536, text_len=512)
+# each rule's own batch table on the default mix (cost and balanced share the cost rule)
+SIZES = {"equal_token": batch_sizes("equal_token", MIX.S, m_tokens=MIX.S_max),
+         "dual_constraint": batch_sizes("dual_constraint", MIX.S, m_mem=4e5, m_comp=MIX.S_max ** 1.3, p=1.3),
+         "cost": batch_sizes("cost", MIX.S, m_mem=4e5, cost_model=QUAD, target_ms=QUAD.predict(1, MIX.S_max))}
+SIZES["balanced"] = SIZES["cost"]
+PLANNERS = [("stream", 1), ("sorted", 1), ("windowed", 3)]
+
+
+def epoch(samples, rule, planner, window, R=4, M=2, start=0, stop_after=None):
+    pos, plans = start, []
+    while True:
+        plan, nxt = plan_step(samples, 5, 0, pos, R, rule, M, SIZES[rule], QUAD.predict, window=window,
+                              planner=planner)
+        plans.append(plan)
+        e, pos = advance(0, nxt, samples)
+        if e != 0 or (stop_after and len(plans) == stop_after):
+            return plans
+
+
+def real_ids(plans):
+    return [i for p in plans for r in p.ranks for mb in r for i, w in zip(mb.ids, mb.weights) if w > 0]
+
+
+@pytest.mark.parametrize("rule", STRATEGIES)
+@pytest.mark.parametrize("planner, window", PLANNERS)
+def test_every_rule_under_every_planner_covers_each_entry_once_with_equal_slots(rule, planner, window):
+    samples = MIX.table(900, 1)
+    plans = epoch(samples, rule, planner, window, R=5, M=3)
+    assert sorted(real_ids(plans)) == sorted(samples.ids.tolist())  # every entry once, none twice
+    for p in plans:
+        assert len({len(r) for r in p.ranks}) == 1  # every rank the same slot count: no hang
+        assert all(mb.B <= SIZES[rule][mb.bucket] for r in p.ranks for mb in r)  # the rule's table, untouched
+    assert all(p.num_slots == 3 for p in plans[:-window])  # only the epoch's end may be short
+
+
+@pytest.mark.parametrize("rule", STRATEGIES)
+def test_stream_is_micro_batch_j_to_rank_j_mod_R_in_layout_order(rule):
+    """stream: the step's micro-batches, in the epoch layout's order, go to rank j mod R, slot ⌊j / R⌋; and it is
+    what equal_token, dual_constraint and cost ran before the planner was a knob (their default)."""
+    samples, R, M = MIX.table(700, 2), 3, 2
+    plans = epoch(samples, rule, "stream", 1, R=R, M=M)
+    lay = _layout(samples, 5, 0, tuple(SIZES[rule]))
+    j = 0
+    for p in plans:
+        for k in range(p.num_slots):
+            for r in range(R):
+                mb = p.ranks[r][k]
+                if j < len(lay) and lay.starts[j] < p.next_pos:
+                    want = samples.ids[lay.entries[lay.starts[j]:lay.starts[j + 1]]].tolist()
+                    assert list(mb.ids) == want and mb.num_real == mb.B
+                    j += 1
+                else:
+                    assert mb.num_real == 0  # the epoch's last step: padding after the last micro-batch
+    assert j == len(lay)
+    if rule != "balanced":
+        assert epoch(samples, rule, None, 1, R=R, M=M) == plans
+        assert epoch(samples, rule, None, 3, R=R, M=M) == plans  # a window is ignored by the default planner
+
+
+@pytest.mark.parametrize("rule", STRATEGIES)
+def test_sorted_cuts_each_step_into_descending_groups_of_R(rule):
+    """sorted: slot k holds the k-th R costliest micro-batches of the step, so every real micro-batch of slot k
+    costs at least as much as every one of slot k + 1."""
+    samples, R, M = MIX.table(2000, 3), 4, 4
+    checked = 0
+    for p in epoch(samples, rule, "sorted", 1, R=R, M=M, stop_after=8):
+        pred, real = p.pred_ms(), p.real()
+        for k in range(p.num_slots - 1):
+            here, nxt = pred[real[:, k], k], pred[real[:, k + 1], k + 1]
+            if len(here) and len(nxt):
+                assert here.min() >= nxt.max()
+                checked += 1
+    assert checked >= 20
+
+
+def test_default_planner_is_what_each_rule_ran_before():
+    assert [default_planner(s) for s in STRATEGIES] == ["stream", "stream", "stream", "sorted"]
+    assert default_planner("balanced", 4) == "windowed" and default_planner("cost", 4) == "stream"
+    samples = MIX.table(600, 4)
+    assert epoch(samples, "balanced", None, 1, stop_after=4) == epoch(samples, "balanced", "sorted", 1, stop_after=4)
+    assert epoch(samples, "balanced", None, 3, stop_after=4) == epoch(samples, "balanced", "windowed", 3,
+                                                                      stop_after=4)
+    # a planner is only a planner: cost and balanced share a rule, so their plans under one planner are one plan
+    assert epoch(samples, "cost", "windowed", 3, stop_after=6) == epoch(samples, "balanced", None, 3, stop_after=6)
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"planner": "windowed"}, "scheduling.planner=windowed .* needs window ≥ 2"),
+    ({"planner": "sorted", "window": 4}, "scheduling.planner=sorted plans one step .* scheduling.window=4"),
+    ({"planner": "stream", "window": 2}, "scheduling.planner=stream"),
+    ({"planner": "lpt"}, "scheduling.planner must be one of"),
+])
+def test_config_refuses_a_planner_that_does_not_match_its_window(kw, words):
+    with pytest.raises(ValueError, match=words):
+        SchedulingConfig("dual_constraint", **kw)
+
+
+def test_plan_step_refuses_an_unknown_planner_or_a_window_of_one_step():
+    for planner, window in (("lpt", 1), ("windowed", 1)):
+        with pytest.raises(ValueError, match="scheduling.planner"):
+            plan_step(MIX.table(100), 0, 0, 0, 2, "cost", 1, SIZES["cost"], QUAD.predict, window=window,
+                      planner=planner)
+
+
+def test_policy_resolves_the_planner_and_says_where_it_came_from():
+    def sched(strategy, **kw):
+        return resolve_schedule(SchedulingConfig(strategy, m_tokens=75600, m_mem=4e5, m_comp=75600 ** 1.3, p=1.3,
+                                                 **kw), TOKENS, WAN13)
+
+    assert (sched("equal_token").planner, sched("dual_constraint").planner) == ("stream", "stream")
+    s = sched("dual_constraint", planner="windowed", window=4)
+    assert (s.planner, s.window, s.sources["planner"]) == ("windowed", 4, "config") and not s.notes
+    s = sched("equal_token", planner="sorted")
+    assert (s.planner, s.window) == ("sorted", 1)
+    s = sched("equal_token", window=3)  # the default planner ignores a window, and the notes say how to use it
+    assert s.planner == "stream" and s.sources["planner"] == "default for equal_token"
+    assert any("scheduling.planner=windowed" in n for n in s.notes)
+
+
+def test_resume_treats_the_planner_like_the_window():
+    """A changed planner changes the plan at the stored position: refused on resume like scheduling.window; a
+    checkpoint written before the knob existed compares equal at its default (null)."""
+    from training.resume import changes_plan, config_changes, typed_plain
+
+    assert changes_plan("scheduling.planner") and changes_plan("scheduling.window")
+    plan, other = config_changes({"scheduling": {"planner": None, "window": 1}},
+                                 {"scheduling": {"planner": "windowed", "window": 4}})
+    assert set(plan) == {"scheduling.planner", "scheduling.window"} and not other
+    from tests.helpers import compose_raw
+
+    raw = compose_raw([])
+    old = {**raw, "scheduling": {k: v for k, v in raw["scheduling"].items() if k != "planner"}}
+    assert config_changes(typed_plain(old), typed_plain(raw)) == ({}, {})
+
+
+@pytest.mark.parametrize("group", STRATEGIES)
+def test_every_conf_group_composes_with_every_planner(group, monkeypatch):
+    from tests.helpers import ROOT, compose_config
+
+    monkeypatch.chdir(ROOT)
+    tokens = {"img_64": 16, "img_64x96": 24, "vid_64_9f": 48, "vid_64x96_17f": 120}
+    for planner, window in PLANNERS:
+        cfg = compose_config([f"scheduling={group}", f"scheduling.planner={planner}", f"scheduling.window={window}"])
+        s = resolve_schedule(cfg.scheduling, tokens, ModelShape(10_000, cfg.model.num_layers, cfg.model.dim,
+                                                                cfg.model.text_len), checkpointing="none")
+        assert (s.strategy, s.planner, s.window) == (group, planner, window)
+    assert compose_config([f"scheduling={group}"]).scheduling.planner is None  # the rule's default
