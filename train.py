@@ -226,7 +226,7 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str) -> dict:
             loader.prefetch(plan_at(nxt_epoch, nxt_pos)[0])  # workers decode the next step while this one runs
         lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
         with profiler.context(state.step + 1):
-            st = train_step(parts, loader.step(plan), plan.num_samples, epoch)
+            st = train_step(parts, loader.step(plan), plan.loss_norm, epoch)
         step_s = time.perf_counter() - t_step
         state.step, state.epoch, state.pos = state.step + 1, nxt_epoch, nxt_pos
         state.samples_seen += plan.num_samples

@@ -25,6 +25,13 @@ each bucket's B, the planner assigns a step's micro-batches to (rank, slot). Any
                cross-section of costs) and each step assigns its groups as `sorted` does
 Default (planner None, `default_planner`): `balanced` is the cost rule planned `sorted` (`windowed` when window > 1);
 the other rules run `stream`, where a window is ignored.
+
+The loss's denominator (`StepPlan.loss_norm`, contracts §3): a windowed step's real samples differ from step to
+step, so its loss divides by the window's real samples ÷ its steps (the window's mean a step, which every rank
+computes from the plan without communication) instead of the step's own count: every sample of a window then weighs
+the same, 1 / loss_norm, whichever of its steps it lands in, and the window's steps together weigh W, as W steps of
+the mean size would. For stream and sorted it is the step's own count (num_samples): the loss of a one-step plan
+is unchanged.
 Every rank runs the same number of slots; an empty (rank, slot) runs one sample of the cheapest bucket with loss
 weight 0 (a padding micro-batch). The epoch's last step may have fewer slots, never a hang.
 
@@ -120,6 +127,7 @@ class StepPlan:
     pos: int
     next_pos: int
     ranks: tuple[tuple[MicroBatch, ...], ...]  # [rank][slot]
+    window_norm: Optional[float] = None  # windowed: the window's real samples ÷ its steps (loss_norm)
 
     @property
     def world_size(self) -> int:
@@ -133,6 +141,12 @@ class StepPlan:
     def num_samples(self) -> int:
         """Real samples in the whole step (all ranks, all slots): the loss's denominator."""
         return sum(mb.num_real for r in self.ranks for mb in r)
+
+    @property
+    def loss_norm(self) -> float:
+        """What the step's weighted loss sum divides by: the window's mean real samples a step for a windowed step,
+        else the step's own real samples (num_samples)."""
+        return self.num_samples if self.window_norm is None else self.window_norm
 
     @property
     def tokens(self) -> int:
@@ -249,8 +263,8 @@ def plan_step(samples: SampleTable, seed: int, epoch: int, pos: int, world_size:
     if planner == "windowed":
         found = _window_step(lay, samples, pos, R, M, window, cost_fn, pad)
         if found is not None:
-            grid, next_pos = found
-            return StepPlan(epoch, pos, next_pos, _fill(grid, pad)), next_pos
+            grid, next_pos, norm = found
+            return StepPlan(epoch, pos, next_pos, _fill(grid, pad), norm), next_pos
         j0 = lay.position_to_index(pos)  # resumed from another world size: unwindowed up to the next window
         j1 = min(j0 + R * M, (j0 // (window * R * M) + 1) * window * R * M, len(lay))
     else:
@@ -282,7 +296,8 @@ def _fill(grid, pad: MicroBatch) -> tuple[tuple[MicroBatch, ...], ...]:
 
 def _window_step(lay: _Layout, samples: SampleTable, pos: int, R: int, M: int, W: int, cost_fn: CostFn,
                  pad: MicroBatch):
-    """(grid, next_pos) of the window step that starts at pos, or None when pos is no step start of this R."""
+    """(grid, next_pos, the window's real samples ÷ its steps) of the window step that starts at pos, or None when
+    pos is no step start of this R."""
     size = W * R * M
     j_at = int(np.searchsorted(lay.starts, pos, side="right")) - 1  # the micro-batch holding position pos
     J0 = j_at // size * size
@@ -302,11 +317,12 @@ def _window_step(lay: _Layout, samples: SampleTable, pos: int, R: int, M: int, W
         lay.last_window[key] = (mbs, pred, per_step)
     mbs, pred, per_step = lay.last_window[key]
     base, offset = int(lay.starts[J0]), 0
+    norm = (int(lay.starts[J1]) - base) / len(per_step)  # the layout holds real samples only
     for step_groups in per_step:
         count = sum(mbs[i].B for g in step_groups for i in g if i >= 0)
         if base + offset == pos:
             idx = _lpt(np.stack(step_groups), pred, R, pad.pred_ms)
-            return [[mbs[i] if i >= 0 else None for i in row] for row in idx], base + offset + count
+            return [[mbs[i] if i >= 0 else None for i in row] for row in idx], base + offset + count, norm
         offset += count
     return None
 

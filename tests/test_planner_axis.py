@@ -160,3 +160,33 @@ def test_every_conf_group_composes_with_every_planner(group, monkeypatch):
                                                                 cfg.model.text_len), checkpointing="none")
         assert (s.strategy, s.planner, s.window) == (group, planner, window)
     assert compose_config([f"scheduling={group}"]).scheduling.planner is None  # the rule's default
+
+
+# ------------------------------------------------------------------------------- the loss's denominator
+@pytest.mark.parametrize("rule", ["dual_constraint", "cost"])
+@pytest.mark.parametrize("W", [2, 4])
+def test_every_sample_of_a_window_weighs_the_same_whichever_step_it_lands_in(rule, W):
+    """A sample's gradient weight is world_size / loss_norm on its rank, averaged over R ranks: 1 / loss_norm.
+    Windowed: loss_norm is the window's real samples ÷ W in every step of it, though the steps' own counts differ
+    (so dividing by each step's own count would weigh the samples of small steps more), and the window's samples
+    together weigh W, as W steps of the mean count would."""
+    samples, R, M = MIX.table(3000, 6), 4, 2
+    plans = epoch(samples, rule, "windowed", W, R=R, M=M)
+    full = [plans[i:i + W] for i in range(0, len(plans) - W + 1, W)]  # windows tile the epoch from its start
+    assert sum(len(w) for w in full) >= len(plans) - W
+    uneven = 0
+    for win in full:
+        counts = [p.num_samples for p in win]
+        weights = {1.0 / p.loss_norm for p in win}
+        assert len(weights) == 1 and weights.pop() == pytest.approx(W / sum(counts))
+        assert sum(p.num_samples / p.loss_norm for p in win) == pytest.approx(W)
+        uneven += len(set(counts)) > 1
+    assert uneven >= len(full) // 2  # the steps of a window do hold different counts: the rule has work to do
+
+
+@pytest.mark.parametrize("planner", ["stream", "sorted"])
+def test_a_one_step_planner_divides_by_its_own_count_as_before(planner):
+    samples = MIX.table(1500, 7)
+    for rule in STRATEGIES:
+        for p in epoch(samples, rule, planner, 1, R=3, M=2):
+            assert p.window_norm is None and p.loss_norm == p.num_samples and type(p.loss_norm) is int
