@@ -1,7 +1,7 @@
 """Simulate the four strategies on R ranks under a fixed global batch; write a report, CSV and plots.
 
     python scripts/simulate_cluster.py --calibration results/calibration_h200_graphs.json --out runs/simulation
-    python scripts/simulate_cluster.py --calibration FILE --quick          (R = 8, g = 2·S_max only: about 90 s)
+    python scripts/simulate_cluster.py --calibration FILE --quick          (R = 8, g = 2·S_max only: about 95 s)
     python scripts/simulate_cluster.py --calibration FILE --unconstrained  (also the earlier M = 4 protocol)
     python scripts/simulate_cluster.py --calibration FILE --matrix-only    (the batch rule × planner matrix alone)
 
@@ -67,7 +67,7 @@ def parse_args(argv):
     ap.add_argument("--per-m", type=int, default=None, help="candidate batch tables per M (default 6, --quick 3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="R = 8 and g = 2·S_max only, fewer candidates and "
-                    "micro-batches: about 45 s on 2 CPU cores")
+                    "micro-batches: about 95 s on 2 CPU cores")
     ap.add_argument("--no-model-truth", action="store_true", help="skip the old mode's rows")
     ap.add_argument("--unconstrained", action="store_true", help="also the earlier protocol (M = 4, no batch bound)")
     ap.add_argument("--M", type=int, default=4, help="M of the unconstrained protocol")
@@ -86,11 +86,13 @@ def parse_args(argv):
 
 # Seconds one comparison of the four strategies (one R, one g, one truth) takes at 4096 micro-batches per candidate
 # (quick: 3 candidates per M, otherwise 6); the time scales with --mbs. The unconstrained protocol adds about
-# UNCONSTRAINED_S per rank count. quick: --quick took 44 s on this repo's 2-core development machine on 2026-12-02
-# with other jobs running (load 1-2; 92 s at load ~5); full: measured earlier on the same machine.
+# UNCONSTRAINED_S per rank count. A matrix row (one batch rule under the five planners, one R and g) at 4096: full
+# from the 14B's matrix (35 s of CPU a row at --mbs 2048), quick as half of it (3 candidates per M); the matrix's
+# cells also serve the comparison's steady reading. --quick (the matrix and the comparison) took 93 s on this repo's
+# 2-core development machine on 2026-12-02 with other jobs running (load ~3; estimated 98 s).
 COMPARISON_S = {"quick": 30.0, "full": 45.0}
 UNCONSTRAINED_S = 20.0
-MATRIX_ROW_S = {"quick": 10.0, "full": 20.0}  # one batch rule under the five planners, one R and g (at 4096)
+MATRIX_ROW_S = {"quick": 35.0, "full": 70.0}
 
 
 def estimate_s(n_comparisons: int, n_ranks: int, args, n_matrix_rows: int = 0) -> float:
