@@ -190,3 +190,24 @@ def test_a_one_step_planner_divides_by_its_own_count_as_before(planner):
     for rule in STRATEGIES:
         for p in epoch(samples, rule, planner, 1, R=3, M=2):
             assert p.window_norm is None and p.loss_norm == p.num_samples and type(p.loss_norm) is int
+
+
+def test_the_matrix_splits_the_gain_between_planner_and_rule_on_hand_numbers():
+    """matrix_shares on a hand-made matrix (tokens/s): the paper's system is dual_constraint × stream (100); the
+    best cell cost × W=8 (150) is 1.5× it; the rule alone in stream order (cost, 110) 1.1×; the planner alone on the
+    paper's rule (W=8, 140) 1.4×; on the best rule the planner gives 150/110, under the best planner the rule 150/140."""
+    from types import SimpleNamespace
+
+    from scheduling.protocol import matrix_shares
+
+    tps = {("equal_token", "stream"): 90, ("equal_token", "sorted"): 120, ("equal_token", "W=8"): 130,
+           ("dual_constraint", "stream"): 100, ("dual_constraint", "sorted"): 125, ("dual_constraint", "W=8"): 140,
+           ("cost", "stream"): 110, ("cost", "sorted"): 130, ("cost", "W=8"): 150}
+    m = {(8, 2.0, rule, col): SimpleNamespace(tokens_per_s=float(v)) for (rule, col), v in tps.items()}
+    m[(64, 2.0, "cost", "stream")] = SimpleNamespace(tokens_per_s=1e9)  # another R: not read
+    sh = matrix_shares(m, 8, 2.0)
+    assert sh["best"] == ("cost", "W=8") and sh["total"] == pytest.approx(1.5)
+    assert sh["best_stream_rule"] == "cost" and sh["rule_in_stream"] == pytest.approx(1.1)
+    assert sh["paper_rule_best_planner"] == "W=8" and sh["planner_on_paper_rule"] == pytest.approx(1.4)
+    assert sh["planner_on_best_rule"] == pytest.approx(150 / 110)
+    assert sh["rule_under_best_planner"] == pytest.approx(150 / 140)
