@@ -178,8 +178,10 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str) -> dict:
     logger = MetricsLogger(cfg.run_dir, cfg.logging, cfg.name, OmegaConf.to_container(OmegaConf.create(config_yaml)),
                            enabled=ctx.is_main, tags=tags)
     if ctx.is_main:
-        log.info("scheduling: strategy %s, calibration %s (%s), %d micro-batch(es) a step; values %s, from %s",
-                 schedule.strategy, calibration or "none", found, micro_batches, schedule.values, schedule.sources)
+        log.info("scheduling: strategy %s, planner %s%s, calibration %s (%s), %d micro-batch(es) a step; values %s, "
+                 "from %s", schedule.strategy, schedule.planner,
+                 f" (window {schedule.window})" if schedule.planner == "windowed" else "", calibration or "none",
+                 found, micro_batches, schedule.values, schedule.sources)
         log.info("%s from %s\n%s", f"resumed at step {state.step}" if ckpt else "starting",
                  ckpt or "scratch", schedule.table({n: buckets[n].tokens for n in corpus.bucket_names}))
         for note in schedule.notes:
@@ -199,7 +201,7 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str) -> dict:
 
     def plan_at(epoch: int, pos: int):
         return plan_step(corpus.table, cfg.train.seed, epoch, pos, ctx.world_size, schedule.strategy,
-                         micro_batches, batch_sizes, schedule.cost_fn, window=schedule.window)
+                         micro_batches, batch_sizes, schedule.cost_fn, window=schedule.window, planner=schedule.planner)
 
     # 9. the loop
     bar = None
@@ -226,7 +228,7 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str) -> dict:
             loader.prefetch(plan_at(nxt_epoch, nxt_pos)[0])  # workers decode the next step while this one runs
         lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
         with profiler.context(state.step + 1):
-            st = train_step(parts, loader.step(plan), plan.num_samples, epoch)
+            st = train_step(parts, loader.step(plan), plan.loss_norm, epoch)
         step_s = time.perf_counter() - t_step
         state.step, state.epoch, state.pos = state.step + 1, nxt_epoch, nxt_pos
         state.samples_seen += plan.num_samples

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from scheduling.batching import STRATEGIES
+from scheduling.planner import check_planner
 
 
 @dataclass
@@ -17,7 +18,9 @@ class SchedulingConfig:
     m_comp: Optional[float] = None              # dual_constraint: bound on B·S^p
     p: Optional[float] = None                   # dual_constraint: exponent
     target_microbatch_ms: Optional[float] = None  # cost / balanced: predicted fwd+bwd ms per micro-batch
-    window: int = 1                             # steps planned together (balanced)
+    planner: Optional[str] = None               # stream | sorted | windowed; null: the rule's default (balanced:
+                                                # sorted, windowed when window > 1; the other rules: stream)
+    window: int = 1                             # steps planned together (planner windowed)
     calibration: Optional[str] = None           # JSON written by scripts/calibrate.py; `auto`: the trainer finds
                                                 # one for this model and device, or measures it on first use
     benchmark_points: int = 8                   # calibration=auto's shape benchmark: at most this many points,
@@ -38,3 +41,5 @@ class SchedulingConfig:
             raise ValueError(f"scheduling.benchmark_time_s must be > 0, got {self.benchmark_time_s}")
         if self.window < 1:
             raise ValueError(f"scheduling.window must be ≥ 1, got {self.window}")
+        if self.planner is not None:
+            check_planner(self.planner, self.window)

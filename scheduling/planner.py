@@ -1,7 +1,7 @@
-"""The planner: which samples go to which rank and micro-batch, for every strategy (docs/contracts.md §3).
+"""The planner: which samples go to which rank and micro-batch, for every batch rule (docs/contracts.md §3).
 
     plan, next_pos = plan_step(samples, seed, epoch, pos, world_size, strategy, micro_batches, batch_sizes,
-                               cost_fn, window=1)
+                               cost_fn, window=1, planner=None)
 
 A pure function of sample metadata and the global sample position `pos` within the epoch: every rank computes the
 same plan without communication, and a resumed run — on the same or another world size — continues from the
@@ -12,36 +12,77 @@ in that order, are cut into micro-batches of the bucket's batch size B (only a b
 the micro-batch list is shuffled again. A step takes the next R·M micro-batches, so `pos` — the number of samples
 in the micro-batches before it — always falls on a micro-batch boundary, whatever R was.
 
-Assignment of a step's micro-batches to (rank, slot):
-    equal_token, dual_constraint, cost   in stream order, micro-batch j → rank j mod R, slot ⌊j / R⌋
-    balanced                             sorted by predicted ms, largest first, and cut into groups of R: group k is
-                                         slot k, so the micro-batches that FSDP synchronises in a slot cost alike
-                                         (for a fixed group size, consecutive groups of the sorted list minimise
-                                         Σ_k max_r t_rk); within a slot the largest goes to the rank with the least
-                                         work so far (LPT), which balances each rank's total over the step
+The planner (scheduling.planner) is an axis of its own beside the batch rule (scheduling.strategy): the rule sets
+each bucket's B, the planner assigns a step's micro-batches to (rank, slot). Any rule runs with any planner:
+    stream     in stream order, micro-batch j → rank j mod R, slot ⌊j / R⌋
+    sorted     sorted by predicted ms, largest first, and cut into groups of R: group k is slot k, so the
+               micro-batches that FSDP synchronises in a slot cost alike (for a fixed group size, consecutive groups
+               of the sorted list minimise Σ_k max_r t_rk); within a slot the largest goes to the rank with the
+               least work so far (LPT), which balances each rank's total over the step
+    windowed   (scheduling.window = W > 1) the W·R·M micro-batches of a window — windows tile the layout from the
+               epoch's start — sorted and cut into groups of R together, which makes the groups tighter than one
+               step's R·M allow; the groups are dealt to the window's steps in snake order (each step gets a
+               cross-section of costs) and each step assigns its groups as `sorted` does
+Default (planner None, `default_planner`): `balanced` is the cost rule planned `sorted` (`windowed` when window > 1);
+the other rules run `stream`, where a window is ignored.
+
+The loss's denominator (`StepPlan.loss_norm`, contracts §3): a windowed step's real samples differ from step to
+step, so its loss divides by the window's real samples ÷ its steps (the window's mean a step, which every rank
+computes from the plan without communication) instead of the step's own count: every sample of a window then weighs
+the same, 1 / loss_norm, whichever of its steps it lands in, and the window's steps together weigh W, as W steps of
+the mean size would. For stream and sorted it is the step's own count (num_samples): the loss of a one-step plan
+is unchanged.
 Every rank runs the same number of slots; an empty (rank, slot) runs one sample of the cheapest bucket with loss
 weight 0 (a padding micro-batch). The epoch's last step may have fewer slots, never a hang.
 
-Window (balanced, scheduling.window = W > 1): the W·R·M micro-batches of a window — windows tile the layout from the
-epoch's start — are sorted and cut into groups of R together, which makes the groups tighter than one step's
-R·M allow; the groups are dealt to the window's steps in snake order (each step gets a cross-section of costs)
-and each step assigns its groups as above. A step inside a window is found from `pos` = window start + samples of
-the window's steps before it, so a resume on the same world size is exact anywhere. A resume on another world
-size is exact at a window boundary of the old run (its steps then run unwindowed, in stream order, up to the
-new run's next window boundary); one that lands inside an old window cannot know the old world size's
-window and may repeat or skip samples of that window: checkpoint at multiples of W steps if R may change.
+A step inside a window is found from `pos` = window start + samples of the window's steps before it, so a resume
+on the same world size is exact anywhere. A resume on another world size is exact at a window boundary of the old
+run (its steps then run unwindowed, sorted, up to the new run's next window boundary); one that lands inside an
+old window cannot know the old world size's window and may repeat or skip samples of that window: checkpoint at
+multiples of W steps if R may change.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from scheduling.batching import STRATEGIES
 
 CostFn = Callable[[int, int], float]  # (B, S) -> predicted forward+backward ms
+PLANNERS = ("stream", "sorted", "windowed")
+
+
+def default_planner(strategy: str, window: int = 1) -> str:
+    """The planner a rule runs when scheduling.planner is unset: balanced sorted (windowed when window > 1), every
+    other rule in stream order (a window ignored): what each rule did before the planner was its own knob."""
+    if strategy != "balanced":
+        return "stream"
+    return "windowed" if window > 1 else "sorted"
+
+
+def check_planner(planner: str, window: int) -> None:
+    """Refuse a planner that is unknown or does not match the window, naming the field and the fix."""
+    if planner not in PLANNERS:
+        raise ValueError(f"scheduling.planner must be one of {PLANNERS} (or null: the rule's default), got "
+                         f"{planner!r}")
+    if planner == "windowed" and window < 2:
+        raise ValueError(f"scheduling.planner=windowed plans scheduling.window steps together and needs window ≥ 2, "
+                         f"got {window}: set scheduling.window, or planner=sorted for one step")
+    if planner != "windowed" and window > 1:
+        raise ValueError(f"scheduling.planner={planner} plans one step at a time, but scheduling.window={window}: "
+                         "set scheduling.planner=windowed, or scheduling.window=1")
+
+
+def resolve_planner(strategy: str, window: int, planner: Optional[str] = None) -> str:
+    """The planner a step runs: the one given, else the rule's default. Only `windowed` reads the window (the config
+    refuses a window beside an explicit stream or sorted: check_planner)."""
+    if planner is None:
+        return default_planner(strategy, window)
+    check_planner(planner, window if planner == "windowed" else 1)
+    return planner
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,6 +127,7 @@ class StepPlan:
     pos: int
     next_pos: int
     ranks: tuple[tuple[MicroBatch, ...], ...]  # [rank][slot]
+    window_norm: Optional[float] = None  # windowed: the window's real samples ÷ its steps (loss_norm)
 
     @property
     def world_size(self) -> int:
@@ -99,6 +141,12 @@ class StepPlan:
     def num_samples(self) -> int:
         """Real samples in the whole step (all ranks, all slots): the loss's denominator."""
         return sum(mb.num_real for r in self.ranks for mb in r)
+
+    @property
+    def loss_norm(self) -> float:
+        """What the step's weighted loss sum divides by: the window's mean real samples a step for a windowed step,
+        else the step's own real samples (num_samples)."""
+        return self.num_samples if self.window_norm is None else self.window_norm
 
     @property
     def tokens(self) -> int:
@@ -118,6 +166,8 @@ class _Layout:
     buckets: np.ndarray     # (J,) bucket of each micro-batch
     starts: np.ndarray      # (J + 1,) offsets into `entries`
     entries: np.ndarray     # entry rows, micro-batch after micro-batch
+    # the last window planned: its W steps each ask for it, and it is the same for all of them
+    last_window: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.buckets)
@@ -188,11 +238,12 @@ def _lpt(groups_KR: np.ndarray, pred: np.ndarray, world_size: int, pad_ms: float
 
 def plan_step(samples: SampleTable, seed: int, epoch: int, pos: int, world_size: int, strategy: str,
               micro_batches: int, batch_sizes: Sequence[int], cost_fn: CostFn,
-              window: int = 1) -> tuple[StepPlan, int]:
+              window: int = 1, planner: Optional[str] = None) -> tuple[StepPlan, int]:
     """The plan of the step that starts at sample position `pos` of `epoch`; returns it and the next position.
 
     batch_sizes[b] is bucket b's B under the strategy (scheduling/batching.py); cost_fn(B, S) predicts ms;
-    window: steps planned together (balanced only; see the module docstring).
+    window: steps planned together (planner windowed); planner: stream, sorted or windowed, None: the strategy's
+    default (see the module docstring).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"scheduling.strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -200,6 +251,7 @@ def plan_step(samples: SampleTable, seed: int, epoch: int, pos: int, world_size:
         raise ValueError(f"world_size and train.micro_batches must be ≥ 1, got {world_size}, {micro_batches}")
     if window < 1:
         raise ValueError(f"scheduling.window must be ≥ 1, got {window}")
+    planner = resolve_planner(strategy, window, planner)
     n_buckets = int(samples.bucket.max()) + 1
     if len(batch_sizes) < n_buckets or min(batch_sizes[:n_buckets]) < 1:
         raise ValueError(f"batch_sizes must give every bucket a B ≥ 1, got {list(batch_sizes)}")
@@ -208,11 +260,11 @@ def plan_step(samples: SampleTable, seed: int, epoch: int, pos: int, world_size:
     lay = _layout(samples, seed, epoch, tuple(int(b) for b in batch_sizes[:n_buckets]))
     R, M = world_size, micro_batches
     pad = _padding(samples, cost_fn)
-    if strategy == "balanced" and window > 1:
+    if planner == "windowed":
         found = _window_step(lay, samples, pos, R, M, window, cost_fn, pad)
         if found is not None:
-            grid, next_pos = found
-            return StepPlan(epoch, pos, next_pos, _fill(grid, pad)), next_pos
+            grid, next_pos, norm = found
+            return StepPlan(epoch, pos, next_pos, _fill(grid, pad), norm), next_pos
         j0 = lay.position_to_index(pos)  # resumed from another world size: unwindowed up to the next window
         j1 = min(j0 + R * M, (j0 // (window * R * M) + 1) * window * R * M, len(lay))
     else:
@@ -220,13 +272,13 @@ def plan_step(samples: SampleTable, seed: int, epoch: int, pos: int, world_size:
         j1 = min(j0 + R * M, len(lay))
     mbs = [_micro_batch(lay, samples, j, cost_fn) for j in range(j0, j1)]
     slots = max(1, math.ceil(len(mbs) / R))
-    if strategy == "balanced":
-        idx = deal_balanced(np.array([mb.pred_ms for mb in mbs]), R, slots, pad.pred_ms)
-        grid = [[mbs[i] if i >= 0 else None for i in row] for row in idx]
-    else:
+    if planner == "stream":
         grid = [[None] * slots for _ in range(R)]
         for j, mb in enumerate(mbs):
             grid[j % R][j // R] = mb
+    else:
+        idx = deal_balanced(np.array([mb.pred_ms for mb in mbs]), R, slots, pad.pred_ms)
+        grid = [[mbs[i] if i >= 0 else None for i in row] for row in idx]
     next_pos = int(lay.starts[j1])
     return StepPlan(epoch, int(lay.starts[j0]), next_pos, _fill(grid, pad)), next_pos
 
@@ -244,26 +296,33 @@ def _fill(grid, pad: MicroBatch) -> tuple[tuple[MicroBatch, ...], ...]:
 
 def _window_step(lay: _Layout, samples: SampleTable, pos: int, R: int, M: int, W: int, cost_fn: CostFn,
                  pad: MicroBatch):
-    """(grid, next_pos) of the window step that starts at pos, or None when pos is no step start of this R."""
+    """(grid, next_pos, the window's real samples ÷ its steps) of the window step that starts at pos, or None when
+    pos is no step start of this R."""
     size = W * R * M
     j_at = int(np.searchsorted(lay.starts, pos, side="right")) - 1  # the micro-batch holding position pos
     J0 = j_at // size * size
     J1 = min(J0 + size, len(lay))
-    mbs = [_micro_batch(lay, samples, j, cost_fn) for j in range(J0, J1)]
-    pred = np.array([mb.pred_ms for mb in mbs])
-    n_groups = math.ceil(len(mbs) / R)
-    groups = _sorted_groups(pred, R, n_groups)
-    n_steps = math.ceil(n_groups / M)
-    per_step: list[list[np.ndarray]] = [[] for _ in range(n_steps)]
-    for g in range(n_groups):  # snake: 0 1 2 … n−1 n−1 … 1 0 0 1 …
-        rnd, i = divmod(g, n_steps)
-        per_step[i if rnd % 2 == 0 else n_steps - 1 - i].append(groups[g])
+    key = (J0, R, M, W, cost_fn)  # the key holds cost_fn itself: a freed function's id cannot alias it
+    if key not in lay.last_window:
+        mbs = [_micro_batch(lay, samples, j, cost_fn) for j in range(J0, J1)]
+        pred = np.array([mb.pred_ms for mb in mbs])
+        n_groups = math.ceil(len(mbs) / R)
+        groups = _sorted_groups(pred, R, n_groups)
+        n_steps = math.ceil(n_groups / M)
+        per_step: list[list[np.ndarray]] = [[] for _ in range(n_steps)]
+        for g in range(n_groups):  # snake: 0 1 2 … n−1 n−1 … 1 0 0 1 …
+            rnd, i = divmod(g, n_steps)
+            per_step[i if rnd % 2 == 0 else n_steps - 1 - i].append(groups[g])
+        lay.last_window.clear()
+        lay.last_window[key] = (mbs, pred, per_step)
+    mbs, pred, per_step = lay.last_window[key]
     base, offset = int(lay.starts[J0]), 0
+    norm = (int(lay.starts[J1]) - base) / len(per_step)  # the layout holds real samples only
     for step_groups in per_step:
         count = sum(mbs[i].B for g in step_groups for i in g if i >= 0)
         if base + offset == pos:
             idx = _lpt(np.stack(step_groups), pred, R, pad.pred_ms)
-            return [[mbs[i] if i >= 0 else None for i in row] for row in idx], base + offset + count
+            return [[mbs[i] if i >= 0 else None for i in row] for row in idx], base + offset + count, norm
         offset += count
     return None
 

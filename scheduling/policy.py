@@ -28,6 +28,7 @@ from scheduling.batching import _check_fits, batch_sizes
 from scheduling.calibrate import HBM_FRACTION, Calibration
 from scheduling.config import SchedulingConfig
 from scheduling.fsdp_memory import FSDPMemoryModel
+from scheduling.planner import resolve_planner
 from scheduling.efficiency import model_flops
 
 # the knobs that, all set in the config, let a strategy run without its calibration file
@@ -56,6 +57,7 @@ class Schedule:
     sources: dict = field(default_factory=dict)  # knob → where its value came from
     values: dict = field(default_factory=dict)   # knob → the value used (m_mem, m_tokens, m_comp, p, target ms)
     window: int = 1
+    planner: str = "stream"              # stream | sorted | windowed (scheduling/planner.py)
     micro_batches: Optional[int] = None  # M chosen for scheduling.tokens_per_step (None: train.micro_batches)
     # model.checkpointing=auto: (B, S) → blocks to recompute, or (blocks, of them keeping attention) with
     # model.keep_attention
@@ -405,18 +407,24 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
         if over:
             notes.append(f"scheduling.target_microbatch_ms={target:g}: buckets {over} exceed it at B=1 and run "
                          "one sample per micro-batch")
+    planner = resolve_planner(s, window, cfg.planner)
+    src["planner"] = "config" if cfg.planner is not None else f"default for {s}"
     if window > 1:
         src.setdefault("window", "config")
-        if s != "balanced":
-            notes.append(f"scheduling.window={window} only affects the balanced strategy")
-    return Schedule(s, dict(zip(tokens, sizes)), cost_fn, src, val, window, micro_batches, recompute, notes)
+        if planner != "windowed":
+            notes.append(f"scheduling.window={window} only affects scheduling.planner=windowed; {s} runs "
+                         f"{planner} by default: set scheduling.planner=windowed to plan {window} steps together")
+    return Schedule(s, dict(zip(tokens, sizes)), cost_fn, src, val, window, planner, micro_batches, recompute,
+                    notes)
 
 
 def fixed_batch(cfg: SchedulingConfig, tokens: Mapping[str, int], shares: Mapping[str, float], cost_fn,
                 m_mem: Optional[float], p: Optional[float], world_size: int, cal: Optional[Calibration], src: dict,
                 val: dict, notes: list) -> dict:
     """The knob, M (and window) that hold scheduling.tokens_per_step = g: the simulator's choice for the nearest
-    world size and g where the calibration holds one whose expected tokens here are within ±10 % of g; else,
+    world size and g where the calibration holds one whose expected tokens here are within ±10 % of g and that was
+    tuned for what this run plans — a window or none (the window is always the config's: a window runs only where
+    the config asks for one, by results/convergence_cpu.md's rule); else,
     among every setting that holds g (scheduling.simulate.settings_at_tokens), the one with the most predicted
     tokens/s in stream order (analytic_idle: a lower bound for balanced). A knob set in the config is kept, and M
     chosen for it. Fills val/src with tokens_per_step, micro_batches and the knob."""
@@ -437,11 +445,20 @@ def fixed_batch(cfg: SchedulingConfig, tokens: Mapping[str, int], shares: Mappin
 
     out = None
     chosen = cal.chosen_at_tokens(s, world_size, g) if cal is not None and fixed_knob is None else {}
+    chosen_w = int(chosen.get("window") or 1)
+    windowed = resolve_planner(s, cfg.window, cfg.planner) == "windowed"
+    if chosen and windowed != (chosen_w > 1):  # a window only where the config asks for one (convergence_cpu.md)
+        notes.append(f"the calibration's choice for g={chosen.get('simulated_g', g):,.0f} was tuned for window "
+                     f"{chosen_w}; this run plans " + (f"{cfg.window} steps together" if windowed else
+                                                       "one step at a time (a window only where the config asks "
+                                                       f"for one: scheduling.planner=windowed scheduling.window="
+                                                       f"{chosen_w} runs the choice)")
+                     + ": M and the knob are chosen again here")
+        chosen = {}
     if chosen.get(knob) is not None and chosen.get("micro_batches"):
         got = expected({knob: chosen[knob]}, int(chosen["micro_batches"]))
         if abs(got - g) <= TOKENS_TOL * g:
-            out = {knob: chosen[knob], "micro_batches": int(chosen["micro_batches"]),
-                   "window": int(chosen.get("window") or cfg.window)}
+            out = {knob: chosen[knob], "micro_batches": int(chosen["micro_batches"]), "window": cfg.window}
             why = (f"calibration:chosen (simulated at R={chosen['simulated_world_size']}, "
                    f"g={chosen['simulated_g']:,.0f})")
         else:
@@ -467,7 +484,7 @@ def fixed_batch(cfg: SchedulingConfig, tokens: Mapping[str, int], shares: Mappin
             setting, sizes, M = max(cands, key=rate)
             out, why = {knob: setting[knob], "micro_batches": M}, "chosen for tokens_per_step (predicted tokens/s)"
             if s == "balanced":
-                notes.append(f"scheduling.tokens_per_step={g:g}: the calibration records no simulated choice, so M "
+                notes.append(f"scheduling.tokens_per_step={g:g}: the calibration records no simulated choice for this run, so M "
                              f"and the target are the best predicted on one step, at window {cfg.window}; "
                              "`python scripts/simulate_cluster.py --calibration <it> --write-chosen` records the "
                              "simulator's M, target and window, tuned over whole simulated steps")

@@ -6,11 +6,16 @@ best-tuned inside it over its knob and M (balanced also over scheduling.window),
 simulated (m_mem from the memory model at 90 % of HBM; an FSDP model's sharded states ÷ R). Two readings of "held":
     steady     every step a batch of about g: expected tokens within ±10 % and their CV over steps ≤ 10 %
     expected   the expectation alone (±10 %), balanced without a window (a window deals sorted groups to steps:
-               with few slots a step it trades the batch's steadiness for balance, which this reading cannot see) The planner
-predicts with the calibration's cost model; each micro-batch takes what the cluster's truth says
+               with few slots a step it trades the batch's steadiness for balance, which this reading cannot see)
+The planner predicts with the calibration's cost model; each micro-batch takes what the cluster's truth says
 (scheduling/truth.py: measured times, FSDP's collectives, optionally a slow rank). Reported: tokens/s, idle, CV,
 and balanced ÷ dual_constraint (the paper), ÷ cost (the same batch table without sorting: what sorting gains),
 ÷ equal_token — beside the same selection under the old model truth, for comparison.
+
+The matrix (`run_matrix`): batch rule and planner as separate axes. Each batch rule (rows; balanced's rule is
+cost's) under each planner (columns: stream, sorted, windowed W ∈ {2, 4, 8}), every cell best-tuned over the rule's
+knob and M inside the same g (steady reading) and memory bound. The paper's system is dual_constraint in stream
+order; `matrix_shares` splits the best cell's gain over it into the planner's part and the batch rule's.
 
 Unconstrained (the earlier protocol, kept for comparison): M = 4 and each knob swept without a batch constraint
 (`run_unconstrained`); every cost-aware strategy then grows its micro-batches to the memory bound and they
@@ -18,6 +23,7 @@ equalise (results/simulation_notes.md).
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import time
@@ -26,6 +32,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from scheduling.calibrate import HBM_FRACTION, Calibration
 from scheduling.fsdp_memory import FSDPMemoryModel
+from scheduling.planner import resolve_planner
 from scheduling.simulate import (G_FACTORS, KNOB, TOKENS_CV, Mix, SimResult, simulate, sizes_for, sweep,
                                  sweep_at_tokens)
 from scheduling.truth import Cluster, CommModel, MeasuredTruth, ModelTruth
@@ -107,23 +114,115 @@ def inputs_from(cal: Calibration, mode: str, mix: Mix, comm_bandwidth: Optional[
 READINGS = {"steady": (TOKENS_CV, WINDOWS), "expected": (None, (1,))}  # tokens CV cap, balanced's windows
 
 
-def best_at_g(inp: Inputs, mix: Mix, strategy: str, R: int, g: float, truth=None, seed: int = 0,
-              mbs: int = 4096, mbs_final: int = 16384, per_M: int = 6, slow_ranks: Optional[dict] = None,
-              reading: str = "steady") -> SimResult:
-    """The strategy best-tuned inside g tokens per rank per step, under one reading of the batch (READINGS)."""
+def best_cell(inp: Inputs, mix: Mix, rule: str, R: int, g: float, planner: Optional[str] = None, window: int = 1,
+              truth=None, seed: int = 0, mbs: int = 4096, mbs_final: int = 16384, per_M: int = 6,
+              slow_ranks: Optional[dict] = None, tokens_cv: Optional[float] = TOKENS_CV,
+              cache: Optional[dict] = None) -> SimResult:
+    """One batch rule under one planner (None: the rule's default), best-tuned over its knob and M inside g tokens
+    per rank per step, under the memory bound of R. cache: a dict that keeps cells under the measured truth, so that
+    the matrix and the strategy comparison simulate a shared cell once (balanced under a planner is cost's rule
+    under it: one cell, relabelled)."""
+    planner = resolve_planner(rule, window, planner)
+    window = window if planner == "windowed" else 1
+    key = ("cost" if rule == "balanced" else rule, R, g, planner, window, seed, mbs, mbs_final, per_M,
+           tuple(sorted((slow_ranks or {}).items())), tokens_cv)
+    if cache is not None and truth is None and key in cache:
+        return dataclasses.replace(cache[key], strategy=rule)
     cluster = Cluster(truth or inp.truth, inp.comm, dict(slow_ranks or {}))
-    tokens_cv, windows = READINGS[reading]
-    runs = [sweep_at_tokens(inp.cost.predict, mix, strategy, R, g, p=inp.p, m_mem=inp.m_mem_at(R), cluster=cluster,
-                            optim_ms=inp.optim_ms, seed=seed, mbs=mbs, mbs_final=mbs_final, per_M=per_M, window=w,
-                            tokens_cv=tokens_cv)[0] for w in (windows if strategy == "balanced" else (1,))]
+    out = sweep_at_tokens(inp.cost.predict, mix, rule, R, g, p=inp.p, m_mem=inp.m_mem_at(R), cluster=cluster,
+                          optim_ms=inp.optim_ms, seed=seed, mbs=mbs, mbs_final=mbs_final, per_M=per_M,
+                          window=window, tokens_cv=tokens_cv, planner=planner)[0]
+    if cache is not None and truth is None:
+        cache[key] = out
+    return out
+
+
+def _best_steady(runs: Sequence[SimResult], tokens_cv: Optional[float]) -> SimResult:
+    """The fastest run whose steps' tokens vary within tokens_cv (None: any); where none do, the steadiest."""
     steady = [r for r in runs if tokens_cv is None or r.tokens_step_cv <= tokens_cv]
     return max(steady, key=lambda r: r.tokens_per_s) if steady else min(runs, key=lambda r: r.tokens_step_cv)
+
+
+def best_at_g(inp: Inputs, mix: Mix, strategy: str, R: int, g: float, truth=None, seed: int = 0,
+              mbs: int = 4096, mbs_final: int = 16384, per_M: int = 6, slow_ranks: Optional[dict] = None,
+              reading: str = "steady", cache: Optional[dict] = None) -> SimResult:
+    """The strategy (its rule under its default planner) best-tuned inside g tokens per rank per step, under one
+    reading of the batch (READINGS); balanced's window is tuned too."""
+    tokens_cv, windows = READINGS[reading]
+    kw = dict(truth=truth, seed=seed, mbs=mbs, mbs_final=mbs_final, per_M=per_M, slow_ranks=slow_ranks,
+              tokens_cv=tokens_cv, cache=cache)
+    return _best_steady([best_cell(inp, mix, strategy, R, g, window=w, **kw)
+                         for w in (windows if strategy == "balanced" else (1,))], tokens_cv)
+
+
+# ------------------------------------------------------------------------- the matrix: batch rule × planner
+# Rows: the batch rules. balanced's rule is cost's (balanced = the cost rule planned sorted or windowed), so its
+# row is cost's. Columns: the planners; "best W" is the best of the windowed columns.
+MATRIX_RULES = ("equal_token", "dual_constraint", "cost")
+MATRIX_PLANNERS = (("stream", 1), ("sorted", 1), ("windowed", 2), ("windowed", 4), ("windowed", 8))
+PAPER = ("dual_constraint", "stream")  # the paper's system: the dual-constraint rule in stream order
+
+
+def planner_label(planner: str, window: int = 1) -> str:
+    return f"W={window}" if planner == "windowed" else planner
+
+
+def run_matrix(inp: Inputs, mix: Mix, ranks: Sequence[int] = (8, 64), g_factors: Sequence[float] = (2.0, 3.66),
+               seed: int = 0, mbs: int = 4096, mbs_final: int = 16384, per_M: int = 6,
+               planners: Sequence[tuple[str, int]] = MATRIX_PLANNERS, rules: Sequence[str] = MATRIX_RULES,
+               slow_ranks: Optional[dict] = None, cache: Optional[dict] = None, log=print) -> dict:
+    """{(R, g_factor, rule, column): SimResult}: every batch rule under every planner, each cell best-tuned over
+    the rule's knob and M inside the same g tokens per rank per step (the steady reading: expected ±10 %, CV over
+    steps ≤ 10 %) and the same memory bound, under the measured truth. Columns are planner_label()s, plus "best W"
+    where windows were run."""
+    out: dict = {}
+    kw = dict(seed=seed, mbs=mbs, mbs_final=mbs_final, per_M=per_M, slow_ranks=slow_ranks, tokens_cv=TOKENS_CV,
+              cache=cache)
+    for R in ranks:
+        for gf in g_factors:
+            for rule in rules:
+                t0 = time.perf_counter()
+                for planner, w in planners:
+                    out[(R, gf, rule, planner_label(planner, w))] = b = best_cell(inp, mix, rule, R, gf * mix.S_max,
+                                                                                  planner, w, **kw)
+                    log(f"matrix   R={R:<4} g={gf:g}·S_max {rule:<16} {planner_label(planner, w):<8} "
+                        f"{b.tokens_per_s:>12,.0f} tok/s  idle {100 * b.idle_fraction:5.1f} %  tokens CV "
+                        f"{100 * b.tokens_step_cv:4.1f} %  M={b.M}")
+                windowed = [out[(R, gf, rule, planner_label(p, w))] for p, w in planners if p == "windowed"]
+                if windowed:  # each cell already the best steady candidate of its window
+                    out[(R, gf, rule, "best W")] = max(windowed, key=lambda r: r.tokens_per_s)
+                log(f"matrix   R={R:<4} g={gf:g}·S_max {rule:<16} ({time.perf_counter() - t0:.1f} s)")
+    return out
+
+
+def matrix_shares(m: dict, R: int, gf: float) -> dict:
+    """What the matrix credits to each part at (R, g), as tokens/s ratios: `planner` = the best planner ÷ stream
+    on the paper's rule and on the best rule, `rule` = the best rule ÷ the paper's rule in stream order and under
+    the best planner, `total` = the best cell ÷ the paper's system (dual_constraint in stream order)."""
+    cells = {(rule, col): r for (R_, g_, rule, col), r in m.items() if R_ == R and g_ == gf}
+    paper = cells[PAPER].tokens_per_s
+    best_rule, best_col = max(cells, key=lambda k: cells[k].tokens_per_s)
+    rules = sorted({rule for rule, _ in cells})
+    best_stream_rule = max(rules, key=lambda rl: cells[(rl, "stream")].tokens_per_s)
+
+    def best_planner(rule):
+        return max((c for rl, c in cells if rl == rule), key=lambda c: cells[(rule, c)].tokens_per_s)
+
+    return {"total": cells[(best_rule, best_col)].tokens_per_s / paper, "best": (best_rule, best_col),
+            "rule_in_stream": cells[(best_stream_rule, "stream")].tokens_per_s / paper,
+            "best_stream_rule": best_stream_rule,
+            "planner_on_paper_rule": cells[(PAPER[0], best_planner(PAPER[0]))].tokens_per_s / paper,
+            "paper_rule_best_planner": best_planner(PAPER[0]),
+            "planner_on_best_rule": cells[(best_rule, best_col)].tokens_per_s / cells[(best_rule, "stream")].tokens_per_s,
+            "rule_under_best_planner": cells[(best_rule, best_col)].tokens_per_s
+            / cells[(PAPER[0], best_planner(PAPER[0]))].tokens_per_s}
 
 
 def run_fixed_batch(inp: Inputs, mix: Mix, ranks: Sequence[int] = (8, 64), g_factors: Sequence[float] = G_FACTORS,
                     seed: int = 0, mbs: int = 4096, mbs_final: int = 16384, per_M: int = 6,
                     model_truth: bool = True, slow_ranks: Optional[dict] = None,
-                    readings: Sequence[str] = ("steady", "expected"), log=print) -> dict:
+                    readings: Sequence[str] = ("steady", "expected"), cache: Optional[dict] = None,
+                    log=print) -> dict:
     """{reading: {(R, g_factor, strategy): SimResult}} under the measured truth; "model": the steady reading under
     the old model truth."""
     out: dict = {r: {} for r in readings}
@@ -136,7 +235,8 @@ def run_fixed_batch(inp: Inputs, mix: Mix, ranks: Sequence[int] = (8, 64), g_fac
             for s in STRATEGIES:
                 t0 = time.perf_counter()
                 for reading in readings:
-                    out[reading][(R, gf, s)] = b = best_at_g(inp, mix, s, R, g, reading=reading, **kw)
+                    out[reading][(R, gf, s)] = b = best_at_g(inp, mix, s, R, g, reading=reading, cache=cache,
+                                                             **kw)
                     log(f"{reading:<8} R={R:<4} g={gf:g}·S_max {s:<16} {b.tokens_per_s:>12,.0f} tok/s  idle "
                         f"{100 * b.idle_fraction:5.1f} %  tokens CV {100 * b.tokens_step_cv:4.1f} %  M={b.M} "
                         f"W={b.window}  ({time.perf_counter() - t0:.1f} s)")

@@ -26,7 +26,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from scheduling.planner import SampleTable, plan_step
+from scheduling.planner import SampleTable, plan_step, resolve_planner
 from scheduling.batching import batch_sizes as rule_batch_sizes
 from scheduling.replay import RunSummary, StepTimes, summarize
 from scheduling.truth import Cluster, ModelTruth
@@ -80,6 +80,7 @@ class SimResult(RunSummary):
     strategy: str = ""
     setting: dict = field(default_factory=dict)
     window: int = 1
+    planner: str = "stream"
     batch_sizes: list = field(default_factory=list)
     tokens_step_cv: float = 0.0  # CV over steps of the real tokens a step trains on (the global batch's spread)
 
@@ -121,23 +122,26 @@ def tokens_per_step(mix: Mix, sizes: Sequence[int], M: int) -> float:
 def simulate(cost_fn: Callable[[int, int], float], mix: Mix, strategy: str, sizes: Sequence[int], R: int,
              M: int = 4, steps: int = 50, seed: int = 0, residuals: Optional[Sequence[float]] = None,
              optim_ms: float = 0.0, window: int = 1, setting: Optional[dict] = None,
-             cluster: Optional[Cluster] = None) -> SimResult:
+             cluster: Optional[Cluster] = None, planner: Optional[str] = None) -> SimResult:
     """K = `steps` steps of the planner (which predicts with cost_fn) on the mix. Each micro-batch takes what
     `cluster` says (scheduling/truth.py: measured times, FSDP's collectives, slow ranks); without one, the old
-    mode: cost_fn's prediction × (1 + ε), ε bootstrapped from `residuals`."""
+    mode: cost_fn's prediction × (1 + ε), ε bootstrapped from `residuals`. planner: stream, sorted or windowed
+    (None: the strategy's default, scheduling/planner.py)."""
+    planner = resolve_planner(strategy, window, planner)
     cluster = cluster or Cluster(ModelTruth(cost_fn, residuals))
     n = int(math.ceil(samples_per_step(mix, sizes, R, M) * steps * 1.1)) + R * M * max(sizes)
     table = mix.table(n, seed)
     rng = np.random.default_rng([seed, 17])
     plans, pos = [], 0
     for _ in range(steps):
-        plan, pos = plan_step(table, seed, 0, pos, R, strategy, M, sizes, cost_fn, window=window)
+        plan, pos = plan_step(table, seed, 0, pos, R, strategy, M, sizes, cost_fn, window=window, planner=planner)
         plans.append(plan)
         if pos >= len(table):
             raise AssertionError("the simulated epoch ran out: samples_per_step underestimates")
     run = summarize([StepTimes.of(plan, cluster.times(plan, rng), optim_ms) for plan in plans])
     tokens = np.array([plan.tokens for plan in plans], dtype=np.float64)
-    return SimResult(**{**asdict(run), "M": M}, strategy=strategy, setting=dict(setting or {}), window=window,
+    return SimResult(**{**asdict(run), "M": M}, strategy=strategy, setting=dict(setting or {}),
+                     window=window if planner == "windowed" else 1, planner=planner,
                      batch_sizes=[int(b) for b in sizes], tokens_step_cv=float(tokens.std() / tokens.mean()))
 
 
@@ -275,7 +279,8 @@ def settings_at_tokens(strategy: str, mix: Mix, cost_fn, p: Optional[float], m_m
 def sweep_at_tokens(cost_fn, mix: Mix, strategy: str, R: int, g: float, *, p: Optional[float], m_mem: float,
                     cluster: Optional[Cluster] = None, optim_ms: float = 0.0, seed: int = 0, mbs: int = 4096,
                     mbs_final: int = 16384, M_max: int = 16, per_M: int = 6, residuals=None,
-                    window: int = 1, tokens_cv: Optional[float] = TOKENS_CV) -> tuple[SimResult, list[SimResult]]:
+                    window: int = 1, tokens_cv: Optional[float] = TOKENS_CV,
+                    planner: Optional[str] = None) -> tuple[SimResult, list[SimResult]]:
     """The strategy best-tuned, over its knob and M, inside a fixed global batch: g tokens per rank per step (±10 %
     expected, and a CV of the steps' tokens within tokens_cv: each step a batch of about g, not only on average;
     None: the expectation alone).
@@ -287,7 +292,7 @@ def sweep_at_tokens(cost_fn, mix: Mix, strategy: str, R: int, g: float, *, p: Op
     cands = settings_at_tokens(strategy, mix, cost_fn, p, m_mem, g, M_max, per_M)
     if not cands:
         raise ValueError(f"no {strategy} setting holds {g:,.0f} tokens per rank per step within ±10 % (M ≤ {M_max})")
-    kw = dict(residuals=residuals, optim_ms=optim_ms, window=window, cluster=cluster)
+    kw = dict(residuals=residuals, optim_ms=optim_ms, window=window, cluster=cluster, planner=planner)
     runs = [simulate(cost_fn, mix, strategy, sizes, R, M, max(8, math.ceil(mbs / (R * M))), seed, setting=st, **kw)
             for st, sizes, M in cands]
     steady = [r for r in runs if tokens_cv is None or r.tokens_step_cv <= tokens_cv]

@@ -1,8 +1,9 @@
 """Simulate the four strategies on R ranks under a fixed global batch; write a report, CSV and plots.
 
     python scripts/simulate_cluster.py --calibration results/calibration_h200_graphs.json --out runs/simulation
-    python scripts/simulate_cluster.py --calibration FILE --quick          (R = 8, g = 2·S_max only: about 45 s)
+    python scripts/simulate_cluster.py --calibration FILE --quick          (R = 8, g = 2·S_max only: about 95 s)
     python scripts/simulate_cluster.py --calibration FILE --unconstrained  (also the earlier M = 4 protocol)
+    python scripts/simulate_cluster.py --calibration FILE --matrix-only    (the batch rule × planner matrix alone)
 
 The protocol (scheduling/protocol.py): every strategy holds the same expected real tokens per rank per optimizer
 step, g = {1, 2, 3.66, 8} · S_max (±10 %), best-tuned inside it over its knob and M (balanced also over the
@@ -11,6 +12,11 @@ planning window); the planner predicts with the calibration's cost model, each m
 --bandwidth GB/s when given. The same selection under the old model truth is reported beside it. Everything is
 written into --out (a folder; nothing under results/ unless named); --write-chosen also records the best settings
 in the calibration file, which training reads for scheduling.tokens_per_step.
+
+The report leads with the matrix (scheduling/protocol.py run_matrix): every batch rule under every planner (stream,
+sorted, windowed W = 2, 4, 8), each cell best-tuned inside the same g (--matrix-g) and memory bound, as tokens/s ÷
+the paper's system (dual_constraint in stream order), and what of the best cell's gain is the planner's and what
+the batch rule's. It is written to simulation_matrix.csv too.
 """
 from __future__ import annotations
 
@@ -24,8 +30,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
 from scheduling.calibrate import HBM_FRACTION, Calibration  # noqa: E402
-from scheduling.protocol import (STRATEGIES, describe_setting, inputs_from, record_chosen,  # noqa: E402
-                                 record_chosen_at_g, run_fixed_batch, run_unconstrained)
+from scheduling.protocol import (MATRIX_PLANNERS, MATRIX_RULES, PAPER, STRATEGIES,  # noqa: E402
+                                 describe_setting, inputs_from, matrix_shares, planner_label, record_chosen,
+                                 record_chosen_at_g, run_fixed_batch, run_matrix, run_unconstrained)
 from scheduling.simulate import DEFAULT_MIX, G_FACTORS, KNOB, Mix  # noqa: E402
 from training.cli import run_main  # noqa: E402
 
@@ -57,30 +64,41 @@ def parse_args(argv):
                     "micro-batches join the truth")
     ap.add_argument("--mbs", type=int, default=None, help="micro-batches per candidate run (the final run: 4×; "
                     "default 4096, --quick 2048)")
+    ap.add_argument("--per-m", type=int, default=None, help="candidate batch tables per M (default 6, --quick 3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="R = 8 and g = 2·S_max only, fewer candidates and "
-                    "micro-batches: about 45 s on 2 CPU cores")
+                    "micro-batches: about 95 s on 2 CPU cores")
     ap.add_argument("--no-model-truth", action="store_true", help="skip the old mode's rows")
     ap.add_argument("--unconstrained", action="store_true", help="also the earlier protocol (M = 4, no batch bound)")
     ap.add_argument("--M", type=int, default=4, help="M of the unconstrained protocol")
     ap.add_argument("--write-chosen", action="store_true", help="record the best settings in the calibration file")
+    ap.add_argument("--matrix-g", default="2,3.66", help="g ÷ S_max values of the batch rule × planner matrix "
+                    "(--quick: 2)")
+    ap.add_argument("--matrix-only", action="store_true", help="the matrix alone, not the strategy comparison")
+    ap.add_argument("--no-matrix", action="store_true", help="the strategy comparison alone")
     args = ap.parse_args(argv)
     if args.mbs is None:
         args.mbs = 2048 if args.quick else 4096
+    if args.matrix_only and (args.no_matrix or args.write_chosen or args.unconstrained):
+        ap.error("--matrix-only writes the matrix alone: drop --no-matrix, --write-chosen and --unconstrained")
     return args
 
 
 # Seconds one comparison of the four strategies (one R, one g, one truth) takes at 4096 micro-batches per candidate
 # (quick: 3 candidates per M, otherwise 6); the time scales with --mbs. The unconstrained protocol adds about
-# UNCONSTRAINED_S per rank count. quick: --quick took 44 s on this repo's 2-core development machine on 2026-12-02
-# with other jobs running (load 1-2; 92 s at load ~5); full: measured earlier on the same machine.
+# UNCONSTRAINED_S per rank count. A matrix row (one batch rule under the five planners, one R and g) at 4096: full
+# from the 14B's matrix (35 s of CPU a row at --mbs 2048), quick as half of it (3 candidates per M); the matrix's
+# cells also serve the comparison's steady reading. --quick (the matrix and the comparison) took 93 s on this repo's
+# 2-core development machine on 2026-12-02 with other jobs running (load ~3; estimated 98 s).
 COMPARISON_S = {"quick": 30.0, "full": 45.0}
 UNCONSTRAINED_S = 20.0
+MATRIX_ROW_S = {"quick": 35.0, "full": 70.0}
 
 
-def estimate_s(n_comparisons: int, n_ranks: int, args) -> float:
+def estimate_s(n_comparisons: int, n_ranks: int, args, n_matrix_rows: int = 0) -> float:
     scale = args.mbs / 4096
-    return scale * (n_comparisons * COMPARISON_S["quick" if args.quick else "full"]
+    kind = "quick" if args.quick else "full"
+    return scale * (n_comparisons * COMPARISON_S[kind] + n_matrix_rows * MATRIX_ROW_S[kind]
                     + (n_ranks * UNCONSTRAINED_S if args.unconstrained else 0.0))
 
 
@@ -96,11 +114,7 @@ READING_TITLE = {"steady": "every step a batch of g (expected tokens ±10 %, the
                  "expected": "the expected tokens alone (±10 %; balanced without a window)"}
 
 
-def report(res: dict, inp, cal: Calibration, cal_path: str, mix: Mix, args, elapsed: float) -> list[str]:
-    mo = res["model"]
-    readings = [r for r in ("steady", "expected") if r in res]
-    ranks = sorted({k[0] for k in res[readings[0]]})
-    gs = sorted({k[1] for k in res[readings[0]]})
+def header(inp, cal: Calibration, cal_path: str, mix: Mix, ranks, elapsed: float) -> list[str]:
     lines = [f"# Cluster simulation under a fixed global batch ({datetime.date.today()})", "",
              f"Command: `python scripts/simulate_cluster.py {' '.join(sys.argv[1:])}` ({elapsed:.0f} s).", "",
              f"Input: `{cal_path}` — {cal.data.get('source')}, {cal.data.get('device')}, {cal.data.get('date')}.",
@@ -119,6 +133,61 @@ def report(res: dict, inp, cal: Calibration, cal_path: str, mix: Mix, args, elap
               + (f" {inp.comm.describe(8)}." if inp.comm else " No FSDP communication modelled."),
               "", "Mix (shares of samples): " + ", ".join(f"{n} S={S} {100 * s:.0f} %"
                                                         for n, S, s in zip(mix.names, mix.S, mix.share)), ""]
+    return lines
+
+
+def matrix_report(m: dict) -> list[str]:
+    """The batch rule × planner tables, one per (R, g): each cell its tokens/s ÷ the paper's system and its idle
+    fraction; below each, the split of the best cell's gain into the planner's part and the batch rule's."""
+    keys = sorted({(R, gf) for R, gf, _, _ in m})
+    cols = [c for c in [planner_label(p, w) for p, w in MATRIX_PLANNERS] + ["best W"] if any(k[3] == c for k in m)]
+    lines = ["## Batch rule × planner (every cell best-tuned over its knob and M inside the same g and memory bound; "
+             "every step a batch of g)", "",
+             "Each cell: tokens/s ÷ the paper's system (dual_constraint in stream order), and the idle fraction. "
+             "balanced is the cost rule under the sorted or windowed planner, so its row is cost's.", ""]
+    for R, gf in keys:
+        rules = [rl for rl in MATRIX_RULES if (R, gf, rl, "stream") in m]
+        paper = m[(R, gf) + PAPER]
+        lines += [f"### R = {R}, g = {gf:g}·S_max (the paper's system: {paper.tokens_per_s:,.0f} tokens/s, idle "
+                  f"{100 * paper.idle_fraction:.1f} %)", "",
+                  "| batch rule | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+        for rl in rules:
+            cells = []
+            for c in cols:
+                r = m[(R, gf, rl, c)]
+                w = f", W={r.window}" if c == "best W" else ""
+                cells.append(f"{r.tokens_per_s / paper.tokens_per_s:.2f}× ({100 * r.idle_fraction:.1f} %{w})")
+            lines.append(f"| {rl} | " + " | ".join(cells) + " |")
+        sh = matrix_shares(m, R, gf)
+        lines += ["", f"Best cell: {sh['best'][0]} × {sh['best'][1]}, {sh['total']:.2f}× the paper's system. The "
+                  f"batch rule alone (best rule in stream order, {sh['best_stream_rule']}): {sh['rule_in_stream']:.2f}×; "
+                  f"the planner alone (the paper's rule under its best planner, {sh['paper_rule_best_planner']}): "
+                  f"{sh['planner_on_paper_rule']:.2f}×. On the best rule the planner gives "
+                  f"{sh['planner_on_best_rule']:.2f}× over stream order; under the best planner the rule gives "
+                  f"{sh['rule_under_best_planner']:.2f}× over the paper's.", ""]
+    return lines
+
+
+def write_matrix_csv(m: dict, path: str) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["R", "g_factor", "rule", "planner_column", "planner", "window", "knob_value", "M",
+                    "tokens_per_step", "tokens_per_s", "ratio_to_paper", "idle_fraction", "compute_cv",
+                    "tokens_step_cv", "batch_sizes"])
+        for (R, gf, rl, col), r in sorted(m.items(), key=lambda kv: kv[0][:3]):
+            paper = m[(R, gf) + PAPER]
+            w.writerow([R, gf, rl, col, r.planner, r.window, r.setting.get(KNOB[rl]), r.M,
+                        r.setting.get("tokens_per_step"), f"{r.tokens_per_s:.1f}",
+                        f"{r.tokens_per_s / paper.tokens_per_s:.4f}", f"{r.idle_fraction:.5f}", f"{r.compute_cv:.5f}",
+                        f"{r.tokens_step_cv:.5f}", " ".join(map(str, r.batch_sizes))])
+
+
+def report(res: dict, inp, cal: Calibration, cal_path: str, mix: Mix, args, elapsed: float) -> list[str]:
+    mo = res["model"]
+    readings = [r for r in ("steady", "expected") if r in res]
+    ranks = sorted({k[0] for k in res[readings[0]]})
+    gs = sorted({k[1] for k in res[readings[0]]})
+    lines = []
     for reading, R in [(rd, R) for rd in readings for R in ranks]:
         m = res[reading]
         lines += [f"## R = {R}, {READING_TITLE[reading]}", "",
@@ -194,18 +263,31 @@ def main(argv=None) -> None:
     if args.slow_rank:
         r, f = args.slow_rank.split(":")
         slow = {int(r): float(f)}
-    n_runs = len(ranks) * len(gs) * (3 if not args.no_model_truth else 2)
+    matrix_gs = [2.0] if args.quick else [float(g) for g in args.matrix_g.split(",")]
+    n_runs = 0 if args.matrix_only else len(ranks) * len(gs) * (3 if not args.no_model_truth else 2)
+    n_rows = 0 if args.no_matrix else len(ranks) * len(matrix_gs) * len(MATRIX_RULES)
     print(f"input {args.calibration} ({cal.data.get('source')}); mode {mode}; {n_runs} comparisons of four "
-          f"strategies at {args.mbs} micro-batches a candidate: estimated run time about "
-          f"{estimate_s(n_runs, len(ranks), args):.0f} s on 2 CPU cores", flush=True)
+          f"strategies and {n_rows} matrix rows at {args.mbs} micro-batches a candidate: estimated run time about "
+          f"{estimate_s(n_runs, len(ranks), args, n_rows):.0f} s on 2 CPU cores", flush=True)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
-    res = run_fixed_batch(inp, mix, ranks, gs, seed=args.seed, mbs=args.mbs, mbs_final=4 * args.mbs,
-                          per_M=3 if args.quick else 6, model_truth=not args.no_model_truth, slow_ranks=slow)
-    lines = report(res, inp, cal, args.calibration, mix, args, time.perf_counter() - t0)
-    files = [os.path.join(args.out, f) for f in ("simulation.md", "simulation.csv", "simulation_ratio.png")]
-    write_csv(res, files[1])
-    plot(res, files[2])
+    per_M = args.per_m or (3 if args.quick else 6)
+    kw = dict(seed=args.seed, mbs=args.mbs, mbs_final=4 * args.mbs, per_M=per_M, slow_ranks=slow,
+              cache={})  # the matrix's cells serve the strategy comparison's steady reading
+    matrix = {} if args.no_matrix else run_matrix(inp, mix, ranks, matrix_gs, **kw)
+    res = None if args.matrix_only else run_fixed_batch(inp, mix, ranks, gs, model_truth=not args.no_model_truth,
+                                                        **kw)
+    lines = header(inp, cal, args.calibration, mix, ranks, time.perf_counter() - t0)
+    files = [os.path.join(args.out, "simulation.md")]
+    if matrix:
+        lines += matrix_report(matrix)
+        files.append(os.path.join(args.out, "simulation_matrix.csv"))
+        write_matrix_csv(matrix, files[-1])
+    if res is not None:
+        lines += report(res, inp, cal, args.calibration, mix, args, time.perf_counter() - t0)
+        files += [os.path.join(args.out, f) for f in ("simulation.csv", "simulation_ratio.png")]
+        write_csv(res, files[-2])
+        plot(res, files[-1])
     if args.unconstrained:
         un = run_unconstrained(cal, mode, mix, ranks, ranks, args.M, args.mbs * 2, args.seed)
         lines += ["## The earlier protocol: M = " + str(args.M) + ", no batch bound (model truth)", "",
@@ -226,7 +308,7 @@ def main(argv=None) -> None:
             record_chosen(cal, un, mode)
     with open(files[0], "w") as f:
         f.write("\n".join(lines) + "\n")
-    if args.write_chosen:
+    if args.write_chosen and res is not None:
         record_chosen_at_g(cal, res, mix, mode, inp.m_mem, inp.m_mem_by_ranks)
         cal.save(args.calibration)
         files.append(args.calibration)

@@ -108,13 +108,15 @@ def step(model, batches, num_samples, ctx, opt, ema=None, grad_clip=0.0):
     return train_step(TrainParts(model, OBJ, opt, sched, ctx, SEED, grad_clip, ema=ema), batches, num_samples, EPOCH)
 
 
-def test_gradient_is_world_size_times_the_weighted_per_sample_mean_over_the_whole_step():
+@pytest.mark.parametrize("num_samples", [7, 5.5])
+def test_gradient_is_world_size_times_the_weighted_per_sample_mean_over_the_whole_step(num_samples):
     """Two micro-batches on this rank (one holds a padding sample of weight 0) of a 2-rank step with 7 real samples:
     the gradient handed to the optimizer is 2 · ∇(Σ weight·loss / 7), so that averaging over 2 ranks gives the
-    global per-sample mean; the padding sample contributes nothing to loss or gradient."""
+    global per-sample mean; the padding sample contributes nothing to loss or gradient. A windowed step divides by
+    its window's mean count a step instead (5.5 here), and its gradient is 2 · ∇(Σ weight·loss / 5.5)."""
     model = Tiny()
     mbs = [batch("a", 3, [1.0, 1.0, 1.0]), batch("b", 2, [1.0, 0.0], F=1, H=2, W=4)]
-    num_samples = 7  # 4 real here, 3 on the other rank
+    # 4 real here, 3 on the other rank
     ref = copy.deepcopy(model)
     total, sums = 0.0, []
     for mb in mbs:

@@ -94,7 +94,8 @@ def test_the_protocol_records_what_training_reads_for_tokens_per_step(tmp_path):
     best = res["steady"][(8, 2.0, "balanced")]
     tokens = dict(zip(MIX.names, MIX.S))
     shares = dict(zip(MIX.names, MIX.share))
-    s = resolve_schedule(SchedulingConfig("balanced", calibration=path, tokens_per_step=2 * MIX.S_max), tokens,
+    s = resolve_schedule(SchedulingConfig("balanced", calibration=path, tokens_per_step=2 * MIX.S_max,
+                                          window=best.window), tokens,  # a window only where the config asks
                          ModelShape(1, 30, 1536, 512), world_size=8, shares=shares)
     assert s.micro_batches == best.M and s.window == best.window
     assert s.values["target_microbatch_ms"] == best.setting["target_microbatch_ms"]

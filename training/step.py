@@ -1,7 +1,12 @@
 """One optimizer step over this rank's micro-batches, and the fixed validation loss.
 
-Loss normalisation (contracts §3): Σ per-sample losses · loss_weight / (real samples in the whole step, all ranks
-and slots), multiplied by world_size before backward, so the data-parallel gradient average is the global mean.
+Loss normalisation (contracts §3): Σ per-sample losses · loss_weight / loss_norm, multiplied by world_size before
+backward, so the data-parallel gradient average is Σ over the step's samples / loss_norm. loss_norm is the plan's
+(StepPlan.loss_norm): the real samples in the whole step (all ranks and slots) — the step's per-sample mean — for
+a one-step planner (stream, sorted); for planner=windowed the window's real samples ÷ its W steps, the same for
+every step of the window, so that a sample weighs 1 / loss_norm whichever step of the window it lands in (a
+window's steps hold very different counts, and dividing by each step's own would up-weight the samples of the
+small steps).
 A NaN/Inf loss or gradient norm skips the update (every rank agrees: both are global).
 """
 from __future__ import annotations
@@ -113,8 +118,9 @@ def draw_t_noise(objective: FlowMatching, keys: Sequence[str], shape: Sequence[i
     return torch.stack(ts), torch.stack(noise)
 
 
-def train_step(parts: TrainParts, batches: Iterable[Batch], num_samples: int, epoch: int) -> StepStats:
-    """One optimizer step over this rank's micro-batches; num_samples: real samples in the whole step (all ranks).
+def train_step(parts: TrainParts, batches: Iterable[Batch], loss_norm: float, epoch: int) -> StepStats:
+    """One optimizer step over this rank's micro-batches; loss_norm: what the loss sum divides by (the plan's
+    loss_norm: real samples in the whole step, all ranks, or a window's mean a step; see the module docstring).
     With parts.graphs each (bucket shape, B, recompute decision) is replayed after its first eager run; parameter
     gradients then stay allocated between steps (zeroed in place)."""
     model, objective, optimizer, scheduler, ema, ctx = (parts.model, parts.objective, parts.optimizer,
@@ -125,7 +131,7 @@ def train_step(parts: TrainParts, batches: Iterable[Batch], num_samples: int, ep
     dev = ctx.device
     loss_sum = torch.zeros((), device=dev) if graphs is None else \
         graphs.buffer("loss_sum", lambda: torch.zeros((), device=dev)).zero_()
-    scale = torch.full((), ctx.world_size / max(1, num_samples))
+    scale = torch.full((), ctx.world_size / max(1, loss_norm))
     clock = _Clock(dev)
     if graphs is not None:  # replays accumulate into these very tensors
         for p in model.parameters():
