@@ -111,7 +111,7 @@ def test_a_new_field_without_metadata_takes_its_sections_class():
 
     @dataclasses.dataclass
     class Scheduling(SchedulingConfig):
-        planner: str = "windowed"
+        new_rule_knob: str = "x"
 
     @dataclasses.dataclass
     class Model(ModelConfig):
@@ -131,11 +131,11 @@ def test_a_new_field_without_metadata_takes_its_sections_class():
         extra: Extra = dataclasses.field(default_factory=Extra)
 
     table = resume_table(TrainConfig(scheduling=Scheduling(), model=Model(), optim=Optim(), data=Data()))
-    got = {k: str(resume_rule(k, table)) for k in ("scheduling.planner", "model.new_width", "model.new_kernel",
+    got = {k: str(resume_rule(k, table)) for k in ("scheduling.new_rule_knob", "model.new_width", "model.new_kernel",
                                                     "optim.new_knob", "data.extra.x")}
-    assert got == {"scheduling.planner": "plan", "model.new_width": "trained", "model.new_kernel": "execution",
+    assert got == {"scheduling.new_rule_knob": "plan", "model.new_width": "trained", "model.new_kernel": "execution",
                    "optim.new_knob": "free", "data.extra.x": "plan"}
-    new = ("scheduling.planner", "model.new_width", "model.new_kernel", "optim.new_knob", "data.extra.x",
+    new = ("scheduling.new_rule_knob", "model.new_width", "model.new_kernel", "optim.new_knob", "data.extra.x",
            "data.extra.*")
     assert {k: r for k, r in table.items() if k not in new} == resume_table(TrainConfig())  # nothing else moved
 
