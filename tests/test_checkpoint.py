@@ -639,3 +639,29 @@ def test_lora_turned_on_at_resume_is_refused_up_front_forced_or_not(tmp_path):
     for force in (False, True):
         with pytest.raises(ValueError, match=r"model.lora.rank 0 → 4 turns LoRA on.*model.pretrained=exported/NAME"):
             check_config(str(ckpt), now, force, False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["rng", "manifest"])
+def test_one_ranks_full_disk_ends_the_save_on_every_rank_instead_of_a_hang(tmp_path, fault):
+    """A rank whose own file (its RNG state; rank 0's manifest) meets a full disk used to leave while its peer
+    waited for it in the next barrier (gloo: 30 minutes). Every rank now agrees on the local writes first, so both
+    raise NoSpaceLeft at once and step_3.tmp is gone."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    out = str(tmp_path / "run" / "outcome")
+    os.makedirs(os.path.dirname(out))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "tests/save_worker.py", out, fault], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = [json.load(open(f"{out}.rank{r}.json")) for r in (0, 1)]
+    for g in got:  # the rank that met the full disk and its peer alike
+        assert g["raised"] == "NoSpaceLeft", g
+        assert "no space left on" in g["message"] and "step_3" in g["message"], g
+    assert not any(n.startswith("step_3") for n in os.listdir(tmp_path / "run"))

@@ -177,8 +177,13 @@ def write_manifest(path: str, ctx: DistContext) -> None:
     entries = {}
     for part in ctx.gather_objects(mine):
         entries.update(part)
+    error = None
     if ctx.is_main:
-        write_whole(path, MANIFEST, json.dumps({"files": dict(sorted(entries.items()))}, indent=1))
+        try:
+            write_whole(path, MANIFEST, json.dumps({"files": dict(sorted(entries.items()))}, indent=1))
+        except OSError as e:
+            error = e
+    _agreed(error, ctx)
 
 
 def _check_files(path: str, files: dict, names: list[str]) -> Optional[str]:
@@ -295,19 +300,40 @@ def _remove(path: str) -> None:
         shutil.rmtree(path)
 
 
+def _agreed(error: Optional[BaseException], ctx: DistContext) -> None:
+    """Raise on every rank when any rank's local write failed — the failing rank its own error, the others an
+    OSError naming it (ENOSPC where it was one) — so that no rank waits in a later barrier for one that left.
+    Collective; one process: raise its own error."""
+    if ctx.distributed:
+        full = error is not None and no_space(error, "") is not None
+        said = ctx.gather_objects(None if error is None else (full, f"{type(error).__name__}: {error}"))
+        failed = [(r, e) for r, e in enumerate(said) if e is not None]
+        if failed and error is None:
+            r, (full, what) = failed[0]
+            raise OSError(errno.ENOSPC if full else errno.EIO, f"rank {r} could not write its part ({what})")
+    if error is not None:
+        raise error
+
+
 def _write(tmp: str, step: int, model, optimizer, ema, meta: dict, config_yaml: str, ctx: DistContext,
            trainable_only: bool, diverged: bool) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns that it runs without a process group in one process
+        # collective: DCP gathers every rank's write failure and raises it on all of them
         dcp.save(_live_state(model, optimizer, ema, trainable_only), checkpoint_id=tmp)
-    rng = io.BytesIO()
-    torch.save(_rng_state(), rng)  # into memory: torch's zip writer would turn a full disk into its own error
-    write_whole(tmp, f"rng_rank{ctx.rank}.pt", rng.getvalue())
-    if ctx.is_main:
-        write_whole(tmp, "config.yaml", config_yaml)
-        write_whole(tmp, "meta.json", json.dumps({"step": step, "world_size": ctx.world_size, "diverged": diverged,
-                                                  "optimizer": type(optimizer).__name__, **meta}, indent=1))
-    ctx.barrier()
+    error = None
+    try:
+        rng = io.BytesIO()
+        torch.save(_rng_state(), rng)  # into memory: torch's zip writer would turn a full disk into its own error
+        write_whole(tmp, f"rng_rank{ctx.rank}.pt", rng.getvalue())
+        if ctx.is_main:
+            write_whole(tmp, "config.yaml", config_yaml)
+            write_whole(tmp, "meta.json", json.dumps({"step": step, "world_size": ctx.world_size,
+                                                      "diverged": diverged, "optimizer": type(optimizer).__name__,
+                                                      **meta}, indent=1))
+    except OSError as e:
+        error = e
+    _agreed(error, ctx)
     write_manifest(tmp, ctx)
 
 
@@ -322,12 +348,16 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, ema, meta: dict, 
             log.warning("%s exists: kept as it was first written (a diverged checkpoint is never overwritten)", path)
         return path
     tmp = path + ".tmp"
+    error = None
     if ctx.is_main:
-        _remove(tmp)
-        os.makedirs(tmp)
-    ctx.barrier()
+        try:
+            _remove(tmp)
+            os.makedirs(tmp)
+        except OSError as e:
+            error = e
     try:
-        _write(tmp, step, model, optimizer, ema, meta, config_yaml, ctx, trainable_only, diverged)
+        _agreed(error, ctx)  # every rank's writes are agreed on before the next collective: none waits for a rank
+        _write(tmp, step, model, optimizer, ema, meta, config_yaml, ctx, trainable_only, diverged)  # that left
     except BaseException as e:
         if ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
