@@ -40,7 +40,8 @@ from training.host_memory import check_host_memory
 from training.inputs import model_inputs
 from training.metrics import MetricsLogger, StepMetrics, busy_every
 from training.optim import EMA, build_optimizer
-from training.resume import apply_optim_config, check_config, nothing_to_do, optim_hyperparameters, resume
+from training.resume import (apply_optim_config, check_config, keep_run_values, nothing_to_do,
+                             optim_hyperparameters, resume, saved_run_config)
 from training.run_folder import RunFolder, multirun_job, write_whole
 from training.sampling import ValidationSampler, log_encoders
 from training.shape_benchmark import calibration_for_run
@@ -326,6 +327,12 @@ def _main(dcfg: DictConfig) -> None:
         raw = multirun_job(raw, hc.job.num, swept_values(hc.overrides.task, sys.argv[1:]))
     if any(o.split("=", 1)[0].lstrip("+~") in ("logging", "logging.wandb") for o in hc.overrides.task):
         os.environ["WANDB_MODE"] = raw["logging"]["wandb"]  # the command line beats the environment
+    if raw.get("resume") and (saved := saved_run_config(raw["resume"], raw["run_dir"])) is not None:
+        given = {o.split("=", 1)[0].lstrip("+~") for o in hc.overrides.task}
+        for key, default, was in keep_run_values(raw, saved, given):  # the run's values, not the defaults
+            if int(os.environ.get("RANK", "0")) == 0:
+                log.info("resume: %s %r kept, the run's value (this command line does not set it; the config "
+                         "alone gives %r)", key, was, default)
     cfg = load_config(raw)  # every bad value is refused here, before any compute
     if cfg.show_buckets:
         from training.bucket_report import print_buckets

@@ -159,3 +159,27 @@ def test_config_changes_sorts_each_difference_by_its_class():
     plan, other = config_changes(saved, now)
     assert sorted(plan) == ["model.num_layers", "scheduling.window", "train.seed"]
     assert sorted(other) == ["data.num_workers", "model.compile", "optim.ema_decay", "optim.lr"]
+
+
+def test_a_resume_keeps_the_runs_values_where_the_command_line_names_none():
+    """keep_run_values: a changeable key the command line does not name keeps the run's value (a swept rate, an
+    execution knob); one it names, itself or through its group, is this run's; refused and ignored keys are left to
+    check_config (refused there, or not compared)."""
+    import copy
+
+    from training.config import TrainConfig
+    from training.resume import keep_run_values
+
+    raw = dataclasses.asdict(TrainConfig())
+    saved = copy.deepcopy(raw)
+    saved["optim"]["lr"], saved["optim"]["weight_decay"] = 1.0e-3, 0.05     # free
+    saved["model"]["checkpointing"] = "full"                                 # execution
+    saved["train"]["steps"], saved["train"]["seed"] = 40, 7                  # free (named below), plan
+    saved["name"], saved["data"]["num_workers"] = "other", 3                 # ignored, execution (named below)
+    now = copy.deepcopy(raw)
+    kept = keep_run_values(now, saved, given={"train.steps", "data", "resume"})
+    assert {k for k, _, _ in kept} == {"optim.lr", "optim.weight_decay", "model.checkpointing"}
+    assert (now["optim"]["lr"], now["optim"]["weight_decay"], now["model"]["checkpointing"]) == (1e-3, 0.05, "full")
+    assert now["train"]["steps"] == raw["train"]["steps"] and now["data"]["num_workers"] == raw["data"]["num_workers"]
+    assert now["train"]["seed"] == raw["train"]["seed"] and now["name"] == raw["name"]  # check_config's to judge
+    assert dict((k, (a, b)) for k, a, b in kept)["optim.lr"] == (raw["optim"]["lr"], 1e-3)

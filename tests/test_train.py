@@ -263,6 +263,17 @@ def test_multirun_gives_every_job_its_own_folder_and_one_wandb_group(tmp_path, c
     rows = read_metrics(folder)
     assert rows[-1]["step"] == 3  # in linear warm-up: step 3 at half the base rate is 3/2 · ½ of step 2's rate
     assert rows[-1]["train/lr"] == pytest.approx(rows[2]["train/lr"] * 1.5 * 0.5, rel=1e-9)
+    # resumed again without naming optim.lr: the run's 5e-4 goes on, not the config's default 2e-3
+    done = subprocess.run([sys.executable, "train.py", "resume=auto", "name=sweep-optim.lr_0.001",
+                           *tiny_overrides(folder, cache, "train.steps=4", "train.val_every=4")], cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"), capture_output=True,
+                          text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-2000:]
+    assert "resume: optim.lr 0.0005 kept, the run's value (this command line does not set it; the config alone " \
+           "gives 0.002)" in out and "optim.lr 0.0005 → 0.002" not in out
+    rows = read_metrics(folder)
+    assert rows[-1]["step"] == 4 and rows[-1]["train/lr"] == pytest.approx(rows[3]["train/lr"] * 4 / 3, rel=1e-9)
 
 
 @pytest.mark.parametrize("preset", ["wan21_8gpu", "wan21_16gpu", "hunyuan_video", "wan21_1p3b", "wan21_1p3b_lora"])
@@ -300,7 +311,7 @@ def test_the_first_twenty_lines_say_what_ran(tmp_path, cache):
     assert rc == 0, lines[-20:]
     head = "\n".join(lines[:20])
     assert "1 process(es) (started by python (one process)), device cpu, backend none, 1 CPU thread(s)" in head
-    assert "scheduling: strategy balanced, calibration results/calibration_cpu_tiny.json (config)" in head
+    assert "scheduling: strategy balanced, planner sorted, calibration results/calibration_cpu_tiny.json (config)" in head
 
 
 def test_two_runs_started_together_into_one_folder_one_runs_the_other_is_refused_at_once(tmp_path, cache):

@@ -211,6 +211,44 @@ def check_config(ckpt: str, now, force: bool, is_main: bool) -> None:
             log.info("resume: %s %r → %r (this run's value is used)", k, a, b)
 
 
+def saved_run_config(resume: str, run_dir: str) -> Optional[dict]:
+    """The config the run to resume was trained with: the named checkpoint's config.yaml, or for `auto` the newest
+    checkpoint's in run_dir; None where there is none or it does not read (the resume itself then says why)."""
+    path = resume
+    if resume == "auto":
+        found = list_checkpoints(run_dir)
+        if not found:
+            return None
+        path = found[-1][1]
+    try:
+        saved = yaml.safe_load(read_text(path, "config.yaml"))
+    except (OSError, ValueError, yaml.YAMLError, UnicodeDecodeError):
+        return None
+    return saved if isinstance(saved, dict) else None
+
+
+def keep_run_values(raw: dict, saved: dict, given: set[str]) -> list[tuple[str, object, object]]:
+    """Resuming continues the run's config with this command line's changes, not with the defaults: a key that may
+    change on resume (not refused, not ignored) whose value differs from the run's, and that the command line does
+    not name (itself, or a group above it: `optim=adafactor` names optim.*), keeps the run's value — a swept
+    optim.lr stays the sweep's, not the default's. raw (this run's plain config) is changed in place; returns
+    [(key, the config's value, the run's, kept)]."""
+    a, b = flatten(saved), flatten(raw)
+    kept = []
+    for key in sorted(set(a) & set(b)):
+        if a[key] == b[key] or resume_rule(key).cls in (*REFUSED, "ignored"):
+            continue
+        if any(key == g or key.startswith(g + ".") for g in given):
+            continue
+        node = raw
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = a[key]
+        kept.append((key, b[key], a[key]))
+    return kept
+
+
 def candidates(resume: str, run_dir: str) -> list[str]:
     """The checkpoints to try, in order: newest first for `auto`, the named one otherwise."""
     if resume == "auto":
