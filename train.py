@@ -60,9 +60,10 @@ class StopRequest:
         self.received = signum
 
 
-def run(cfg: TrainConfig, config_yaml: str, preset: str = "default") -> dict:
+def run(cfg: TrainConfig, config_yaml: str, preset: str = "default", kept_values=()) -> dict:
     """Train as configured; returns the last logged metrics (for tests and scripts). preset: the conf=NAME chosen
-    (a wandb tag)."""
+    (a wandb tag); kept_values: [(key, the config's value, the run's)] that a resume keeps (training/resume.py
+    keep_run_values), logged once the run folder holds the log."""
     # 1. process group and run folder: locked for this run's life before anything is written, refused when another
     # run holds it or (a fresh run) holds another run's files (training/run_folder.py)
     check_devices(cfg.launch.num_processes, cfg.launch.device, cfg.launch.debug_share_gpu)
@@ -72,12 +73,12 @@ def run(cfg: TrainConfig, config_yaml: str, preset: str = "default") -> dict:
     folder = RunFolder(cfg.run_dir, cfg.resume, cfg.overwrite, ctx)
     try:
         with collector_every(cfg.train.gc_every) as gc_tick:  # Python's collector between steps, not inside them
-            return _run(cfg, ctx, config_yaml, gc_tick, preset)
+            return _run(cfg, ctx, config_yaml, gc_tick, preset, kept_values)
     finally:
         folder.close()
 
 
-def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str) -> dict:
+def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str, kept_values=()) -> dict:
     threads = cpu_threads(cfg.launch.cpu_threads) if ctx.device.type == "cpu" else None
     if ctx.is_main:
         backend = torch.distributed.get_backend() if ctx.distributed else "none"
@@ -88,6 +89,9 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str) -> dict:
                         "says; use torchrun --nproc_per_node N (or launch.num_processes=N) for several")
         for warning in config_warnings(cfg):
             log.warning("%s", warning)
+        for key, default, was in kept_values:
+            log.info("resume: %s %r kept, the run's value (this command line does not set it; the config alone "
+                     "gives %r)", key, was, default)
     torch.manual_seed(cfg.train.seed)
 
     # 2. the corpus, first: what it can check without the model (patterns, index, empty prompt) fails before the build
@@ -327,12 +331,9 @@ def _main(dcfg: DictConfig) -> None:
         raw = multirun_job(raw, hc.job.num, swept_values(hc.overrides.task, sys.argv[1:]))
     if any(o.split("=", 1)[0].lstrip("+~") in ("logging", "logging.wandb") for o in hc.overrides.task):
         os.environ["WANDB_MODE"] = raw["logging"]["wandb"]  # the command line beats the environment
+    kept = []  # resuming: the run's values where the command line names none, not the defaults (said in run())
     if raw.get("resume") and (saved := saved_run_config(raw["resume"], raw["run_dir"])) is not None:
-        given = {o.split("=", 1)[0].lstrip("+~") for o in hc.overrides.task}
-        for key, default, was in keep_run_values(raw, saved, given):  # the run's values, not the defaults
-            if int(os.environ.get("RANK", "0")) == 0:
-                log.info("resume: %s %r kept, the run's value (this command line does not set it; the config "
-                         "alone gives %r)", key, was, default)
+        kept = keep_run_values(raw, saved, {o.split("=", 1)[0].lstrip("+~") for o in hc.overrides.task})
     cfg = load_config(raw)  # every bad value is refused here, before any compute
     if cfg.show_buckets:
         from training.bucket_report import print_buckets
@@ -340,7 +341,8 @@ def _main(dcfg: DictConfig) -> None:
         print_buckets(cfg)
         return
     maybe_launch(cfg.launch.num_processes, cfg.launch.device, cfg.launch.debug_share_gpu)
-    run(cfg, OmegaConf.to_yaml(OmegaConf.create(raw)), preset=hc.runtime.choices.get("conf") or "default")
+    run(cfg, OmegaConf.to_yaml(OmegaConf.create(raw)), preset=hc.runtime.choices.get("conf") or "default",
+        kept_values=kept)
 
 
 if __name__ == "__main__":

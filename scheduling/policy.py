@@ -205,7 +205,9 @@ def graph_pool_bytes(tokens: Mapping[str, int], graph_tokens: Optional[int], mem
     The largest (B, S) the bucket table can capture — B = ⌊graph_tokens / S⌋ for each S — at the policy it runs
     under the whole budget (PartialRecompute's choice, else the mode's memory model): its peak above the same
     policy's peak at B = 0. 0 without graphs (graph_tokens 0) or a memory model; with no cap (None) every
-    micro-batch is captured, none runs beside the pool, and nothing is reserved."""
+    micro-batch is captured, none runs beside the pool, and nothing is reserved. An upper bound: the schedule's own
+    batch sizes may capture less (a bucket whose full micro-batch is over graph_tokens is captured only in its
+    short last one), but they depend on the budget this sets."""
     if not graph_tokens or (memory is None and partial is None):
         return 0.0
     worst = 0.0
@@ -356,9 +358,16 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
         # the bound's micro-batches run eager beside the graphs' pool: their budget is the pool smaller
         budget = (cfg.mem_budget_gib * 2**30 if cfg.mem_budget_gib is not None
                   else HBM_FRACTION * cal.hbm_bytes if cal.hbm_bytes else None)
-        bound = memory.m_mem(budget - reserve, S_min) if budget else 0
-        if graph_tokens < bound < val["m_mem"]:
+        # micro-batches up to graph_tokens are captured (the pool is their own memory), so the bound never drops
+        # below it; above it the pool is held beside them
+        bound = max(int(graph_tokens), memory.m_mem(budget - reserve, S_min)) if budget else val["m_mem"]
+        if bound < val["m_mem"]:
             val["m_mem"], src["m_mem"] = bound, src["m_mem"] + ", less the graphs' pool"
+        if bound < S_max:
+            raise ValueError(f"the CUDA graphs' pool ({reserve / 2**30:.1f} GiB: micro-batches up to "
+                             f"train.graph_max_tokens={graph_tokens} tokens are captured) leaves room for {bound} "
+                             f"tokens beside it, below the longest bucket's S={S_max}: lower train.graph_max_tokens, "
+                             "raise the memory budget, or set train.cuda_graphs=off")
     m_mem = val.get("m_mem")
 
     def pick(name: str, default, default_why: str):

@@ -19,9 +19,8 @@ def _keys(prefix: str, names: str, cls: str) -> dict:
 
 
 EXPECTED = {
-    **_keys("", "name run_dir resume resume_force show_buckets", "ignored"),
-    "overwrite": "free",
-    **_keys("launch.", "num_processes device cpu_threads force", "ignored"),
+    **_keys("", "name run_dir resume resume_force show_buckets overwrite", "ignored"),  # overwrite: how a run starts
+    **_keys("launch.", "num_processes device cpu_threads force debug_share_gpu", "ignored"),
     **_keys("train.", "steps micro_batches log_every val_every max_bad_steps progress sample_every gc_every "
                       "cuda_graphs graph_max_tokens", "free"),
     "train.seed": "plan",

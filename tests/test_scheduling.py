@@ -485,8 +485,22 @@ def test_micro_batches_beside_the_cuda_graphs_pool_leave_room_for_it():
     assert graphs.values["graph_pool_gib"] * 2**30 == pytest.approx(want, rel=1e-9)
     assert "graph_pool_gib" not in plain.values and 15 < graphs.values["graph_pool_gib"] < 30
     assert graphs.values["m_mem"] < plain.values["m_mem"] and "less the graphs' pool" in graphs.sources["m_mem"]
-    assert graphs.values["m_mem"] == none.m_mem(0.9 * cal.hbm_bytes - want, min(tokens.values())) or \
-        graphs.values["m_mem"] == cal.memory_model("full", 1).m_mem(0.9 * cal.hbm_bytes - want, min(tokens.values()))
+    bounding = cal.memory_model(cal.mode_name("auto"), 1)  # the mode whose model bounds B·S
+    assert graphs.values["m_mem"] == bounding.m_mem(0.9 * cal.hbm_bytes - want, min(tokens.values()))
+    # a smaller budget, of which the pool takes much: the bound shrinks by it, and every eager micro-batch fits
+    # beside the pool even recomputing nothing less than every block
+    small = resolve_schedule(SchedulingConfig("balanced", calibration=path, mem_budget_gib=60.0), tokens, WAN13,
+                             checkpointing="auto", keep_attention="auto", world_size=1, graph_tokens=16384)
+    pool = small.values["graph_pool_gib"] * 2**30
+    assert small.values["m_mem"] == bounding.m_mem(60 * 2**30 - pool, min(tokens.values()))
+    for name, S in tokens.items():
+        B = small.batch_sizes[name]
+        if B * S > 16384:
+            assert float(cal.memory_model("full", 1).predict(B, S)) + pool <= 60 * 2**30, name
+    # where the pool leaves no room for the longest bucket's one sample: refused, the knob named
+    with pytest.raises(ValueError, match="lower train.graph_max_tokens"):
+        resolve_schedule(SchedulingConfig("balanced", calibration=path, mem_budget_gib=40.0), tokens, WAN13,
+                         checkpointing="auto", keep_attention="auto", world_size=1, graph_tokens=16384)
     # a long micro-batch recomputes more beside the pool, a captured one is decided as before
     assert graphs.recompute_blocks(2, 32760)[0] > plain.recompute_blocks(2, 32760)[0]
     assert graphs.recompute_blocks(10, 1560) == plain.recompute_blocks(10, 1560) == (0, 0)

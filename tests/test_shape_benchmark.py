@@ -58,10 +58,14 @@ def test_a_calibration_fits_only_the_policies_and_execution_the_run_will_use():
     cpu = "CPU (x86_64, 1 threads)"
     want = execution(cfg, torch.device("cpu"), 1)
     assert want == {"attention": "flash", "fused_ops": "auto", "cuda_graphs": False, "precision": "bf16",
-                    "compile": False}
+                    "compile": False, "shared_gpu": None}
     assert mismatch(_cal(), cfg.model, cpu, 1, want) is None
     assert mismatch(_cal(), cfg.model, cpu, 1, dict(want, attention="cudnn")) == \
         "another execution (attention flash there, cudnn here)"
+    # ranks sharing one GPU (launch.debug_share_gpu) measure contended times on half its memory: never a file of
+    # whole GPUs for them, nor theirs for a run on whole GPUs (a file without the key was measured on whole GPUs)
+    assert mismatch(_cal(), cfg.model, cpu, 1, dict(want, shared_gpu="gloo")) == \
+        "another execution (shared_gpu None there, gloo here)"
     assert mismatch(_cal(), cfg.model, cpu, 1, dict(want, cuda_graphs=True)) == \
         "another execution (cuda_graphs False there, True here)"
     assert "does not record how its micro-batches ran" in mismatch(_cal(execution=None), cfg.model, cpu, 1, want)
@@ -128,7 +132,7 @@ def test_auto_benchmarks_on_first_use_caches_it_and_resume_reuses_it(tmp_path, c
     assert len([p for p in d["modes"]["none"]["points"] if p["feasible"]]) == 4
     first = caplog.text
     assert "running the shape benchmark on CPU" in first
-    assert f"strategy balanced, calibration {cached} (measured now (" in first
+    assert f"strategy balanced, planner sorted, calibration {cached} (measured now (" in first
     assert "calibration_cpu_tiny.json: another model (dim 64)" in first  # why the committed file was passed over
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="train"):

@@ -16,14 +16,15 @@ def print_buckets(cfg) -> None:
     the calibration where the config leaves them null); the equal-token B beside it when m_tokens is set."""
     from dataclasses import replace
 
+    import torch
+
     from models.build import build_model
     from scheduling.policy import ModelShape, schedule_for
+    from training.cuda_graphs import graph_blockers, graphs_off_because
 
     table = bucket_table(cfg.data.buckets, patch=cfg.model.patch)
     sc = cfg.scheduling
     if sc.calibration == "auto":  # what the trainer would take, without measuring anything here
-        import torch
-
         from training.shape_benchmark import device_name, find_calibration
 
         device = device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
@@ -45,7 +46,12 @@ def print_buckets(cfg) -> None:
             cfg = replace(cfg, scheduling=replace(sc, tokens_per_step=None))
     meta = build_model(replace(cfg.model, pretrained=None), "meta")  # parameter counts without memory
     shape = ModelShape.of(cfg.model, meta.num_matmul_params())
-    schedule = schedule_for(cfg, {n: b.tokens for n, b in table.items()}, shape, cfg.launch.num_processes, shares)
+    # the device the run would take (a GPU preset shown on a CPU machine is planned for its GPU), for the graphs' pool
+    device = torch.device("cpu" if cfg.launch.device == "cpu" or (cfg.launch.device == "auto"
+                                                                  and not torch.cuda.is_available()) else "cuda")
+    graphs = not graphs_off_because(cfg.train.cuda_graphs, device, cfg.launch.num_processes, graph_blockers(cfg.model))
+    schedule = schedule_for(cfg, {n: b.tokens for n, b in table.items()}, shape, cfg.launch.num_processes, shares,
+                            graph_tokens=cfg.train.graph_max_tokens if graphs else 0)
     print(f"config {cfg.name}: strategy {schedule.strategy}, {len(table)} buckets, values {schedule.values}")
     print(f"sources: {schedule.sources}")
     for note in schedule.notes:

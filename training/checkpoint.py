@@ -181,7 +181,7 @@ def write_manifest(path: str, ctx: DistContext) -> None:
     if ctx.is_main:
         try:
             write_whole(path, MANIFEST, json.dumps({"files": dict(sorted(entries.items()))}, indent=1))
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 — any rank's failure, agreed on below
             error = e
     _agreed(error, ctx)
 
@@ -310,7 +310,8 @@ def _agreed(error: Optional[BaseException], ctx: DistContext) -> None:
         failed = [(r, e) for r, e in enumerate(said) if e is not None]
         if failed and error is None:
             r, (full, what) = failed[0]
-            raise OSError(errno.ENOSPC if full else errno.EIO, f"rank {r} could not write its part ({what})")
+            raise OSError(errno.ENOSPC if full else errno.EIO, f"rank {r} could not write its part of the "
+                          f"checkpoint ({what})")
     if error is not None:
         raise error
 
@@ -331,7 +332,7 @@ def _write(tmp: str, step: int, model, optimizer, ema, meta: dict, config_yaml: 
             write_whole(tmp, "meta.json", json.dumps({"step": step, "world_size": ctx.world_size,
                                                       "diverged": diverged, "optimizer": type(optimizer).__name__,
                                                       **meta}, indent=1))
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 — any rank's failure, agreed on below
         error = e
     _agreed(error, ctx)
     write_manifest(tmp, ctx)
@@ -353,7 +354,7 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, ema, meta: dict, 
         try:
             _remove(tmp)
             os.makedirs(tmp)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 — any rank's failure, agreed on below
             error = e
     try:
         _agreed(error, ctx)  # every rank's writes are agreed on before the next collective: none waits for a rank
@@ -368,15 +369,19 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, ema, meta: dict, 
         raise NoSpaceLeft(errno.ENOSPC, f"{full.strerror} while writing {os.path.basename(path)}: it was not "
                           f"written, and {'the last good checkpoint ' + kept + ' is kept' if kept else 'no older checkpoint exists'}"
                           f". Free space, then resume=auto") from e
+    error = None
     if ctx.is_main:
-        _remove(path)
-        os.rename(tmp, path)
-        if not diverged:
-            keep = (meta.get("lineage") or {}).get("rollback_point")
-            for _, old in list_checkpoints(run_dir)[:-keep_last]:
-                if os.path.basename(old) != keep:
-                    shutil.rmtree(old, ignore_errors=True)
-    ctx.barrier()
+        try:
+            _remove(path)
+            os.rename(tmp, path)
+            if not diverged:
+                keep = (meta.get("lineage") or {}).get("rollback_point")
+                for _, old in list_checkpoints(run_dir)[:-keep_last]:
+                    if os.path.basename(old) != keep:
+                        shutil.rmtree(old, ignore_errors=True)
+        except Exception as e:  # noqa: BLE001 — said to every rank, none left waiting
+            error = e
+    _agreed(error, ctx)
     return path
 
 

@@ -110,7 +110,8 @@ class TrainConfig:
     resume: Optional[str] = field(default=None, metadata=IGNORED)  # null | auto | a checkpoint folder
     resume_force: bool = field(default=False, metadata=IGNORED)  # resume even where the config changes the plan
                                                                  # or the trained state
-    overwrite: bool = False       # a fresh run into a folder holding another: its files move aside (run_folder.py)
+    overwrite: bool = field(default=False, metadata={"resume": "ignored"})  # a fresh run into a folder holding
+                                  # another: its files move aside (run_folder.py); how a run starts, never kept
     show_buckets: bool = field(default=False, metadata=IGNORED)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     train: LoopConfig = field(default_factory=LoopConfig)

@@ -417,11 +417,13 @@ def policies_to_measure(model_cfg) -> list[str]:
 def execution(cfg, device: torch.device, world_size: int) -> dict:
     """How a micro-batch runs, as a calibration must have measured it to price this run: the attention kernel
     model.attention_backend resolves to here, the fused ops, CUDA graphs (as the trainer would run them: off over
-    several processes), precision and compile."""
+    several processes), precision and compile, and launch.debug_share_gpu (a rehearsal's times and memory are no
+    whole GPU's; a file without the key was measured on whole GPUs)."""
     m = cfg.model
     off = graphs_off_because(cfg.train.cuda_graphs, device, world_size, graph_blockers(m))
     return {"attention": attention_kernel(m.attention_backend, device, cudnn=m.name != "mmdit"),
-            "fused_ops": m.fused_ops, "cuda_graphs": not off, "precision": m.precision, "compile": m.compile}
+            "fused_ops": m.fused_ops, "cuda_graphs": not off, "precision": m.precision, "compile": m.compile,
+            "shared_gpu": cfg.launch.debug_share_gpu}  # ranks sharing a GPU: contended, half the memory
 
 
 def _plain_step(plain, name: str, table, field: str, blocks: int) -> dict:

@@ -15,7 +15,9 @@ accelerate's PartialState (which would place local rank r on cuda:r):
            (DTensor's redistribution) bypass it and reach gloo directly.
 
 Each rank's memory is its share of the device: total memory / ranks on it (`ranks_per_device`), as the allocator's
-cap (torch.cuda.set_per_process_memory_fraction) and as the shape benchmark's budget.
+cap (torch.cuda.set_per_process_memory_fraction) and as the live shape benchmark's budget (whose file records the
+sharing in its `execution`, so no run on whole GPUs takes it). A calibration file's budget is the whole device's:
+set scheduling.mem_budget_gib to each rank's share when planning from one.
 """
 from __future__ import annotations
 
@@ -128,7 +130,9 @@ def staged(fn: Callable, stage: Callable[[torch.Tensor], bool]) -> Callable:
         async_op = kwargs.pop("async_op", False)
         host_args = [_to_host(a, stage) for a in args]
         host_kwargs = {k: _to_host(v, stage) for k, v in kwargs.items()}
-        fn(*host_args, **host_kwargs)
+        work = fn(*host_args, **host_kwargs)
+        if work is not None and hasattr(work, "wait"):  # async_op passed by position: finish before copying back
+            work.wait()
         if args:
             _back(args[0], host_args[0])
         else:  # called by keyword
