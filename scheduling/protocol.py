@@ -35,7 +35,7 @@ from scheduling.fsdp_memory import FSDPMemoryModel
 from scheduling.planner import resolve_planner
 from scheduling.simulate import (G_FACTORS, KNOB, TOKENS_CV, Mix, SimResult, simulate, sizes_for, sweep,
                                  sweep_at_tokens)
-from scheduling.truth import Cluster, CommModel, MeasuredTruth, ModelTruth
+from scheduling.truth import Cluster, CommModel, MeasuredTruth, ModelTruth, PolicyTruth
 
 STRATEGIES = ("equal_token", "dual_constraint", "cost", "balanced")
 WINDOWS = (1, 2, 4, 8)  # balanced's scheduling.window, tuned with its knob and M
@@ -54,9 +54,15 @@ class Inputs:
     comm: Optional[CommModel] = None
     notes: list = field(default_factory=list)
     m_mem_by_ranks: Optional[Callable[[int], float]] = None  # R → m_mem; None: m_mem whatever R
+    by_ranks: Optional[Callable[[int], "Inputs"]] = None  # R → the inputs at R where more than m_mem depends on R
 
     def m_mem_at(self, R: int) -> float:
         return self.m_mem if self.m_mem_by_ranks is None else self.m_mem_by_ranks(R)
+
+    def at(self, R: int) -> "Inputs":
+        """The inputs a comparison at R runs on (checkpointing=auto: one GPU replays CUDA graphs, whose pool
+        shrinks the budget of larger micro-batches, and so their cost; several GPUs do not)."""
+        return self if self.by_ranks is None else self.by_ranks(R)
 
     def m_mem_by_world_size(self, ranks: Sequence[int]) -> Optional[dict]:
         """{R: m_mem_at(R)} where the bound depends on R, else None (one m_mem for all)."""
@@ -79,10 +85,14 @@ def m_mem_for(cal: Calibration, mode: str, mix: Mix, world_size: Optional[int] =
 
 
 def inputs_from(cal: Calibration, mode: str, mix: Mix, comm_bandwidth: Optional[float] = None,
-                inter_node_bandwidth: float = 50.0, measured_extra: Optional[dict] = None) -> Inputs:
+                inter_node_bandwidth: float = 50.0, measured_extra: Optional[dict] = None,
+                graph_tokens: int = 16384) -> Inputs:
     """The calibration's cost model (the planner's), m_mem from its memory model at 90 % of HBM at each simulated
     world size (or its chosen m_mem on a CPU calibration), and the measured truth of its points (plus a replay's
-    micro-batches)."""
+    micro-batches). mode "auto": model.checkpointing=auto as training runs it (auto_inputs; graph_tokens: the
+    CUDA graphs' train.graph_max_tokens on one GPU)."""
+    if mode == "auto":
+        return auto_inputs(cal, mix, comm_bandwidth, inter_node_bandwidth, graph_tokens)
     cost = cal.cost_model(mode)
     notes = []
     m_mem = m_mem_for(cal, mode, mix)
@@ -99,16 +109,71 @@ def inputs_from(cal: Calibration, mode: str, mix: Mix, comm_bandwidth: Optional[
         raise ValueError(f"{cal.path}: the protocol needs a memory model and the device memory (m_mem at "
                          f"{HBM_FRACTION:.0%} of HBM), or a chosen m_mem")
     truth = MeasuredTruth.from_points(cal.measured_points(mode), measured_extra)
-    comm = None
-    if comm_bandwidth:
-        params = (cal.data.get("model") or {}).get("params")
-        layers = (cal.data.get("model") or {}).get("num_layers") or 1
-        if not params:
-            raise ValueError(f"{cal.path}: the FSDP model needs the parameter count (model.params in the file)")
-        comm = CommModel(param_bytes=4.0 * params, grad_bytes=4.0 * params, blocks=int(layers),
-                         bandwidth=comm_bandwidth, inter_node_bandwidth=inter_node_bandwidth)
-    return Inputs(cost, m_mem, cal.cost_model(mode, "power").params["p"], cal.optim_ms(mode), truth, comm, notes,
-                  by_ranks)
+    return Inputs(cost, m_mem, cal.cost_model(mode, "power").params["p"], cal.optim_ms(mode), truth,
+                  _comm(cal, comm_bandwidth, inter_node_bandwidth), notes, by_ranks)
+
+
+def _comm(cal: Calibration, bandwidth: Optional[float], inter_node_bandwidth: float) -> Optional[CommModel]:
+    if not bandwidth:
+        return None
+    params = (cal.data.get("model") or {}).get("params")
+    layers = (cal.data.get("model") or {}).get("num_layers") or 1
+    if not params:
+        raise ValueError(f"{cal.path}: the FSDP model needs the parameter count (model.params in the file)")
+    return CommModel(param_bytes=4.0 * params, grad_bytes=4.0 * params, blocks=int(layers), bandwidth=bandwidth,
+                     inter_node_bandwidth=inter_node_bandwidth)
+
+
+class _Priced:
+    """A cost function as the protocol's cost model: .predict, .residuals (none: the policy's blend has no fit of
+    its own) and .describe()."""
+
+    def __init__(self, predict: Callable[[int, int], float], text: str):
+        self.predict, self.residuals, self._text = predict, None, text
+
+    def describe(self) -> str:
+        return self._text
+
+
+def auto_inputs(cal: Calibration, mix: Mix, comm_bandwidth: Optional[float] = None,
+                inter_node_bandwidth: float = 50.0, graph_tokens: int = 16384) -> Inputs:
+    """model.checkpointing=auto (with keep_attention=auto) as training resolves it (scheduling/policy.py
+    resolve_schedule, on the mix's buckets): the planner's cost is PartialRecompute's blend of the measured
+    policies, the memory bound full recompute's less the CUDA graphs' pool, and the truth PolicyTruth over the
+    policies' measured points with the same per-micro-batch choice. CUDA graphs run on one GPU only
+    (training/cuda_graphs.py graphs_for): at R = 1 micro-batches up to graph_tokens are captured and every larger
+    one's budget is the pool smaller; at R > 1 none is. The memory model is the calibration's (one GPU's: FSDP's
+    sharding over R is not modelled for it)."""
+    from scheduling.config import SchedulingConfig
+    from scheduling.policy import ModelShape, resolve_schedule
+
+    if not {"none", "full"} <= set(cal.modes):
+        raise ValueError(f"{cal.path}: --mode auto needs the policies none and full measured (it holds "
+                         f"{cal.modes}): calibrate with model.checkpointing=auto")
+    m = cal.data.get("model") or {}
+    shape = ModelShape(1, int(m["num_layers"]), int(m["dim"]), int(m["text_len"]))
+    tokens = dict(zip(mix.names, mix.S))
+    truths = {pol: MeasuredTruth.from_points(cal.measured_points(pol)) for pol in cal.modes}
+    comm = _comm(cal, comm_bandwidth, inter_node_bandwidth)
+    p = cal.cost_model("full", "power").params["p"]
+    memo: dict = {}
+
+    def at(R: int) -> Inputs:
+        graphs = graph_tokens if R == 1 else 0
+        if graphs not in memo:
+            s = resolve_schedule(SchedulingConfig(strategy="balanced", calibration=cal.path), tokens, shape,
+                                 checkpointing="auto", world_size=1, keep_attention="auto", graph_tokens=graphs)
+            note = (f"R {'= 1' if graphs else '> 1'}: {s.sources['cost']}; m_mem = {s.values['m_mem']:,} "
+                    f"({s.sources['m_mem']})")
+            memo[graphs] = Inputs(_Priced(s.cost_fn, "checkpointing=auto's blend of the measured policies' "
+                                          "quadratic fits (PartialRecompute)"),
+                                  float(s.values["m_mem"]), p, cal.optim_ms("full"),
+                                  PolicyTruth(truths, s.recompute_blocks, shape.layers), comm, [note])
+        return memo[graphs]
+
+    base = at(8)
+    return dataclasses.replace(base, notes=at(1).notes + base.notes, m_mem_by_ranks=lambda R: at(R).m_mem,
+                               by_ranks=at)
 
 
 READINGS = {"steady": (TOKENS_CV, WINDOWS), "expected": (None, (1,))}  # tokens CV cap, balanced's windows
@@ -128,6 +193,7 @@ def best_cell(inp: Inputs, mix: Mix, rule: str, R: int, g: float, planner: Optio
            tuple(sorted((slow_ranks or {}).items())), tokens_cv)
     if cache is not None and truth is None and key in cache:
         return dataclasses.replace(cache[key], strategy=rule)
+    inp = inp.at(R)
     cluster = Cluster(truth or inp.truth, inp.comm, dict(slow_ranks or {}))
     out = sweep_at_tokens(inp.cost.predict, mix, rule, R, g, p=inp.p, m_mem=inp.m_mem_at(R), cluster=cluster,
                           optim_ms=inp.optim_ms, seed=seed, mbs=mbs, mbs_final=mbs_final, per_M=per_M,

@@ -83,6 +83,7 @@ class SimResult(RunSummary):
     planner: str = "stream"
     batch_sizes: list = field(default_factory=list)
     tokens_step_cv: float = 0.0  # CV over steps of the real tokens a step trains on (the global batch's spread)
+    measured_share: Optional[float] = None  # share of micro-batch time from measured (S, B), not interpolated
 
 
 def analytic_idle(cost_fn: Callable[[int, int], float], mix: Mix, sizes: Sequence[int],
@@ -142,7 +143,8 @@ def simulate(cost_fn: Callable[[int, int], float], mix: Mix, strategy: str, size
     tokens = np.array([plan.tokens for plan in plans], dtype=np.float64)
     return SimResult(**{**asdict(run), "M": M}, strategy=strategy, setting=dict(setting or {}),
                      window=window if planner == "windowed" else 1, planner=planner,
-                     batch_sizes=[int(b) for b in sizes], tokens_step_cv=float(tokens.std() / tokens.mean()))
+                     batch_sizes=[int(b) for b in sizes], tokens_step_cv=float(tokens.std() / tokens.mean()),
+                     measured_share=cluster.measured_share(plans))
 
 
 def _knob_base(strategy: str, mix: Mix, cost_fn, p: Optional[float]) -> float:

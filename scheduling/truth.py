@@ -9,6 +9,14 @@ measurement instead:
                     (t = α_S + β_S·B), between measured S log-linear in log S at the same B (the nearest two,
                     extrapolated outside), never the planner's global fit — times a relative noise drawn from the
                     repeats' spread. A replay's measured micro-batches (scripts/replay_plans.py) add to the table.
+                    Its interpolation error is reported as leave-one-out: each measured (S, B) interpolated from
+                    the others against its measured time (loo_errors).
+    PolicyTruth     model.checkpointing=auto: each micro-batch runs the policy PartialRecompute.decide picks (k of L
+                    blocks recomputed, j of them keeping their attention), its time blended from the measured truths
+                    of the policies none, full and keep as the planner blends their cost models; where the choice is
+                    one measured policy whole and that policy measured this (S, B), its own repeats. Beyond the
+                    lengths a policy measured (none cannot run the longest clips) it is full's time × the two
+                    policies' measured ratio at the nearest length both measured, not an extrapolation in S.
     ModelTruth      the old mode, for comparison: the planner's prediction × (1 + ε), ε from the fit's residuals.
 
 and what an FSDP step adds on every rank:
@@ -92,6 +100,103 @@ class MeasuredTruth:
             return float(rng.choice(self.runs[(S, B)]))
         return self.mean(B, S) * (1.0 + float(rng.choice(self.noise)))
 
+    def is_measured(self, B: int, S: int) -> bool:
+        """Whether (S, B) takes measured repeats (True) or an interpolation (False)."""
+        return (S, B) in self.runs
+
+    def loo_errors(self) -> list[tuple[int, int, float, float]]:
+        """(S, B, measured median ms, relative error of its interpolation from the other points) for every measured
+        (S, B): what interpolation gets wrong where nothing was measured. A lone S left out is interpolated (or
+        extrapolated) across the other lengths; with one point in all there is nothing to leave out."""
+        out = []
+        for (S, B), t in sorted(self.median.items()):
+            rest = {k: v for k, v in self.runs.items() if k != (S, B)}
+            if rest:
+                out.append((S, B, t, MeasuredTruth(rest).mean(B, S) / t - 1.0))
+        return out
+
+    def describe(self) -> str:
+        return (f"the measured times of {len(self.runs)} (S, B) micro-batches, {sum(map(len, self.runs.values()))} "
+                f"repeats (each drawn as measured; other (S, B) interpolated between them; noise from the repeats' "
+                f"spread, ±{100 * abs(self.noise).max():.1f} % at most)")
+
+
+class PolicyTruth:
+    """model.checkpointing=auto's truth (module docstring). decide(B, S) → (k, j) or k (no kept attention); truths:
+    {policy: MeasuredTruth} with "none" and "full", "keep" where measured (without it a kept block earns no time,
+    as in PartialRecompute.predict)."""
+
+    def __init__(self, truths: Mapping[str, MeasuredTruth], decide: Callable, layers: int,
+                 name: str = "measured per policy, each micro-batch at checkpointing=auto's choice"):
+        missing = {"none", "full"} - set(truths)
+        if missing:
+            raise ValueError(f"checkpointing=auto's truth needs the policies none and full measured; {sorted(missing)} "
+                             "missing: calibrate with model.checkpointing=auto")
+        self.truths, self.decide, self.layers, self.name = dict(truths), decide, int(layers), name
+
+    def policy_mean(self, pol: str, B: int, S: int) -> float:
+        """One policy's ms at (S, B): its own measurements within the lengths it measured; beyond them full's ×
+        their ratio at its nearest measured length (module docstring)."""
+        own, full = self.truths[pol], self.truths["full"]
+        if pol == "full" or own.S_list[0] <= S <= own.S_list[-1]:
+            return own.mean(B, S)
+        edge = own.S_list[-1] if S > own.S_list[-1] else own.S_list[0]
+        return full.mean(B, S) * own.mean(B, edge) / full.mean(B, edge)
+
+    def _kj(self, B: int, S: int) -> tuple[int, int]:
+        d = self.decide(B, S)
+        return (int(d), 0) if isinstance(d, (int, np.integer)) else (int(d[0]), int(d[1]))
+
+    def policy(self, B: int, S: int) -> Optional[str]:
+        """The one measured policy the micro-batch runs whole (none, full or keep), or None where it blends them."""
+        k, j = self._kj(B, S)
+        if k == 0:
+            return "none"
+        if k == self.layers and j == 0:
+            return "full"
+        if k == self.layers and j == self.layers and "keep" in self.truths:
+            return "keep"
+        return None
+
+    def mean(self, B: int, S: int) -> float:
+        k, j = self._kj(B, S)
+        L = self.layers
+        t_full = self.truths["full"].mean(B, S)
+        t_none = self.policy_mean("none", B, S) if k < L else t_full
+        t_keep = self.policy_mean("keep", B, S) if "keep" in self.truths and j else t_full
+        return t_none + k / L * (t_full - t_none) - j / L * (t_full - t_keep)
+
+    def is_measured(self, B: int, S: int) -> bool:
+        pol = self.policy(B, S)
+        return pol is not None and self.truths[pol].is_measured(B, S)
+
+    def draw(self, B: int, S: int, rng: np.random.Generator) -> float:
+        pol = self.policy(B, S)
+        if pol is not None:
+            return self.truths[pol].draw(B, S, rng)
+        noise = np.concatenate([t.noise for t in self.truths.values()])
+        return self.mean(B, S) * (1.0 + float(rng.choice(noise)))
+
+    def loo_errors(self) -> list[tuple[str, int, int, float, float]]:
+        """(policy, S, B, ms, relative error) for every measured point of every policy: its time from the rest by
+        the rule the truth uses (policy_mean: within the policy, or full's × the ratio where the point was the
+        policy's longest or shortest length), against its measured median."""
+        out = []
+        for pol, t in self.truths.items():
+            for (S, B), ms in sorted(t.median.items()):
+                rest = {k: v for k, v in t.runs.items() if k != (S, B)}
+                if rest:
+                    other = PolicyTruth({**self.truths, pol: MeasuredTruth(rest)}, self.decide, self.layers)
+                    out.append((pol, S, B, ms, other.policy_mean(pol, B, S) / ms - 1.0))
+        return out
+
+    def describe(self) -> str:
+        n = {pol: len(t.runs) for pol, t in self.truths.items()}
+        return (f"{self.name}: the policies' measured (S, B) ({', '.join(f'{k} {v}' for k, v in n.items())}), "
+                f"{sum(sum(map(len, t.runs.values())) for t in self.truths.values())} repeats; a micro-batch that "
+                "runs one policy whole at a measured (S, B) draws its repeats, any other is interpolated within each "
+                "policy and blended by the blocks recomputed and kept (as the planner's PartialRecompute.predict)")
+
 
 class ModelTruth:
     """The old mode: the planner's own prediction × (1 + ε), ε bootstrapped from the (centred) fit residuals."""
@@ -107,6 +212,12 @@ class ModelTruth:
 
     def draw(self, B: int, S: int, rng: np.random.Generator) -> float:
         return self.mean(B, S) * (1.0 + float(rng.choice(self.noise)))
+
+    def is_measured(self, B: int, S: int) -> bool:
+        return False  # every micro-batch is the model's
+
+    def describe(self) -> str:
+        return "the planner's model × its residuals (the old mode)"
 
 
 @dataclass
@@ -153,6 +264,25 @@ class Cluster:
             if r < t.shape[0]:
                 t[r] *= f
         return self.comm.apply(t, t.shape[0]) if self.comm is not None else t
+
+    def measured_share(self, plans) -> Optional[float]:
+        """The share of the plans' micro-batch time (the truth's mean ms) that measured (S, B) give, the rest being
+        interpolated; None for a truth that cannot say."""
+        is_measured = getattr(self.truth, "is_measured", None)
+        if is_measured is None:
+            return None
+        seen: dict = {}
+        total = measured = 0.0
+        for plan in plans:
+            for rank in plan.ranks:
+                for mb in rank:
+                    key = (mb.B, mb.S)
+                    if key not in seen:
+                        seen[key] = (self.truth.mean(mb.B, mb.S), is_measured(mb.B, mb.S))
+                    t, m = seen[key]
+                    total += t
+                    measured += t if m else 0.0
+        return measured / total if total > 0 else None
 
     def describe(self, R: int) -> str:
         parts = [f"truth: {self.truth.name}"]

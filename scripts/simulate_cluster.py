@@ -53,7 +53,11 @@ def parse_args(argv):
     ap.add_argument("--calibration", required=True, help="a calibration file (scripts/calibrate.py writes one)")
     ap.add_argument("--out", default=os.path.join("runs", "simulation"), help="output folder (default runs/simulation)")
     ap.add_argument("--corpus", default=None, help="a sample index folder: its bucket mix replaces the default mix")
-    ap.add_argument("--mode", default=None, help="the calibration's checkpointing record (default: its only one)")
+    ap.add_argument("--mode", default=None, help="the calibration's checkpointing record (default: its only one); "
+                    "auto: model.checkpointing=auto as training runs it, on a file that measured none and full "
+                    "(keep too where measured)")
+    ap.add_argument("--graph-max-tokens", type=int, default=16384, help="with --mode auto: train.graph_max_tokens, "
+                    "the CUDA graphs' cap on one GPU (0: no graphs)")
     ap.add_argument("--ranks", default="8,64")
     ap.add_argument("--g", default=",".join(f"{g:g}" for g in G_FACTORS), help="g ÷ S_max values")
     ap.add_argument("--bandwidth", type=float, default=None,
@@ -122,18 +126,45 @@ def header(inp, cal: Calibration, cal_path: str, mix: Mix, ranks, elapsed: float
     lines += [f"- {n}" for n in cal.data.get("notes", []) + inp.notes]
     t = inp.truth
     by_r = inp.m_mem_by_world_size(ranks)
+    if by_r is not None and len(set(by_r.values())) == 1:
+        by_r = None
     bound = (f"m_mem = {inp.m_mem:,.0f} tokens ({HBM_FRACTION:.0%} of HBM)" if by_r is None else
              "m_mem = " + ", ".join(f"{v:,.0f} tokens at R = {R}" for R, v in by_r.items())
              + f" ({HBM_FRACTION:.0%} of HBM, FSDP's states over R ranks)")
     lines += ["", f"Planner's cost model: {inp.cost.describe()}. {bound}, p = {inp.p:.3f}, optimizer "
               f"{inp.optim_ms:.0f} ms / R a step.",
-              f"Truth: the measured times of {len(t.runs)} (S, B) micro-batches, {sum(map(len, t.runs.values()))} "
-              f"repeats (each drawn as measured; other (S, B) interpolated between them; noise from the repeats' "
-              f"spread, ±{100 * abs(t.noise).max():.1f} % at most)."
+              f"Truth: {t.describe()}."
               + (f" {inp.comm.describe(8)}." if inp.comm else " No FSDP communication modelled."),
               "", "Mix (shares of samples): " + ", ".join(f"{n} S={S} {100 * s:.0f} %"
                                                         for n, S, s in zip(mix.names, mix.S, mix.share)), ""]
-    return lines
+    return lines + loo_report(t)
+
+
+def loo_report(truth) -> list[str]:
+    """The truth's interpolation error: each measured (S, B) left out and interpolated from the others (the rule
+    the truth uses where nothing was measured), against its measured time."""
+    errs = truth.loo_errors() if hasattr(truth, "loo_errors") else []
+    if not errs:
+        return []
+    rows = [e if isinstance(e[0], str) else ("", *e) for e in errs]
+    worst = max(rows, key=lambda e: abs(e[4]))
+    inner = [abs(e[4]) for e in rows if not _edge(truth, e)]
+    lines = ["## The truth's interpolation error (leave-one-out)", "",
+             f"Each measured (S, B) interpolated from the other points, against its measured time: median |error| "
+             f"{100 * sorted(abs(e[4]) for e in rows)[len(rows) // 2]:.1f} %, the largest {100 * worst[4]:+.1f} % "
+             f"({(worst[0] + ' ') if worst[0] else ''}S = {worst[1]}, B = {worst[2]})"
+             + (f"; within the measured lengths (not a policy's longest or shortest) at most "
+                f"{100 * max(inner):.1f} %" if inner else "") + ". Each cell's `measured` column: the share of its "
+             "micro-batch time drawn from measured (S, B), the rest interpolated.", "",
+             "| policy | S | B | measured ms | left-out interpolation |", "|---|---|---|---|---|"]
+    lines += [f"| {e[0] or '—'} | {e[1]} | {e[2]} | {e[3]:,.0f} | {100 * e[4]:+.1f} % |" for e in rows]
+    return lines + [""]
+
+
+def _edge(truth, e) -> bool:
+    """Whether a left-out point was its policy's longest or shortest measured length (extrapolated without it)."""
+    t = truth.truths[e[0]] if e[0] else truth
+    return e[1] in (t.S_list[0], t.S_list[-1])
 
 
 def matrix_report(m: dict) -> list[str]:
@@ -143,8 +174,9 @@ def matrix_report(m: dict) -> list[str]:
     cols = [c for c in [planner_label(p, w) for p, w in MATRIX_PLANNERS] + ["best W"] if any(k[3] == c for k in m)]
     lines = ["## Batch rule × planner (every cell best-tuned over its knob and M inside the same g and memory bound; "
              "every step a batch of g)", "",
-             "Each cell: tokens/s ÷ the paper's system (dual_constraint in stream order), and the idle fraction. "
-             "balanced is the cost rule under the sorted or windowed planner, so its row is cost's.", ""]
+             "Each cell: tokens/s ÷ the paper's system (dual_constraint in stream order), the idle fraction, and "
+             "the share of micro-batch time at measured (S, B) (m.; the rest interpolated). balanced is the cost "
+             "rule under the sorted or windowed planner, so its row is cost's.", ""]
     for R, gf in keys:
         rules = [rl for rl in MATRIX_RULES if (R, gf, rl, "stream") in m]
         paper = m[(R, gf) + PAPER]
@@ -156,7 +188,8 @@ def matrix_report(m: dict) -> list[str]:
             for c in cols:
                 r = m[(R, gf, rl, c)]
                 w = f", W={r.window}" if c == "best W" else ""
-                cells.append(f"{r.tokens_per_s / paper.tokens_per_s:.2f}× ({100 * r.idle_fraction:.1f} %{w})")
+                ms = "" if r.measured_share is None else f", {100 * r.measured_share:.0f} % m."
+                cells.append(f"{r.tokens_per_s / paper.tokens_per_s:.2f}× ({100 * r.idle_fraction:.1f} %{w}{ms})")
             lines.append(f"| {rl} | " + " | ".join(cells) + " |")
         sh = matrix_shares(m, R, gf)
         lines += ["", f"Best cell: {sh['best'][0]} × {sh['best'][1]}, {sh['total']:.2f}× the paper's system. The "
@@ -173,13 +206,17 @@ def write_matrix_csv(m: dict, path: str) -> None:
         w = csv.writer(f)
         w.writerow(["R", "g_factor", "rule", "planner_column", "planner", "window", "knob_value", "M",
                     "tokens_per_step", "tokens_per_s", "ratio_to_paper", "idle_fraction", "compute_cv",
-                    "tokens_step_cv", "batch_sizes"])
+                    "tokens_step_cv", "measured_share", "batch_sizes"])
         for (R, gf, rl, col), r in sorted(m.items(), key=lambda kv: kv[0][:3]):
             paper = m[(R, gf) + PAPER]
             w.writerow([R, gf, rl, col, r.planner, r.window, r.setting.get(KNOB[rl]), r.M,
                         r.setting.get("tokens_per_step"), f"{r.tokens_per_s:.1f}",
                         f"{r.tokens_per_s / paper.tokens_per_s:.4f}", f"{r.idle_fraction:.5f}", f"{r.compute_cv:.5f}",
-                        f"{r.tokens_step_cv:.5f}", " ".join(map(str, r.batch_sizes))])
+                        f"{r.tokens_step_cv:.5f}", _share(r), " ".join(map(str, r.batch_sizes))])
+
+
+def _share(r) -> str:
+    return "" if r.measured_share is None else f"{r.measured_share:.4f}"
 
 
 def report(res: dict, inp, cal: Calibration, cal_path: str, mix: Mix, args, elapsed: float) -> list[str]:
@@ -216,12 +253,12 @@ def write_csv(res: dict, path: str) -> None:
         w = csv.writer(f)
         w.writerow(["truth", "R", "g_factor", "strategy", "knob_value", "M", "window", "tokens_per_step",
                     "tokens_per_s", "samples_per_s", "idle_fraction", "compute_cv", "step_time_cv", "tokens_step_cv",
-                    "batch_sizes"])
+                    "measured_share", "batch_sizes"])
         for truth, rows in res.items():
             for (R, gf, s), r in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
                 w.writerow([truth, R, gf, s, r.setting.get(KNOB[s]), r.M, r.window, r.setting.get("tokens_per_step"),
                             f"{r.tokens_per_s:.1f}", f"{r.samples_per_s:.4f}", f"{r.idle_fraction:.5f}",
-                            f"{r.compute_cv:.5f}", f"{r.step_time_cv:.5f}", f"{r.tokens_step_cv:.5f}",
+                            f"{r.compute_cv:.5f}", f"{r.step_time_cv:.5f}", f"{r.tokens_step_cv:.5f}", _share(r),
                             " ".join(map(str, r.batch_sizes))])
 
 
@@ -253,10 +290,12 @@ def plot(res: dict, path: str) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     cal = Calibration.load(args.calibration)
-    mode = cal.mode_name(args.mode)
+    mode = "auto" if args.mode == "auto" and {"none", "full"} <= set(cal.modes) else cal.mode_name(args.mode)
     mix = mix_from_index(args.corpus) if args.corpus else Mix.of(DEFAULT_MIX)
+    if mode == "auto" and args.replay:
+        raise ValueError("--replay with --mode auto: a replay's micro-batches carry no policy; leave one out")
     inp = inputs_from(cal, mode, mix, args.bandwidth, args.inter_node_bandwidth,
-                      replay_points(args.replay) if args.replay else None)
+                      replay_points(args.replay) if args.replay else None, graph_tokens=args.graph_max_tokens)
     ranks = [8] if args.quick else [int(r) for r in args.ranks.split(",")]
     gs = [2.0] if args.quick else [float(g) for g in args.g.split(",")]
     slow = None

@@ -531,6 +531,42 @@ def test_the_bucket_report_of_the_8gpu_preset_shows_the_batch_it_holds(monkeypat
     assert "held with the corpus' own bucket shares" in capsys.readouterr().out
 
 
+def test_the_1p3b_preset_holds_its_fixed_batch_with_the_best_cell_for_one_gpu(monkeypatch, tmp_path):
+    """`python train.py conf=wan21_1p3b` on one H200, as train.py resolves it (calibration=auto finds the policies'
+    file; the CUDA graphs' cap shrinks the budget of larger micro-batches): 75,600 tokens a step (1·S_max) held by
+    the matrix's best cell for one GPU, equal_token in stream order at m_tokens = S_max, one micro-batch a step, its
+    expected tokens within ±10 % and under the memory bound less the graphs' pool; balanced, asked for, holds the
+    same batch in its own table."""
+    import dataclasses
+
+    from data.buckets import bucket_table
+    from scheduling.policy import schedule_for
+    from scheduling.simulate import DEFAULT_MIX
+    from tests.helpers import ROOT, compose_config
+    from training.shape_benchmark import find_calibration
+
+    monkeypatch.chdir(ROOT)
+    cfg = compose_config(["conf=wan21_1p3b", f"run_dir={tmp_path}"])
+    graphs = {"attention": "cudnn", "fused_ops": "auto", "cuda_graphs": True, "precision": "bf16", "compile": False}
+    path, _ = find_calibration(cfg, "NVIDIA H200", 1, want=graphs)
+    assert path.endswith("calibration_h200_policies.json")
+    cfg = dataclasses.replace(cfg, scheduling=dataclasses.replace(cfg.scheduling, calibration=path))
+    tokens = {n: b.tokens for n, b in bucket_table(cfg.data.buckets, patch=cfg.model.patch).items()}
+    shares = {n: share for n, _, share in DEFAULT_MIX}
+    shape = ModelShape(1, 30, 1536, 512)
+    g = cfg.scheduling.tokens_per_step
+    assert g == max(tokens.values()) == 75600 and cfg.launch.num_processes == 1
+    s = schedule_for(cfg, tokens, shape, 1, shares, graph_tokens=cfg.train.graph_max_tokens)
+    assert (s.strategy, s.planner, s.window, s.micro_batches) == ("equal_token", "stream", 1, 1)
+    assert s.values["m_tokens"] == 75600 and s.sources["m_tokens"] == "config"
+    assert [s.batch_sizes[n] for n, _, _ in DEFAULT_MIX] == [48, 21, 9, 5, 3, 2, 1]
+    assert abs(s.values["tokens_per_step"] - g) <= 0.1 * g
+    assert 16384 < s.values["m_mem"] < 600_000 and s.values["graph_pool_gib"] > 1  # the budget less the pool
+    bal = schedule_for(dataclasses.replace(cfg, scheduling=dataclasses.replace(cfg.scheduling, strategy="balanced")),
+                       tokens, shape, 1, shares, graph_tokens=cfg.train.graph_max_tokens)
+    assert bal.planner == "sorted" and abs(bal.values["tokens_per_step"] - g) <= 0.1 * g
+
+
 def test_a_fresh_calibration_holds_the_batch_and_says_the_simulator_would_tune_it(monkeypatch, tmp_path):
     """A calibration measured on first use has no simulated choice: balanced still holds tokens_per_step (M and the
     target by predicted tokens/s) and its note says how to record the simulator's."""

@@ -234,3 +234,41 @@ def test_the_memory_bound_is_the_one_of_each_simulated_world_size(tmp_path, monk
     s = resolve_schedule(SchedulingConfig("balanced", calibration="results/calibration_h200_14b.json"), wan, shape,
                          checkpointing="full", world_size=64)
     assert s.values["m_mem"] == want[64] and "FSDP over 64 ranks" in s.sources["m_mem"]
+
+
+def test_auto_mode_prices_and_times_each_micro_batch_at_the_policy_training_picks(monkeypatch):
+    """--mode auto on the 1.3B's three-policy file: the planner's cost and bound are resolve_schedule's for
+    checkpointing=auto (one GPU: the CUDA graphs' pool out of every larger micro-batch's budget; several: none), and
+    the truth runs a micro-batch that fits without recompute at none's measured time, one that must recompute at a
+    blend of the policies."""
+    from scheduling.calibrate import Calibration
+    from scheduling.config import SchedulingConfig
+    from scheduling.policy import ModelShape, resolve_schedule
+    from scheduling.protocol import inputs_from
+    from scheduling.simulate import DEFAULT_MIX, Mix
+    from scheduling.truth import PolicyTruth
+    from tests.helpers import ROOT
+
+    monkeypatch.chdir(ROOT)
+    cal = Calibration.load("results/calibration_h200_policies.json")
+    mix = Mix.of(DEFAULT_MIX)
+    inp = inputs_from(cal, "auto", mix)
+    one, many = inp.at(1), inp.at(64)
+    tokens = dict(zip(mix.names, mix.S))
+    s = resolve_schedule(SchedulingConfig(strategy="balanced", calibration=cal.path), tokens,
+                         ModelShape(1, 30, 1536, 512), checkpointing="auto", world_size=1, keep_attention="auto",
+                         graph_tokens=16384)
+    assert one.m_mem == s.values["m_mem"] < many.m_mem == cal.default_m_mem("full", 1560)
+    assert inp.m_mem_at(1) == one.m_mem and inp.m_mem_at(8) == many.m_mem
+    for B, S in ((25, 1560), (60, 1560), (2, 32760), (1, 75600)):
+        assert one.cost.predict(B, S) == pytest.approx(s.cost_fn(B, S))
+    assert isinstance(one.truth, PolicyTruth)
+    rng = np.random.default_rng(0)
+    assert one.truth.draw(5, 7800, rng) == pytest.approx(1048.256, abs=0.01) and one.truth.is_measured(5, 7800)
+    # 720p 81 frames cannot run without recompute: between keep's and none's times, not measured as such
+    k, j = one.truth._kj(1, 75600)
+    assert 0 < k < 30 and not one.truth.is_measured(1, 75600)
+    t_full, t_keep = 10366.553, 8457.920  # measured at (75600, 1); none measured up to S = 14040 only: full × their
+    t_none = t_full * 482.412 / 587.754   # ratio there
+    assert one.truth.mean(1, 75600) == pytest.approx(t_none + k / 30 * (t_full - t_none) - j / 30 * (t_full - t_keep),
+                                                     rel=1e-5)

@@ -276,7 +276,7 @@ def test_multirun_gives_every_job_its_own_folder_and_one_wandb_group(tmp_path, c
     assert rows[-1]["step"] == 4 and rows[-1]["train/lr"] == pytest.approx(rows[3]["train/lr"] * 4 / 3, rel=1e-9)
 
 
-@pytest.mark.parametrize("preset", ["wan21_8gpu", "wan21_16gpu", "hunyuan_video", "wan21_1p3b", "wan21_1p3b_lora"])
+@pytest.mark.parametrize("preset", ["wan21_8gpu", "wan21_16gpu", "hunyuan_video", "wan21_1p3b_lora"])
 def test_gpu_presets_run_the_balanced_planner_on_a_calibration_of_their_own(preset):
     from tests.helpers import compose_config
 
@@ -284,6 +284,20 @@ def test_gpu_presets_run_the_balanced_planner_on_a_calibration_of_their_own(pres
     assert (cfg.scheduling.strategy, cfg.scheduling.calibration, cfg.launch.device) == ("balanced", "auto", "cuda")
     base = compose_config([f"conf={preset}", "scheduling=equal_token"])  # the paper's baseline, one word away
     assert base.scheduling.strategy == "equal_token" and base.scheduling.m_tokens == cfg.scheduling.m_tokens
+
+
+def test_the_one_gpu_preset_runs_equal_token_batches_at_a_fixed_batch_and_balanced_is_one_word_away():
+    """On one GPU nothing waits, so no planner gains: wan21_1p3b runs the matrix's best cell for one GPU
+    (results/simulation_h200.md), equal-token batches of S_max tokens at 75,600 tokens a step."""
+    from tests.helpers import compose_config
+
+    cfg = compose_config(["conf=wan21_1p3b"])
+    sc = cfg.scheduling
+    assert (sc.strategy, sc.calibration, cfg.launch.device, cfg.launch.num_processes) == ("equal_token", "auto",
+                                                                                         "cuda", 1)
+    assert (sc.m_tokens, sc.tokens_per_step, sc.planner, sc.window) == (75600, 75600, None, 1)
+    bal = compose_config(["conf=wan21_1p3b", "scheduling=balanced"]).scheduling
+    assert bal.strategy == "balanced" and bal.tokens_per_step == 75600
 
 
 def _train_cli(*args, timeout=300):

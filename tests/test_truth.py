@@ -106,3 +106,47 @@ def test_the_protocol_records_what_training_reads_for_tokens_per_step(tmp_path):
                          ModelShape(1, 30, 1536, 512), world_size=8, shares=shares)
     assert abs(e.values["tokens_per_step"] - 3 * MIX.S_max) <= 0.1 * 3 * MIX.S_max and e.micro_batches >= 1
     assert e.sources["micro_batches"] == "chosen for tokens_per_step (predicted tokens/s)"
+
+
+def test_the_simulator_takes_a_measured_point_over_its_interpolation_and_reports_both():
+    """A measured (S, B) whose time is far from what the other points interpolate to: the simulator runs it at its
+    measured time (every step 100 ms, not the 20 ms the line through B = 1 and 4 gives), the leave-one-out says how
+    far interpolation would have been, and the measured share tells a measured cell from an interpolated one."""
+    truth = MeasuredTruth({(1000, 1): [10.0], (1000, 4): [40.0], (1000, 2): [100.0, 100.0]})
+    one = Mix.of([("only", 1000, 1.0)])
+    measured = simulate(QUAD.predict, one, "equal_token", [2], R=1, M=1, steps=10, cluster=Cluster(truth))
+    assert measured.time_s == pytest.approx(10 * 0.100) and measured.measured_share == pytest.approx(1.0)
+    # B = 3 was not measured: the line through its two nearest measured B (2 and 4), 100 − 60 / 2 = 70 ms a step
+    between = simulate(QUAD.predict, one, "equal_token", [3], R=1, M=1, steps=10, cluster=Cluster(truth))
+    assert between.time_s == pytest.approx(10 * 0.070) and between.measured_share == 0.0
+    loo = {(S, B): e for S, B, _, e in truth.loo_errors()}
+    assert loo[(1000, 2)] == pytest.approx(20.0 / 100.0 - 1.0)  # without it, the line through B = 1 and 4
+    assert loo[(1000, 1)] == pytest.approx((100 + 30) / 10 - 1)  # the line through B = 2 and 4, back to B = 1
+    assert simulate(QUAD.predict, one, "equal_token", [2], R=1, M=1, steps=4).measured_share == 0.0  # model truth
+
+
+def test_the_policy_truth_blends_the_measured_policies_as_the_planner_blends_their_fits():
+    """checkpointing=auto's truth: a micro-batch that runs one policy whole at a point that policy measured draws it;
+    k of L blocks recomputed (j keeping attention) blends the policies' times; beyond a policy's measured lengths it
+    is full's time × their ratio at the policy's longest length."""
+    from scheduling.truth import PolicyTruth
+
+    none = MeasuredTruth({(1000, 1): [10.0], (1000, 3): [30.0], (2000, 1): [25.0], (2000, 2): [50.0]})
+    full = MeasuredTruth({(1000, 1): [14.0], (1000, 3): [42.0], (2000, 1): [35.0], (2000, 2): [70.0],
+                          (8000, 1): [400.0]})
+    keep = MeasuredTruth({(1000, 1): [12.0], (1000, 3): [36.0], (2000, 1): [30.0], (8000, 1): [330.0]})
+    decide = lambda B, S: (0, 0) if B * S <= 2000 else (10, 10) if B * S <= 4000 else (10, 4)  # noqa: E731
+    t = PolicyTruth({"none": none, "full": full, "keep": keep}, decide, layers=10)
+    rng = np.random.default_rng(0)
+    assert t.draw(1, 2000, rng) == 25.0 and t.is_measured(1, 2000)  # none, measured
+    assert t.draw(2, 2000, rng) == 30.0 * 2 and not t.is_measured(2, 2000)  # keep whole, keep's line at B = 2
+    assert t.draw(3, 1000, rng) == 36.0 and t.is_measured(3, 1000)  # keep whole, measured
+    # (10, 4) at S = 8000: none beyond its lengths is full × none/full at S = 2000 (25 / 35)
+    t_none = 400.0 * 25.0 / 35.0
+    assert t.policy_mean("none", 1, 8000) == pytest.approx(t_none)
+    assert t.mean(1, 8000) == pytest.approx(400.0 - 4 / 10 * (400.0 - 330.0))
+    assert t.policy(1, 8000) is None and not t.is_measured(1, 8000)
+    loo = {(pol, S, B): e for pol, S, B, _, e in t.loo_errors()}
+    assert loo[("keep", 8000, 1)] == pytest.approx(400.0 * 30.0 / 35.0 / 330.0 - 1)  # by the ratio at S = 2000
+    with pytest.raises(ValueError, match="none and full"):
+        PolicyTruth({"full": full}, decide, 10)
