@@ -689,3 +689,21 @@ def test_a_huge_caption_is_skipped_unread_at_indexing_and_at_load(tmp_path):
     item = corpus.read_checked(gid)
     assert time.perf_counter() - t0 < 0.5 and item.gid != gid and item.b == "a photo"
     assert corpus.skipped["caption_too_large"] == 2  # one at indexing, one at load
+
+
+def test_validation_keeps_every_caption_and_each_batch_its_buckets_s_and_a_served_step_is_let_go(tmp_path):
+    """caption_dropout=1 drops every training caption but no held-out one; a val batch carries its bucket's token
+    count; the reads a step prefetched are dropped once the step is served (none kept for the next)."""
+    from data.batch import pad_text
+
+    latent_corpus(tmp_path)
+    corpus = open_latent(tmp_path)
+    loader = Loader(corpus, 6, 1.0, seed=0, rank=0)
+    empty = pad_text(corpus.empty_text, 6)[0]
+    val = loader.val_batches()
+    assert val and all(not torch.equal(t, empty) for b in val for t in b.text)
+    assert all(b.S == LAT[b.bucket].tokens for b in val)
+    plan, _ = plan_step(corpus.table, 0, 0, 0, 1, "equal_token", 100, [4, 3], COST)
+    batches = list(loader.step(plan))
+    assert batches and all(torch.equal(t, empty) for b in batches for t in b.text)
+    assert loader._ahead == {}

@@ -422,3 +422,83 @@ def test_the_run_folder_logs_into_train_log_in_hydras_format_until_closed(tmp_pa
     assert logging.getLogger().handlers == before
     (line,) = (tmp_path / "run" / "train.log").read_text().splitlines()
     assert re.fullmatch(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\]\[some.module\]\[WARNING\] - hello there", line)
+
+
+def test_no_space_relabels_a_full_disk_with_the_path_asked_or_keeps_the_one_it_names():
+    from training.run_folder import no_space
+
+    inner = NoSpaceLeft(errno.ENOSPC, "no space left on /r/step_3.tmp/meta.json")
+    assert str(no_space(inner, "/r/step_3.tmp").strerror) == "no space left on /r/step_3.tmp"
+    assert no_space(inner) is inner
+    assert no_space(OSError(errno.ENOSPC, "full", "/r/metrics.jsonl")).strerror == "no space left on /r/metrics.jsonl"
+    assert no_space(OSError(errno.ENOSPC, "full")).strerror == "no space left on the device"
+
+
+def test_a_lock_file_replaced_between_open_and_flock_is_opened_again(tmp_path, monkeypatch):
+    import training.run_folder as rf
+
+    real, calls = rf._same_file, []
+
+    def first_not_same(fd, path):
+        calls.append(path)
+        return len(calls) > 1 and real(fd, path)
+
+    monkeypatch.setattr(rf, "_same_file", first_not_same)
+    held = lock(str(tmp_path / "run"), overwrite=False)
+    assert len(calls) == 2 and json.load(open(tmp_path / "run" / LOCK))["pid"] == os.getpid()
+    monkeypatch.undo()
+    held.release()
+
+
+def test_a_run_folder_closed_twice_is_closed_once(tmp_path):
+    folder = RunFolder(str(tmp_path / "run"), None, False, CTX)
+    folder.close()
+    folder.close()
+    assert folder.lock is None and not os.path.exists(tmp_path / "run" / LOCK)
+
+
+def test_overwrite_moves_the_old_run_into_a_dated_replaced_folder(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    aside = claim(str(run_dir), None, True)
+    assert re.fullmatch(r"replaced-\d{8}-\d{6}", os.path.basename(aside))
+    assert os.listdir(aside) == ["metrics.jsonl"] and "metrics.jsonl" not in os.listdir(run_dir)
+
+
+def test_a_multirun_job_without_a_logging_section_and_a_folder_ending_in_x():
+    from training.run_folder import multirun_job
+
+    job = multirun_job({"name": "n", "run_dir": "/scratch/BOX/"}, 0, [("a", "1")])
+    assert job == {"name": "n-a_1", "run_dir": "/scratch/BOX-a_1", "logging": {"group": "n"}}
+
+
+def test_open_fd_takes_plain_parts_names_the_full_path_and_says_no_space_at_open(tmp_path, monkeypatch):
+    from training.run_folder import open_fd
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "f").write_text("x")
+    assert os.read(open_fd(str(tmp_path), "sub//./f"), 1) == b"x"  # empty and "." parts dropped; read by default
+    for rel in ("", ".", "./"):
+        with pytest.raises(LinkRefused, match="is not a path inside its folder"):
+            open_fd(str(tmp_path), rel)
+    with pytest.raises(NotADirectoryError):  # a file where a folder is asked for: not called a link
+        open_fd(str(tmp_path), "sub/f/g")
+    os.symlink(tmp_path / "sub", tmp_path / "linked")
+    with pytest.raises(LinkRefused, match=f"^{tmp_path}/linked is a link"):
+        open_fd(str(tmp_path), "linked/f")
+    os.symlink(tmp_path / "sub" / "f", tmp_path / "sub" / "l")
+    with pytest.raises(LinkRefused, match=f"^{tmp_path}/sub/l is a link"):
+        open_fd(str(tmp_path), "sub/l")
+    os.link(tmp_path / "sub" / "f", tmp_path / "sub" / "hard")
+    assert open_in(str(tmp_path), "sub/hard", "rb").read() == b"x"  # reading a hard-linked file, also as bytes
+    real_open = os.open
+
+    def full(path, flags, *args, **kwargs):
+        if path == "new" and flags & os.O_CREAT:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", full)
+    with pytest.raises(NoSpaceLeft, match=f"^\\[Errno {errno.ENOSPC}\\] no space left on {tmp_path}/sub/new$"):
+        open_fd(str(tmp_path), "sub/new", "w")
