@@ -77,3 +77,26 @@ def test_a_simulated_run_carries_its_strategy():
     mix = Mix.of([("a", 16, 1.0), ("b", 64, 1.0)])
     run = simulate(lambda B, S: float(B * S), mix, "equal_token", [8, 2], 2, M=2, steps=3)
     assert run.strategy == "equal_token" and run.M == 2
+
+
+def _plan(R, M, S=10):
+    from scheduling.planner import MicroBatch, StepPlan
+
+    return StepPlan(0, 0, 1, tuple(tuple(MicroBatch(0, (0,), (1.0,), S, 1.0) for _ in range(M)) for _ in range(R)))
+
+
+def test_a_measured_s_between_two_others_is_interpolated_from_its_neighbours_in_log_space():
+    from scheduling.truth import MeasuredTruth
+
+    truth = MeasuredTruth({(16, 1): [1.0], (64, 1): [2.0], (256, 1): [8.0]})
+    assert truth.mean(1, 128) == pytest.approx(4.0)  # halfway from 64 to 256 in log S: √(2 · 8)
+    assert truth.mean(1, 32) == pytest.approx(2 ** 0.5)
+
+
+def test_a_slow_rank_outside_the_cluster_is_ignored_and_a_step_has_no_optimizer_time_by_default():
+    from scheduling.replay import step_times
+    from scheduling.truth import Cluster, MeasuredTruth
+
+    cluster = Cluster(MeasuredTruth({(10, 1): [1.0]}), slow_ranks={1: 2.0, 2: 5.0})
+    assert cluster.times(_plan(2, 3), np.random.default_rng(0)).tolist() == [[1.0] * 3, [2.0] * 3]
+    assert step_times([_plan(2, 3)])[0].optim_ms == 0.0
