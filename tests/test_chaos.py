@@ -176,15 +176,16 @@ def test_a_full_disk_a_rollback_and_kills_lose_nothing_and_change_no_loss(tmp_pa
     wrapper.write_text(WRAPPER.format(root=ROOT))
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
 
-    def chaos(fault: str, *extra):
+    def chaos(fault: str, *extra, trace="1"):
         args = [sys.executable, str(wrapper), *tiny_overrides(run, cache, *common, *extra)]
-        return subprocess.run(args, cwd=ROOT, env=dict(env, CHAOS=fault), capture_output=True, text=True,
-                              timeout=300)
+        return subprocess.run(args, cwd=ROOT, env=dict(env, CHAOS=fault, HYDRA_FULL_ERROR=trace), capture_output=True,
+                              text=True, timeout=300)
 
-    # 1. the disk fills during step_6's write: the run stops naming it, step_4 (and step_2) stay, no step_6.tmp
-    done = chaos("enospc:6")
-    assert done.returncode != 0 and f"no space left on {run}/step_6.tmp while writing step_6" in done.stderr, \
-        done.stderr[-3000:]
+    # 1. the disk fills during step_6's write: the run stops naming it (a refusal: exit status 2, no traceback, as a
+    # user sees it without HYDRA_FULL_ERROR), step_4 (and step_2) stay, no step_6.tmp
+    done = chaos("enospc:6", trace="0")
+    assert done.returncode == 2 and f"error: no space left on {run}/step_6.tmp while writing step_6" in done.stderr \
+        and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "the last good checkpoint" in done.stderr and f"{run}/step_4 is kept" in done.stderr
     assert sorted(d for d in os.listdir(run) if d.startswith("step_")) == ["step_2", "step_4"]
     # 2. resumed, killed in step 11 (its first micro-batch; M = 2, from step 5): step_8 and step_10 are there

@@ -100,8 +100,13 @@ def test_the_payload_is_real_and_plain_loaders_would_run_it(tmp_path):
     assert marker.exists()
 
 
+@pytest.mark.parametrize("env", [None, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"])
 @pytest.mark.parametrize("where", ["rng", "bytes", "metadata"])
-def test_a_crafted_checkpoint_runs_no_code(tmp_path, where):
+def test_a_crafted_checkpoint_runs_no_code(tmp_path, monkeypatch, where, env):
+    """Also where the environment turns torch.load's default to full unpickling: the loaders ask for weights_only
+    themselves, which the environment cannot override."""
+    if env:
+        monkeypatch.setenv(env, "1")
     model, opt, sched, ema = _trained()
     path = _save(tmp_path, 2, model, opt, sched, ema)
     marker = tmp_path / "ran"

@@ -164,6 +164,7 @@ def test_stored_arrays_that_do_not_match_their_record_are_skipped_by_reason(tmp_
     planted = {  # (row, member): (bytes, the reason it must count as)
         (img[0], "latent.npy"): (npy_bytes(np.zeros([C + 1, 1, 4, 4], np.float32)), "bad_shape"),
         (img[2], "latent.npy"): (npy_bytes(lat(img[2]).astype(np.int32)), "bad_shape"),
+        (img[6], "latent.npy"): (npy_bytes(lat(img[6]).astype(np.longdouble)), "bad_shape"),  # a float, not 16/32/64
         (img[4], "text.npy"): (npy_bytes(txt(img[4], D + 1)), "bad_shape"),
         (vid[0], "pooled.npy"): (npy_bytes(np.zeros(P + 1, np.float32)), "bad_shape"),
         (vid[2], "text.npy"): (npy_bytes(nan_text), "nonfinite"),  # finite latents: only a text screen finds it
@@ -177,14 +178,14 @@ def test_stored_arrays_that_do_not_match_their_record_are_skipped_by_reason(tmp_
         assert got != row, (rec[row]["key"], reason)
         assert latent.shape == LAT[rec[row]["bucket"]].latent_shape(C) and text.shape[1] == D
         assert corpus.bucket_of[got] == corpus.bucket_of[row]
-    assert corpus.skipped == {"bad_shape": 4, "nonfinite": 1, "unreadable": 2}
+    assert corpus.skipped == {"bad_shape": 5, "nonfinite": 1, "unreadable": 2}
     # a whole epoch through the loader: every batch collates, with pooled text, and no planted sample is in it
     plan, _ = plan_step(corpus.table, 0, 0, 0, 1, "equal_token", 100, [4, 3], COST)
     batches = list(Loader(corpus, 6, 0.3, seed=0, rank=0).step(plan))
     assert [b.B for b in batches] == [mb.B for mb in plan.ranks[0]]
     assert all(b.pooled is not None and b.pooled.shape == (b.B, P) for b in batches)
     assert not {rec[row]["key"] for row, _ in planted} & {k for b in batches for k in b.keys}
-    assert corpus.skipped == {"bad_shape": 4, "nonfinite": 1, "unreadable": 2}  # met again: not counted again
+    assert corpus.skipped == {"bad_shape": 5, "nonfinite": 1, "unreadable": 2}  # met again: not counted again
 
 
 @pytest.mark.parametrize("error", [struct.error("unpack requires 8 bytes"), EOFError("ran out"), MemoryError(),
@@ -689,3 +690,21 @@ def test_a_huge_caption_is_skipped_unread_at_indexing_and_at_load(tmp_path):
     item = corpus.read_checked(gid)
     assert time.perf_counter() - t0 < 0.5 and item.gid != gid and item.b == "a photo"
     assert corpus.skipped["caption_too_large"] == 2  # one at indexing, one at load
+
+
+def test_validation_keeps_every_caption_and_each_batch_its_buckets_s_and_a_served_step_is_let_go(tmp_path):
+    """caption_dropout=1 drops every training caption but no held-out one; a val batch carries its bucket's token
+    count; the reads a step prefetched are dropped once the step is served (none kept for the next)."""
+    from data.batch import pad_text
+
+    latent_corpus(tmp_path)
+    corpus = open_latent(tmp_path)
+    loader = Loader(corpus, 6, 1.0, seed=0, rank=0)
+    empty = pad_text(corpus.empty_text, 6)[0]
+    val = loader.val_batches()
+    assert val and all(not torch.equal(t, empty) for b in val for t in b.text)
+    assert all(b.S == LAT[b.bucket].tokens for b in val)
+    plan, _ = plan_step(corpus.table, 0, 0, 0, 1, "equal_token", 100, [4, 3], COST)
+    batches = list(loader.step(plan))
+    assert batches and all(torch.equal(t, empty) for b in batches for t in b.text)
+    assert loader._ahead == {}

@@ -253,7 +253,7 @@ def test_an_mp4_reads_back_its_pixels_in_a_new_folder_with_odd_sides_padded(tmp_
     np.testing.assert_allclose(means, [0, 64, 128, 191, 255], atol=3)
 
 
-# -- config edges, clip placement, pixel ranges (survivors of the mutation pass, results/mutation.md) -----------------
+# -- config edges, clip placement, pixel ranges (survivors of an earlier mutation pass) ------------------------------
 
 @pytest.mark.parametrize("p", [0.0, 1.0])
 def test_caption_dropout_takes_both_ends_of_zero_to_one(p):

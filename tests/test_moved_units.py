@@ -1,9 +1,12 @@
 """Direct checks of the modules moved out of scripts/ (data/keys.py, data/precompute.py, training/cli.py,
 training/compare.py, training/sampling.py, training/bucket_report.py, training/replay.py, training/load.py,
 training/export.py) that their end-to-end tests (a script run in a subprocess, a whole training run) reach only in
-passing. Each pins one rule a plausible slip would break (results/mutation.md, the pass over the moved modules on
-3bdb96c); all run on the CPU, a few seconds at most each (two run replay_plans.py --dry-run in a subprocess).
+passing. Each pins one rule a plausible slip would break (the hand-written mutator's pass over the moved modules
+on 3bdb96c: results/mutation.md in git history); all run on the CPU, a few seconds at most each (two run
+replay_plans.py --dry-run in a subprocess). training/cli.py's refusals (a full disk, a folder this user cannot write)
+are here too.
 """
+import errno
 import glob
 import hashlib
 import os
@@ -13,6 +16,7 @@ import torch
 
 from data.keys import keyed_generator
 from training import cli
+from training.run_folder import NoSpaceLeft
 
 
 # ------------------------------------------------------------------------------------------------- data/keys.py
@@ -76,6 +80,39 @@ def test_another_error_is_raised_as_python_would(monkeypatch):
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     with pytest.raises(KeyError):
         cli.run_main(lambda: {}["missing"])
+
+
+def _full_in_dcp(path):
+    """A full disk as DCP raises it: wrapped, the OSError naming the file it was writing."""
+    err = RuntimeError("checkpoint failed")
+    err.__cause__ = OSError(errno.ENOSPC, "No space left on device", path)
+    return err
+
+
+@pytest.mark.parametrize("error, said", [
+    (NoSpaceLeft(errno.ENOSPC, "no space left on /r/step_3.tmp while writing step_3: it was not written"),
+     "no space left on /r/step_3.tmp while writing step_3: it was not written"),
+    (_full_in_dcp("/r/step_3.tmp/__0_0.distcp"), "no space left on /r/step_3.tmp/__0_0.distcp"),
+    (OSError(errno.EDQUOT, "Disk quota exceeded", "/r/metrics.jsonl"), "no space left on /r/metrics.jsonl"),
+    (OSError(errno.EROFS, "Read-only file system", "/ro/runs"), "/ro/runs: Read-only file system. This user cannot"),
+    (PermissionError(errno.EACCES, "Permission denied", "/home/other/runs/a"), "/home/other/runs/a: Permission denied"),
+])
+def test_a_full_disk_or_a_folder_this_user_cannot_write_is_a_refusal_naming_the_path(monkeypatch, capsys, error,
+                                                                                      said):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr("sys.argv", ["train.py"])
+    with pytest.raises(SystemExit) as e:
+        cli.run_main(lambda: (_ for _ in ()).throw(error))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"train.py: error: {said}") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("error", [PermissionError(errno.EACCES, "Permission denied"),  # no path: not the user's
+                                   OSError(errno.EIO, "Input/output error", "/r/x"), RuntimeError("no cause")])
+def test_an_os_error_that_names_no_path_or_is_no_refusal_is_raised_as_it_is(monkeypatch, error):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(type(error)):
+        cli.run_main(lambda: (_ for _ in ()).throw(error))
 
 
 @pytest.mark.parametrize("returned, status", [(None, 0), (0, 0), (3, 3), ("done", 0), (1, 1)])

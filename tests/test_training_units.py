@@ -1,8 +1,8 @@
 """Direct checks of units the train step builds on that its end-to-end tests reach only in passing: the MMDiT's
 inputs at the data → model seam (training/inputs.py), the fused Wan block's deprecated alias and its no-rotation
 table (models/fused_wan.py), and the Triton set-up every fused op shares (ops/triton_setup.py: a missing triton, row
-segments, modulation strides). Each pins one rule a plausible slip would break (results/mutation.md); all run on the
-CPU in well under a second each.
+segments, modulation strides). Each pins one rule a plausible slip would break (an earlier mutation pass); all run on
+the CPU in well under a second each.
 """
 import pytest
 import torch

@@ -50,6 +50,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import default_planner as _default_planner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 
@@ -116,7 +117,9 @@ def read_metadata(path: str):
             raise CheckpointError(f"{path}/.metadata refused: {e}") from None
         except (EOFError, ValueError, TypeError, AttributeError, IndexError) as e:
             raise CheckpointError(f"{path}/.metadata is damaged ({type(e).__name__}: {e})") from None
-    for info in (getattr(md, "storage_data", None) or {}).values():  # DCP opens path / relative_path
+    if not isinstance(md, Metadata):  # plain data unpickles without a global: a dict, a number, ...
+        raise CheckpointError(f"{path}/.metadata holds a {type(md).__name__}, not DCP's Metadata (damaged)")
+    for info in (md.storage_data or {}).values():  # DCP opens path / relative_path
         name = getattr(info, "relative_path", None)
         if not isinstance(name, str) or not _PLAIN.fullmatch(name) or name.startswith(".."):
             raise CheckpointError(f"{path}/.metadata names the file {name!r}, not a file of this folder")
@@ -128,7 +131,7 @@ class _SafeReader(dcp.FileSystemReader):
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         md = read_metadata(str(self.path))
-        if getattr(md, "storage_meta", None) is None:
+        if md.storage_meta is None:  # written by a torch that predates it
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md

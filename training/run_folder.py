@@ -58,12 +58,15 @@ class NoSpaceLeft(OSError):
     """A write that found the disk full; the message names the path."""
 
 
-def no_space(e: BaseException, path: str) -> Optional[NoSpaceLeft]:
-    """NoSpaceLeft for `path` when `e` (or an exception it wraps) is ENOSPC/EDQUOT, else None."""
+def no_space(e: BaseException, path: Optional[str] = None) -> Optional[NoSpaceLeft]:
+    """NoSpaceLeft for `path` when `e` (or an exception it wraps, up to 20 deep) is ENOSPC/EDQUOT, else None. With
+    path None, the one found says where: a NoSpaceLeft as it is, another error by the file it names."""
     seen = 0
     while e is not None and seen < 20:
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return NoSpaceLeft(errno.ENOSPC, f"no space left on {path}")
+            if path is None and isinstance(e, NoSpaceLeft):
+                return e
+            return NoSpaceLeft(errno.ENOSPC, f"no space left on {path or e.filename or 'the device'}")
         nested = [v[0] if isinstance(v, tuple) and v else v  # DCP's CheckpointException: {rank: (error, trace)}
                   for v in (getattr(e, "failures", None) or {}).values()]
         nested = [v for v in nested if isinstance(v, BaseException)]
@@ -361,11 +364,7 @@ def multirun_job(raw: dict, job_num: int, swept: Sequence[tuple[str, str]] = ())
     command line sweeps."""
     name, label = raw["name"], job_label(job_num, swept)
     out = {**raw, "name": f"{name}-{label}", "logging": {**raw.get("logging", {})}}
-    if raw.get("run_dir") == os.path.join("runs", name):
-        out["run_dir"] = os.path.join("runs", f"{name}-{label}")
-    else:
-        out["run_dir"] = f"{raw['run_dir'].rstrip('/')}-{label}"
-    out["logging"].setdefault("group", None)
-    if out["logging"]["group"] is None:
+    out["run_dir"] = f"{raw['run_dir'].rstrip('/')}-{label}"  # runs/<name> → runs/<name>-<label>
+    if out["logging"].get("group") is None:
         out["logging"]["group"] = name
     return out
