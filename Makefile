@@ -9,6 +9,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: setup train test test-fast clean
 
@@ -34,12 +35,17 @@ $(STAMP): requirements.txt
 train: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/python train.py $(ARGS)
 
+# The tests' own packages (requirements-test.txt: pytest, and triton for the kernels' interpreter), on top of setup.
+$(TEST_STAMP): $(STAMP) requirements-test.txt
+	$(BIN)/python -m pip install -q -r requirements-test.txt
+	@touch $(TEST_STAMP)
+
 # The whole suite (CI: .ci/run): every test, the slow model, script and multi-process ones included.
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q tests $(ARGS)
 
 # Every package's tests but those marked slow (pytest.ini): the lane to run while editing.
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests $(ARGS)
 
 clean:
