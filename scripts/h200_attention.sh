@@ -5,7 +5,12 @@
 #   k  SDPA's kernels at Wan's shapes and the cuDNN key-mask check (scripts/bench/attention.py, ~1.5 min)
 #   a  the 1.3B step against diffusers at its best (cuDNN; with compiled blocks) at S = 32760, 14040, 75600, with the
 #      device-time profile at the first (~5 min)
-#   b  the same at 16×1560 and 4×7800 (~3 min)
+#   b  the same at 16×1560 and 4×7800, with diffusers' compiled blocks, no recompute (ours@none) and the device-time
+#      split of every shape (~3.5 min)
+#   p  ours@glue and ours@none with their device-time split at 2×14040, 1×32760, 1×75600, beside diffusers@cudnn:
+#      the ceiling table's measured parts (~1.5 min)
+#   n  a K-block (default 4) full-width slice of Wan 14B at 720p 81 frames with no recompute (ours@none), beside
+#      ours@glue, ours@keep and diffusers@cudnn (~2.5 min)
 #   m  the MMDiT at HunyuanVideo width against diffusers' default and cuDNN backends (~1.5 min)
 #   w  a 10-block full-width slice of Wan 14B at 720p 81 frames: MFU, ours against diffusers@cudnn (~4 min)
 #   d  which kernel torch's default SDPA choice is at Wan's shapes (the baseline's backend; seconds)
@@ -64,12 +69,23 @@ if [[ $PART == *a* ]]; then
     2>&1 | tee "$OUT/bench_a.log" | grep -E "^\||Error|error" | cut -c1-400 | tail -12
 fi
 if [[ $PART == *b* ]]; then
-  timeout 240 python3 scripts/bench/step.py --out "$OUT/b" --shapes 0,1 --fast-backend _native_cudnn --reps 3 \
-    --gc-off --longest '' --impls "${IMPLS_B:-diffusers@default,diffusers@fast,diffusers@compile,ours@glue,ours@policy,ours@keep}" \
+  timeout ${T_B:-240} python3 scripts/bench/step.py --out "$OUT/b" --shapes 0,1 --fast-backend _native_cudnn --reps 3 \
+    --gc-off --longest '' --profile-every \
+    --impls "${IMPLS_B:-diffusers@default,diffusers@fast,diffusers@compile,ours@glue,ours@policy,ours@keep,ours@none}" \
     2>&1 | tee "$OUT/bench_b.log" | grep -E "^\||Error|error" | cut -c1-400 | tail -12
 fi
+if [[ $PART == *p* ]]; then
+  timeout ${T_P:-120} python3 scripts/bench/step.py --out "$OUT/p" --shapes 2,3,4 --fast-backend _native_cudnn --reps 2 \
+    --gc-off --longest '' --profile-every --impls ours@glue,ours@none 2>&1 | tee "$OUT/bench_p.log" \
+    | grep -E "^\||Error|error|memory" | cut -c1-400 | tail -8
+fi
+if [[ $PART == *n* ]]; then
+  timeout ${T_N:-180} python3 scripts/bench/step.py --model 14b --blocks "${KN:-4}" --out "$OUT/n" --shapes 4 \
+    --fast-backend _native_cudnn --reps 1 --gc-off --longest '' --impls diffusers@fast,ours@glue,ours@keep,ours@none \
+    2>&1 | tee "$OUT/bench_n.log" | grep -E "^\||Error|error|memory" | cut -c1-400 | tail -8
+fi
 if [[ $PART == *m* ]]; then
-  timeout 150 python3 scripts/bench/mmdit.py --out "$OUT/m" 2>&1 | tee "$OUT/mmdit.log" | grep -E "impl|Error" | tail -12
+  timeout ${T_M:-150} python3 scripts/bench/mmdit.py --out "$OUT/m" 2>&1 | tee "$OUT/mmdit.log" | grep -E "impl|Error" | tail -12
 fi
 if [[ $PART == *w* ]]; then
   timeout 300 python3 scripts/bench/step.py --model 14b --blocks "${K:-10}" --out "$OUT/w" --shapes 4 \

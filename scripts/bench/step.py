@@ -26,6 +26,8 @@ Side by side in one run, forward + backward, no optimizer, random weights (the s
   ours@chunkN         ours@offload with those temporaries in chunks of N MiB of rows (the default is 128)
   diffusers@again     diffusers measured again after our columns at each shape (drift between columns shows)
   ours@trainer        our trainer's precision: fp32 master weights under bf16 autocast (not held to memory targets)
+  ours@none           ours@glue with no block recomputed (model.checkpointing=none; no memory target: out of memory
+                      is recorded in meta.oom, not fatal)
 Reported per shape: ms (median), tokens/s, model-FLOPs utilisation (contracts §9), peak GiB; each row is appended
 to OUT/bench_step.jsonl as it is measured. Then the longest sequence: B = 1 at 480p (latent 60×104), latent frames
 raised until the --longest column's peak exceeds diffusers@fast's peak at S = 32760. Before timing, the two models' outputs are compared on one small input (bf16 tolerance).
@@ -78,7 +80,7 @@ KNOB_MODULES = {"GATED_TAIL_MIN_TOKENS": gated_ffn, "CHUNK_BYTES": gelu_ffn}
 # the table's column order
 TABLE_COLUMNS = ("diffusers@default", "diffusers@fast", "diffusers@compile", "ours@fast", "ours@saved", "ours@notail", "ours@glue",
                  "ours@compile", "ours@offload", "ours@unchunked", "ours@policy", "ours@keep", "ours@keep+unchunked",
-                 "ours@trainer", "diffusers@again")
+                 "ours@trainer", "ours@none", "diffusers@again")
 
 
 OURS_BACKEND = {"native": "flash", "_native_flash": "flash", "_native_efficient": "efficient",
@@ -200,13 +202,16 @@ def profile(run) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    cuda = torch.cuda.is_available()
     run()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with torch_profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         run()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
     kinds, named = {}, {}
     for e in prof.key_averages():
-        us = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+        us = (getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)) if cuda else \
+            e.self_cpu_time_total  # a CPU check of the script: its operators' own times
         if not us or e.key.startswith(("ProfilerStep", "cudaDeviceSynchronize")):
             continue
         name = e.key.lower()
@@ -332,6 +337,8 @@ def main(argv=None) -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--profile", action="store_true",
                     help="device-time breakdown (attention / GEMM / fused Triton / other kernels) at the first shape")
+    ap.add_argument("--profile-every", action="store_true", help="the breakdown of ours@glue (and ours@none where "
+                    "it runs) at every shape, into meta.profiles[BxS] (the ceiling table's measured split)")
     ap.add_argument("--memtrace", action="store_true",
                     help="what is alive at the peak of one ours@offload step at the first shape")
     ap.add_argument("--longest", default="ours@offload", help="the column whose longest sequence is searched ('' skips)")
@@ -522,6 +529,21 @@ def main(argv=None) -> None:
                     ms, peak = timed(ours_run(shape, True, glue, offload=off, keep=j))
                 record(impl, shape, ms, peak, keep_attention_blocks=j, offload=off,
                        fits=bool(not peak > diff_peak[shape]) if dev.type == "cuda" else None)
+            S_ = F_ * (H // 2) * (W // 2)
+            if "ours@none" in impls:  # no recompute at all: the step the memory model allows where it fits
+                try:
+                    record("ours@none", shape, *timed(ours_run(shape, False, glue)))
+                    if args.profile_every:
+                        prof = profile(ours_run(shape, False, glue))
+                        meta.setdefault("profiles", {}).setdefault(f"{B}x{S_}", {})["ours@none"] = prof
+                except torch.OutOfMemoryError as e:
+                    print(f"ours@none at {shape}: out of memory", flush=True)
+                    meta.setdefault("oom", {})[f"ours@none {shape}"] = str(e).splitlines()[0][:200]
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            if args.profile_every and "ours@glue" in impls:
+                prof = profile(ours_run(shape, True, glue))
+                meta.setdefault("profiles", {}).setdefault(f"{B}x{S_}", {})["ours@glue"] = prof
             for impl in [i for i in impls if i == "ours@unchunked" or i.startswith("ours@chunk")]:
                 # ours@offload with the MLP's ffn-sized temporaries in other chunks (ops/gelu_ffn.py; default 128 MiB)
                 mib = None if impl == "ours@unchunked" else int(impl[len("ours@chunk"):])
