@@ -31,7 +31,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -102,8 +102,13 @@ def scan(step_fn: Callable[[str, int], StepResult], tokens: Mapping[str, int], *
          top_tokens: Optional[float] = None, mem_budget_bytes: Optional[float] = None, warmup: int = 1,
          repeats: int = 2, agree: Optional[Callable[[bool], bool]] = None, time_budget_s: Optional[float] = None,
          probe_cap: bool = True, agree_min: Optional[Callable[[int], int]] = None,
+         fixed_points: Optional[Sequence[tuple[str, int]]] = None,
          log: Callable[[str], None] = lambda s: None) -> list[Point]:
     """Time step_fn over buckets (name → S) and B upward; returns every point tried, timed or not.
+
+    fixed_points: exactly these (bucket, B) micro-batches, in this order, instead of the ladder (calibrate.points: the
+    shapes a simulation's cells run, each timed `repeats` times); no cap of points and no memory probe, the time
+    budget still stops new ones, and one out of memory skips that point alone.
 
     probe_cap (with mem_budget_bytes and max_points ≥ 3): the last timed point is the shortest bucket at the largest
     B that the memory model fitted to the other points allows in the budget — where the planners' memory bound
@@ -148,6 +153,13 @@ def scan(step_fn: Callable[[str, int], StepResult], tokens: Mapping[str, int], *
         points.append(timed_point(name, S, B, runs, log))
         return points[-1]
 
+    if fixed_points is not None:
+        for name, B in fixed_points:
+            if name not in tokens:
+                raise ValueError(f"scan point {name}:{B} names a bucket outside {list(tokens)}")
+            attempt(name, int(tokens[name]), int(B), f"time budget of {time_budget_s:g} s spent" if over_budget()
+                    else "")
+        return points
     for name in quotas:
         S = int(tokens[name])
         ladder = [max(1, int(top_tokens // S))] if name in high else _ladder(S, quotas[name], top_tokens)
@@ -344,15 +356,32 @@ class Calibration:
 
     def measured_points(self, mode: str) -> list[dict]:
         """The mode's timed points (and its launch point) at the whole model's depth: a k-block slice's times ×
-        its extrapolation scale, as its cost model is (bucket, S, B, ms, ms_runs: peaks and optimizer times stay
-        in the records). The simulator's truth (scheduling/protocol.py)."""
+        its extrapolation scale, as its cost model is, except where the point was timed at a second depth too:
+        there t_fixed + L·t_block (affine_scales). (bucket, S, B, ms, ms_runs: peaks and optimizer times stay in
+        the records.) The simulator's truth (scheduling/protocol.py)."""
         rec = self.data["modes"][mode]
         scale = float((self.data.get("extrapolation") or {}).get("scale", 1.0))
-        pts = [p for p in rec["points"] if p.get("feasible", True)]
-        if rec.get("launch_point"):
-            pts.append(rec["launch_point"])
-        return [{"bucket": p["bucket"], "S": p["S"], "B": p["B"], "feasible": True, "ms": p["ms"] * scale,
-                 "ms_runs": [t * scale for t in p.get("ms_runs") or []]} for p in pts if p.get("ms")]
+        affine = self.affine_scales(mode)
+        pts = [(p, affine.get((p["bucket"], int(p["B"])), scale)) for p in rec["points"] if p.get("feasible", True)]
+        if rec.get("launch_point"):  # the plain step: its own two depths' row where there is one
+            pts.append((rec["launch_point"], affine.get("launch", scale)))
+        return [{"bucket": p["bucket"], "S": p["S"], "B": p["B"], "feasible": True, "ms": p["ms"] * f,
+                 "ms_runs": [t * f for t in p.get("ms_runs") or []]} for p, f in pts if p.get("ms")]
+
+    def affine_scales(self, mode: str) -> dict[tuple[str, int], float]:
+        """A slice timed at two depths (calibrate.fsdp_ranks with memory_blocks): (bucket, B) → the factor from the
+        main depth's time to the full depth's t_fixed + L·t_block (fsdp_memory.depth_check), which counts the part
+        outside the blocks once where the flat ×L/k counts it L/k times; "launch" → the same for the plain step.
+        Empty without a second depth; a point whose two depths give no positive per-block time keeps the flat
+        scale."""
+        dc = self.data["modes"][mode].get("depth_check") or {}
+        main = str((dc.get("depths") or [None])[0])
+        out = {}
+        for key, r in [((r["bucket"], int(r["B"])), r) for r in dc.get("points") or []] + [("launch", dc.get("launch"))]:
+            t_main = ((r or {}).get("ms") or {}).get(main)
+            if t_main and r.get("block_ms", 0) > 0 and r.get("full_affine_ms", 0) > 0:
+                out[key] = float(r["full_affine_ms"]) / float(t_main)
+        return out
 
     def optim_ms(self, mode: str) -> float:
         return float(self.data["modes"][mode].get("optim_ms") or 0.0)

@@ -41,6 +41,22 @@ def test_b_rises_per_bucket_and_out_of_memory_stops_the_bucket_and_longer_ones()
     assert any("already infeasible" in p.why for p in bad[1:])
 
 
+def test_fixed_points_time_exactly_the_given_micro_batches_and_an_oom_skips_that_point_alone():
+    """calibrate.points: a simulation's (bucket, B) in the given order, each warm-up + repeats times, no ladder and no
+    probe; one out of memory costs that point, not the ones after it (unlike the ladder, where it ends the bucket)."""
+    calls = []
+    want = [("long", 1), ("img", 98), ("short", 12), ("img", 45), ("short", 2)]
+    pts = scan(fake_step(oom_tokens=60_000, calls=calls), TOKENS, max_points=2, warmup=1, repeats=3,
+               mem_budget_bytes=C0 + C1 * 200_000, fixed_points=want)
+    assert [(p.bucket, p.B) for p in pts] == want
+    assert [p.feasible for p in pts] == [True, False, True, True, True]  # 98 × 1000 ≥ 60,000 ran out
+    assert all(len(p.ms_runs) == 3 for p in pts if p.feasible) and len(calls) == 4 * 4 + 1
+    with pytest.raises(ValueError, match="outside"):
+        scan(fake_step(), TOKENS, fixed_points=[("huge", 1)])
+    late = scan(fake_step(), TOKENS, fixed_points=want, time_budget_s=0.0)  # the budget still stops new points
+    assert not any(p.feasible for p in late[1:]) and "time budget" in late[-1].why
+
+
 def test_the_memory_fit_stops_a_bucket_before_it_runs_out():
     calls = []
     budget = C0 + C1 * 30_000

@@ -273,6 +273,36 @@ def test_cpu_slice_calibration_states_the_slice_and_its_scaling(tmp_path):
             calibrate_config(cfg, {**opts, **bad}, log=lambda s: None)
 
 
+def test_a_slice_scanned_at_given_points_and_two_depths_gives_the_truth_at_the_full_depth(tmp_path):
+    """calibrate.points on an FSDP slice: exactly the given micro-batches at both depths, each timed `repeats`
+    times; the simulator's truth at those points is t_fixed + L·t_block from the two depths, not the flat ×L/k
+    (here L = 2 = the second depth, so the truth is the second depth's own measured time)."""
+    from scheduling.calibrate import Calibration
+    from training.shape_benchmark import calibrate_config
+    from tests.helpers import compose_config
+
+    out = str(tmp_path / "cal.json")
+    cfg = compose_config([f"scheduling.calibration={out}"])
+    names = list(cfg.data.buckets)[:2]
+    want = [f"{names[1]}:1", f"{names[0]}:3", f"{names[0]}:1"]
+    opts = {"blocks": 1, "fsdp_ranks": 8, "repeats": 3, "warmup": 0, "out": out, "points": want}
+    calibrate_config(cfg, opts, command="test", log=lambda s: None)
+    cal = Calibration.load(out)
+    rec = cal.data["modes"]["none"]
+    assert [f"{p['bucket']}:{p['B']}" for p in rec["points"]] == want
+    assert all(p["feasible"] and len(p["ms_runs"]) == 3 for p in rec["points"])
+    second = {(p["bucket"], p["B"]): p for p in rec["slice_memory"]["points"]["2"]}
+    assert set(second) == {(p["bucket"], p["B"]) for p in rec["points"]}
+    truth = {(p["bucket"], p["B"]): p["ms"] for p in cal.measured_points("none")[:len(want)]}  # then the launch point
+    main = {(p["bucket"], p["B"]): p["ms"] for p in rec["points"]}
+    affine = cal.affine_scales("none")
+    assert affine and all(f > 0 for f in affine.values())
+    for key in second:  # where a per-block time came out positive, the second depth's; else the flat ×2/1
+        assert truth[key] == pytest.approx(second[key]["ms"] if key in affine else 2 * main[key], rel=1e-9)
+    with pytest.raises(ValueError, match="calibrate.points"):
+        calibrate_config(cfg, {**opts, "points": ["nope:1"]}, log=lambda s: None)
+
+
 def test_a_k_block_scan_scales_its_launch_floor_per_block_too():
     """Host work is per block: the floor of 18 blocks' eager launches becomes 40/18 of it, as every other term."""
     work = lambda B, S: 18 * (1.9 * B + 4.6e-3 * B * S + 1.7e-7 * B * S * S)  # noqa: E731  (ms, 18 14B blocks)

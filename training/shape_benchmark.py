@@ -14,7 +14,9 @@ extrapolate × layers/k; the file says so), warmup, repeats, top_tokens (largest
 time_budget_s, buckets (names; default all), out, fit_min_tokens (points with B·S below it stay in the file but out
 of the cost fit; default null: every point is fitted, the cost model's launch floor pricing the small ones),
 probe_cap (the last point is the shortest bucket at the memory model's largest B), check (bucket:B micro-batches run
-against an existing calibration: `check_points`), fsdp_ranks (R: a one-device slice of k = blocks blocks measured at
+against an existing calibration: `check_points`), points (bucket:B micro-batches scanned instead of the ladder, e.g.
+every distinct micro-batch of a simulation's cells, each `repeats` times; with fsdp_ranks timed again at the second
+depth, so the part outside the blocks separates), fsdp_ranks (R: a one-device slice of k = blocks blocks measured at
 two depths, its memory model FSDP over R ranks: scheduling/fsdp_memory.py), memory_blocks (the second depth; default
 k/2, or 2 for k = 1), memory_time_budget_s (the second depth's time budget).
 
@@ -73,6 +75,7 @@ class CalibrateOptions:
     refit: Optional[str] = None           # refit this calibration file's points instead of scanning
     probe_cap: bool = True                # probe the memory bound of the largest bucket
     check: Optional[list[str]] = None     # BUCKET:B micro-batches to time against the file's model instead
+    points: Optional[list[str]] = None    # BUCKET:B micro-batches to scan instead of the ladder (e.g. a simulation's)
     fsdp_ranks: Optional[int] = None      # a slice for FSDP over this many ranks (module docstring)
     memory_blocks: Optional[int] = None   # the second depth the memory model is measured at
     memory_time_budget_s: Optional[float] = None  # the second depth's time budget
@@ -268,6 +271,13 @@ def calibrate_config(cfg, opts: CalibrateOptions | dict | None = None, command: 
     if missing:
         raise ValueError(f"calibrate.buckets names {missing}, not in data.buckets ({list(table)})")
     tokens = {n: table[n].tokens for n in names}
+    fixed = _parse_checks(opts.points, table, "calibrate.points") if opts.points else None
+    if fixed and opts.buckets:
+        names_ = {n for n, _ in fixed} - set(names)
+        if names_:
+            raise ValueError(f"calibrate.points names buckets {sorted(names_)} outside calibrate.buckets {names}")
+    if fixed and not opts.buckets:  # the points' buckets are the scan's
+        tokens = {n: table[n].tokens for n in dict.fromkeys(n for n, _ in fixed)}
     layers = cfg.model.num_layers
     k = opts.blocks or layers
     if k != layers and cfg.model.name != "wan":
@@ -300,14 +310,16 @@ def calibrate_config(cfg, opts: CalibrateOptions | dict | None = None, command: 
                                        graphs, sliced=R is not None)
         shortest = min(tokens, key=lambda n: (tokens[n], n))
         first = _plain_step(plain, shortest, table, "calibrate.blocks", k) if R else None
-        say(f"checkpointing={mode}: scanning {len(tokens)} buckets, at most {opts.max_points} timed points")
+        say(f"checkpointing={mode}: " + (f"timing the {len(fixed)} given points (calibrate.points)" if fixed else
+                                          f"scanning {len(tokens)} buckets, at most {opts.max_points} timed points"))
         agree, agree_min = _agree(ctx)
         with _dropping_grads(model) if R else nullcontext():
             points = scan(step, tokens, max_points=opts.max_points, top_tokens=opts.top_tokens,
                           mem_budget_bytes=budget, warmup=opts.warmup, repeats=opts.repeats,
                           agree=agree, agree_min=agree_min, time_budget_s=opts.time_budget_s,
                           # a k-block model's bound is not the model's, unless it is an FSDP slice's (docstring)
-                          probe_cap=opts.probe_cap and (k == layers or R is not None), log=say)
+                          probe_cap=opts.probe_cap and (k == layers or R is not None), fixed_points=fixed,
+                          log=say)
         records[mode] = fit_mode(points, scale=layers / k, memory_valid=(k == layers and not R),
                                  min_tokens=opts.fit_min_tokens, L=cfg.model.text_len,
                                  joint=cfg.model.name == "mmdit",  # MMDiT's joint attention: (S + L)²
@@ -509,12 +521,12 @@ def _second_depth(setup: _Setup, cal, sliced, k: int, k2: int, R: int, say) -> N
     cal.data["notes"].append(f"second depth ({k2} blocks) took {time.perf_counter() - t0:.0f} s")
 
 
-def _parse_checks(items, table) -> list[tuple[str, int]]:
+def _parse_checks(items, table, key: str = "calibrate.check") -> list[tuple[str, int]]:
     out = []
     for item in items:
         name, _, B = str(item).partition(":")
         if name not in table or not B.isdigit() or int(B) < 1:
-            raise ValueError(f"calibrate.check={item!r}: expected bucket:B with a bucket of data.buckets "
+            raise ValueError(f"{key}={item!r}: expected bucket:B with a bucket of data.buckets "
                              f"({list(table)}) and B ≥ 1")
         out.append((name, int(B)))
     return out
