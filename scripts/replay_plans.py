@@ -49,7 +49,8 @@ options not given (other keys are ignored). An entry:
      "label": "balanced@2x",                                   default: the strategy (labels must differ)
      "batch_sizes": {"i480": 31, ...} or [31, ...],            per bucket (a list: in the mix's order); or a knob:
      "m_tokens" | "m_comp", "p" | "target_microbatch_ms" | "factor", "m_mem", "mem_budget_gib",
-     "M": 2, "window": 1,                                      default: --micro-batches, --window
+     "M": 2, "window": 1, "planner": "sorted",                 default: --micro-batches, --window, --planner (the
+                                                               rule's default: scheduling.planner)
      "setting": {...}, "tokens_per_step": g, "note": "..."}    carried into the output, not read
 A knob beats a factor; the command line's knobs fill what an entry leaves unset. --strategies picks entries by
 label or strategy (default: every entry).
@@ -88,7 +89,9 @@ def parse_args(argv):
     p.add_argument("--target-ms", type=float, default=None, help="target_microbatch_ms (cost, balanced)")
     p.add_argument("--factor", type=float, default=None,
                    help="each strategy's knob as the simulator's sweep factor (module docstring)")
-    p.add_argument("--window", type=int, default=None, help="scheduling.window (balanced; default 1)")
+    p.add_argument("--window", type=int, default=None, help="scheduling.window (with --planner windowed; default 1)")
+    p.add_argument("--planner", default=None, choices=("stream", "sorted", "windowed"),
+                   help="scheduling.planner for every entry without its own (default: the rule's)")
     p.add_argument("--calibration", default=None, help="calibration file (default: scheduling.calibration)")
     p.add_argument("--mix", default=None, help="bucket mix as name:share,... (shares of samples)")
     p.add_argument("--samples", type=int, default=None, help="entries in the epoch (default: enough for every step)")
@@ -97,6 +100,8 @@ def parse_args(argv):
     p.add_argument("--cuda-graphs", choices=("off", "auto"), default="off",
                    help="off (default): eager, as a multi-process FSDP run; auto: as one process of train.py")
     p.add_argument("--peak-tflops", type=float, default=None, help="for MFU (default: metrics.peak_tflops)")
+    p.add_argument("--truth", default=None, help="a calibration file whose measured points price the same plans as "
+                   "the simulator's truth does (at the full depth, and at the replay's own depth where it timed it)")
     p.add_argument("--dry-run", action="store_true", help="plan and predict only; no model")
     return p.parse_intermixed_args(argv)
 

@@ -217,3 +217,39 @@ def test_padding_micro_batches_carry_loss_weight_zero():
     assert real.loss_weight.tolist() == [1.0, 1.0] and pad.loss_weight.tolist() == [0.0]
     assert tuple(real.latents.shape) == (2, 4, 1, 8, 8) and tuple(pad.text.shape) == (1, 4, 3)
     assert real.keys == ["5", "6"] and pad.num_real == 0 and real.num_real == 2
+
+
+def test_a_dry_run_prices_each_planner_by_the_simulators_truth_as_a_loop_of_the_tests_own(tmp_path):
+    """--planner per entry (stream and sorted of one table) and --truth: each entry's `truth` is its plans priced by
+    the calibration's measured points (MeasuredTruth, interpolated as the simulator's truth) plus its optimizer
+    step ÷ R, here recomputed by a loop over the same plans; sorting changes the plans, so the two differ."""
+    from scheduling.truth import MeasuredTruth
+    from training.replay import ReplayOptions, replay
+
+    cal_path = "results/calibration_cpu_tiny.json"
+    settings = tmp_path / "settings.json"
+    table = {"img_64": 6, "img_64x96": 4, "vid_64_9f": 2, "vid_64x96_17f": 1}
+    settings.write_text(json.dumps({"settings": [
+        {"strategy": "dual_constraint", "label": "paper", "batch_sizes": table, "planner": "stream"},
+        {"strategy": "dual_constraint", "label": "sorted", "batch_sizes": table, "planner": "sorted"}]}))
+    doc = replay(ReplayOptions(overrides=[f"scheduling.calibration={ROOT}/{cal_path}"], out=str(tmp_path / "o"),
+                               settings=str(settings), ranks=4, steps=6, warmup=1, micro_batches=2,
+                               truth=f"{ROOT}/{cal_path}", dry_run=True), "test")
+    cal = Calibration.load(f"{ROOT}/{cal_path}")
+    mode = cal.mode_name("none")
+    truth = MeasuredTruth.from_points(cal.measured_points(mode))
+    cost = cal.cost_model(mode).predict
+    mix = Mix.of([(m["bucket"], m["S"], m["share"]) for m in doc["meta"]["mix"]])
+    seed, got = doc["meta"]["seed"], {}
+    for s in doc["settings"]:
+        assert s["planner"] == s["setting"]["planner"] and set(s["truth"]) == {"full"}
+        plans = plan_steps(mix.table(s["samples_in_epoch"], seed), seed, 4, "dual_constraint", s["M"],
+                           s["batch_sizes"], cost, 7, planner=s["planner"])[1:]
+        total_ms, tokens = 0.0, 0
+        for plan in plans:
+            total_ms += sum(max(truth.mean(rank[k].B, rank[k].S) for rank in plan.ranks)
+                            for k in range(plan.num_slots)) + cal.optim_ms(mode) / 4
+            tokens += sum(m.S * m.num_real for rank in plan.ranks for m in rank)
+        assert s["truth"]["full"]["tokens_per_s"] == pytest.approx(tokens / (total_ms / 1e3), rel=1e-12)
+        got[s["label"]] = s["truth"]["full"]["tokens_per_s"]
+    assert got["sorted"] != pytest.approx(got["paper"], rel=1e-6)

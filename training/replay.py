@@ -21,7 +21,7 @@ import numpy as np
 from training.config import compose_config
 
 KNOBS = ("m_tokens", "m_mem", "mem_budget_gib", "m_comp", "p", "target_microbatch_ms")
-ENTRY_KEYS = {"strategy", "label", "batch_sizes", "factor", "M", "window", *KNOBS}
+ENTRY_KEYS = {"strategy", "label", "batch_sizes", "factor", "M", "window", "planner", *KNOBS}
 INFO_KEYS = {"setting", "tokens_per_step", "note"}  # carried into the output, not read
 
 
@@ -47,7 +47,9 @@ class ReplayOptions:
     target_ms: Optional[float] = None
     factor: Optional[float] = None
     window: Optional[int] = None
+    planner: Optional[str] = None
     calibration: Optional[str] = None
+    truth: Optional[str] = None
     mix: Optional[str] = None
     samples: Optional[int] = None
     seed: Optional[int] = None
@@ -129,7 +131,7 @@ def load_settings(args: ReplayOptions, cfg) -> tuple[list[dict], dict]:
         entries = [{"strategy": s} for s in names]
     cli = {"m_tokens": args.m_tokens, "m_mem": args.m_mem, "mem_budget_gib": args.mem_budget_gib,
            "m_comp": args.m_comp, "p": args.p, "target_microbatch_ms": args.target_ms, "factor": args.factor,
-           "window": args.window, "batch_sizes": args.batch_sizes}
+           "window": args.window, "planner": args.planner, "batch_sizes": args.batch_sizes}
     for e in entries:
         for k, v in cli.items():
             if v is not None and e.get(k) is None:
@@ -141,9 +143,35 @@ def load_settings(args: ReplayOptions, cfg) -> tuple[list[dict], dict]:
     return entries, defaults
 
 
+def truth_sources(path: str, checkpointing: str, k: int, layers: int) -> dict:
+    """The simulator's truth from a calibration file (--truth): "full" (its points at the whole model's depth, as
+    the simulator reads them: Calibration.measured_points) and, where it timed the replay's own depth k < layers
+    (a slice's main or second depth), "as_run" — its points at k blocks, unscaled, so that a slice's replay is
+    checked against measurement at the same depth without any extrapolation. Each: (truth, optimizer ms)."""
+    from scheduling.calibrate import Calibration
+    from scheduling.truth import MeasuredTruth
+
+    cal = Calibration.load(path)
+    mode = cal.mode_name(checkpointing)
+    out = {"full": (MeasuredTruth.from_points(cal.measured_points(mode)), cal.optim_ms(mode))}
+    if k < layers:
+        rec = cal.data["modes"][mode]
+        ext = cal.data.get("extrapolation") or {}
+        sl = rec.get("slice_memory") or {}
+        depth_points = {int(d): pts for d, pts in (sl.get("points") or {}).items()}
+        main = int(ext.get("blocks_timed") or layers)
+        depth_points[main] = rec["points"]
+        optim = {int(d): (v or {}).get("optim_ms") for d, v in (sl.get("plain_step") or {}).items()}
+        optim.setdefault(main, cal.optim_ms(mode) * main / layers)
+        if k in depth_points and any(p.get("feasible", True) and p.get("ms") for p in depth_points[k]):
+            out["as_run"] = (MeasuredTruth.from_points(depth_points[k]), float(optim.get(k) or 0.0))
+    return out
+
+
 def resolve_entry(e: dict, cfg, tokens: dict, shape, R: int, calibration: Optional[str], proxy_tflops: float):
     """(batch sizes in mix order, Schedule) of one settings entry, resolved as training resolves it for R ranks."""
     from scheduling.config import SchedulingConfig
+    from scheduling.planner import resolve_planner
     from scheduling.policy import resolve_schedule
 
     strategy = e["strategy"]
@@ -154,13 +182,14 @@ def resolve_entry(e: dict, cfg, tokens: dict, shape, R: int, calibration: Option
 
     def resolve(strategy_, **kw):
         sc = SchedulingConfig(strategy=strategy_, window=int(e.get("window") or 1), calibration=calibration,
-                              **{**knobs, **kw})
+                              planner=e.get("planner"), **{**knobs, **kw})
         return resolve_schedule(sc, tokens, shape, proxy_tflops=proxy_tflops, checkpointing=cfg.model.checkpointing,
                                 world_size=R, keep_attention=cfg.model.keep_attention)
 
     if e.get("batch_sizes") is not None:  # the cost model and recompute rule only
         sched = resolve("equal_token", m_tokens=S_max)
         sched.strategy, sched.window = strategy, int(e.get("window") or 1)
+        sched.planner = resolve_planner(strategy, sched.window, e.get("planner"))
         sizes = parse_sizes(e["batch_sizes"], list(tokens))
         sched.batch_sizes = dict(zip(tokens, sizes))
         sched.values = {"batch_sizes": "given", **{k: v for k, v in sched.values.items() if k != "m_tokens"}}
@@ -450,17 +479,25 @@ def replay(args: ReplayOptions, command: str) -> dict:
             + R * M * max(sizes)
         table_ = mix.table(n, seed)
         plans = plan_steps(table_, seed, R, sched.strategy, M, sizes, sched.cost_fn, args.warmup + args.steps,
-                           window=sched.window)
+                           window=sched.window, planner=sched.planner)
         predicted = evaluate(plans[args.warmup:], None, optim_pred)
         device_s = sum(p.pred_ms().sum() for p in plans) / 1e3 / scale
         todo.append(dict(e=e, sizes=sizes, sched=sched, M=M, n=n, plans=plans, predicted=predicted,
                          device_s=device_s))
-        log(f"{e['label']}: B {dict(zip(names, sizes))}, M = {M}, window {sched.window}; predicted "
+        log(f"{e['label']}: B {dict(zip(names, sizes))}, M = {M}, planner {sched.planner}, window {sched.window}; predicted "
             f"{predicted.tokens_per_s:,.0f} tokens/s, idle {pct(predicted.idle_fraction)}; the planned "
             f"micro-batches take ≈ {device_s:.0f} s on this device by the cost model"
             + (f" (×{k}/{layers} blocks)" if k < layers else ""))
         for note in sched.notes:
             log(f"  note: {note}")
+
+    truth_at = truth_sources(args.truth, cfg.model.checkpointing, k, layers) if args.truth else {}
+    for t in todo:
+        t["truth"] = {depth: evaluate(t["plans"][args.warmup:], lambda mb, tr=tr: tr.mean(mb.B, mb.S), om).row()
+                      for depth, (tr, om) in truth_at.items()}
+        for depth, row in t["truth"].items():
+            log(f"  {t['e']['label']}: the simulator's truth ({depth}) {row['tokens_per_s']:,.0f} tokens/s, idle "
+                f"{pct(row['idle_fraction'])}")
 
     cuda_note = ("eager (--cuda-graphs off): every micro-batch runs as in a multi-process FSDP run" if
                  args.cuda_graphs == "off" else "--cuda-graphs auto: small micro-batches replayed as CUDA graphs, as "
@@ -478,7 +515,12 @@ def replay(args: ReplayOptions, command: str) -> dict:
             "formulas": "step = Σ_k max_r t_rk + optim_ms / R; idle = 1 − Σ real t / (R · Σ slot maxima); busy CV = "
                         "mean over steps of CV over ranks of Σ_k t_rk (scheduling/replay.py)",
             "predicted_by": "the planner's pred_ms of the same plans and the calibration's optim_ms (the simulator "
-                            "without noise)"}
+                            "without noise)",
+            "truth": ({"file": args.truth, "depths": sorted(truth_at), "by": "each planned micro-batch at the "
+                      "calibration's measured median time of its (S, B), interpolated between measured points as "
+                      "the simulator's truth is (scheduling/truth.py MeasuredTruth), and the calibration's optimizer step "
+                      "at that depth ÷ R"}
+                      if args.truth else None)}
     os.makedirs(args.out, exist_ok=True)
     json_path, md_path = os.path.join(args.out, f"{args.name}.json"), os.path.join(args.out, f"{args.name}.md")
     results: list[dict] = []
@@ -489,8 +531,10 @@ def replay(args: ReplayOptions, command: str) -> dict:
                                                                              if k_ not in ("label", "strategy")},
                 "values": sched.values, "sources": sched.sources, "batch_sizes": t["sizes"],
                 "batch_sizes_by_bucket": dict(zip(names, t["sizes"])), "M": t["M"], "window": sched.window,
+                "planner": sched.planner,
                 "samples_in_epoch": t["n"], "g_expected": expected_tokens_per_gpu(mix, t["sizes"], R, t["M"]),
-                "predicted": t["predicted"].row(), "predicted_device_s": t["device_s"]}
+                "predicted": t["predicted"].row(), "predicted_device_s": t["device_s"],
+                **({"truth": t["truth"]} if t.get("truth") else {})}
 
     def write() -> None:
         doc = {"meta": meta, "comparisons": comparisons(results), "points": points(results), "settings": results}
