@@ -14,7 +14,9 @@
 #      the best passing cell (dual_constraint, sorted) — scripts/replay_settings_14b_headline.json. Planned with,
 #      and compared against the truth of, CAL14T (default: part t's file, committed as
 #      results/calibration_h200_14b_points.json): "as_run" is its 2-block measurement, no extrapolation. Time:
-#      ≈ 226 s of micro-batches a plan by the cost model, ≈ 8.5 min in all.
+#      ≈ 226 s of micro-batches a plan by the cost model, ≈ 8.5 min in all. CAL14T=results/calibration_h200_14b.json
+#      plans as the committed simulation did; the truth of part t's file is then priced on the same plans on a CPU:
+#      the same command with --dry-run --truth FILE (the plans are deterministic).
 # Needs .whl/ (bash scripts/make_wheels.sh; carry it): the GPU image lacks hydra and omegaconf.
 set -uo pipefail
 source scripts/h200_env.sh h200_truth_out
@@ -23,14 +25,14 @@ POINTS="[i480:98,i720:42,v480_17f:18,v480_33f:8,v480_49f:5,v480_81f:2,v720_81f:1
 if [[ $PART == *t* ]]; then
   timeout "${T_T:-420}" python3 scripts/calibrate.py conf=wan21_8gpu launch.num_processes=1 train.cuda_graphs=off \
     model.checkpointing=full +calibrate.blocks=4 +calibrate.memory_blocks=2 +calibrate.fsdp_ranks=8 \
-    "+calibrate.points=$POINTS" +calibrate.warmup=1 +calibrate.repeats=3 +calibrate.time_budget_s=300 \
-    +calibrate.memory_time_budget_s=150 +calibrate.out="$OUT/calibration_h200_14b_points.json" 2>&1 \
+    "+calibrate.points=$POINTS" +calibrate.warmup=1 +calibrate.repeats=3 +calibrate.time_budget_s=${BUDGET_S:-240} \
+    +calibrate.memory_time_budget_s=${BUDGET2_S:-110} +calibrate.out="$OUT/calibration_h200_14b_points.json" 2>&1 \
     | tee "$OUT/calibrate_points.log" | grep -vE '^\s*$' | cut -c1-400 | tail -40
 fi
 if [[ $PART == *r* ]]; then
   CAL=${CAL14T:-results/calibration_h200_14b_points.json}
   timeout "${T_R:-560}" python3 scripts/replay_plans.py --out "$OUT" --name wan14b_2blocks_long_R8 \
     --settings scripts/replay_settings_14b_headline.json --steps 8 --warmup 0 --blocks 2 --calibration "$CAL" \
-    --truth "$CAL" conf=wan21_8gpu launch.num_processes=1 model.checkpointing=full 2>&1 \
+    --truth "${TRUTH14:-$CAL}" conf=wan21_8gpu launch.num_processes=1 model.checkpointing=full 2>&1 \
     | tee "$OUT/replay_long.log" | grep -vE '^  step' | cut -c1-400
 fi
