@@ -6,7 +6,8 @@ measurement instead:
 
     MeasuredTruth   the measured repeats of each (S, B) the scan timed, drawn at random; any other (S, B) from
                     those measurements by local interpolation — per measured S a line in B through its points
-                    (t = α_S + β_S·B), between measured S log-linear in log S at the same B (the nearest two,
+                    (t = α_S + β_S·B; below the smallest measured B never under t ∝ B through it, since the
+                    fixed part α is not negative), between measured S log-linear in log S at the same B (the nearest two,
                     extrapolated outside), never the planner's global fit — times a relative noise drawn from the
                     repeats' spread. A replay's measured micro-batches (scripts/replay_plans.py) add to the table.
                     Its interpolation error is reported as leave-one-out: each measured (S, B) interpolated from
@@ -78,7 +79,11 @@ class MeasuredTruth:
         if B2 == B1:
             return t1
         beta = (t2 - t1) / (B2 - B1)
-        return max(t1 + beta * (B - B1), 1e-3)
+        t = t1 + beta * (B - B1)
+        if B < B1:  # below the smallest measured B a steep line runs towards 0: a micro-batch's time has a
+            # non-negative fixed part (t = α + β·B, α ≥ 0), so t(B) ≥ t(B1)·B/B1 — never less than proportional
+            t = max(t, t1 * B / B1)
+        return max(t, 1e-3)
 
     def mean(self, B: int, S: int) -> float:
         """The measured (median) ms of (S, B), or its interpolation from the measurements."""

@@ -25,6 +25,19 @@ def test_measured_truth_draws_repeats_and_interpolates_between_measurements():
     assert truth.noise.mean() == pytest.approx(0.0, abs=1e-12) and np.abs(truth.noise).max() == pytest.approx(1 / 11)
 
 
+def test_below_the_smallest_measured_b_the_truth_never_falls_under_proportional():
+    """Two points whose line is steep (B = 40: 100 ms, B = 48: 180 ms: 10 ms a sample, −300 ms at B = 0) would put
+    B = 30 at 0 ms; a micro-batch's fixed part is not negative, so the truth keeps ≥ 100 · 30/40 = 75 ms there
+    (at B = 39 the line's 90 ms lies under 97.5: 97.5), and the line wherever it lies above that."""
+    t = MeasuredTruth({(1560, 40): [100.0], (1560, 48): [180.0]})
+    assert t.mean(30, 1560) == pytest.approx(75.0)
+    assert t.mean(39, 1560) == pytest.approx(100.0 * 39 / 40)
+    assert t.mean(44, 1560) == pytest.approx(140.0)  # between the points: the line
+    assert t.mean(60, 1560) == pytest.approx(300.0)  # above: the line, extrapolated
+    flat = MeasuredTruth({(1560, 40): [100.0], (1560, 48): [104.0]})  # a large fixed part: the line is above
+    assert flat.mean(20, 1560) == pytest.approx(90.0)
+
+
 def test_fsdp_comm_hides_behind_compute_but_the_first_gather():
     comm = CommModel(param_bytes=8e9, grad_bytes=8e9, blocks=10, bandwidth=400.0, inter_node_bandwidth=40.0)
     assert comm.ms(8) == pytest.approx(24e9 * 7 / 8 / 400e9 * 1e3)  # 52.5 ms
