@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -111,6 +112,28 @@ def inputs_from(cal: Calibration, mode: str, mix: Mix, comm_bandwidth: Optional[
     truth = MeasuredTruth.from_points(cal.measured_points(mode), measured_extra)
     return Inputs(cost, m_mem, cal.cost_model(mode, "power").params["p"], cal.optim_ms(mode), truth,
                   _comm(cal, comm_bandwidth, inter_node_bandwidth), notes, by_ranks)
+
+
+def replay_points(path: str) -> dict:
+    with open(path) as f:
+        data = json.load(f)
+    return {(int(p["S"]), int(p["B"])): list(p["ms_runs"]) for p in data.get("points", [])}
+
+
+def extra_truth_points(cal: Calibration, mode: str, truth_files, replay) -> dict | None:
+    """{(S, B): [ms, ...]} that join the truth: each --truth-points file's measured points (at the full depth, as
+    the simulator reads --calibration's; same model required) and a replay's micro-batches."""
+    out: dict = {}
+    for path in truth_files:
+        other = Calibration.load(path)
+        if (other.data.get("model") or {}).get("dim") != (cal.data.get("model") or {}).get("dim") or \
+                (other.data.get("model") or {}).get("num_layers") != (cal.data.get("model") or {}).get("num_layers"):
+            raise ValueError(f"--truth-points {path}: measured on another model than {cal.path}")
+        for p in other.measured_points(other.mode_name(mode)):
+            out.setdefault((int(p["S"]), int(p["B"])), []).extend(p.get("ms_runs") or [p["ms"]])
+    for k, ts in (replay_points(replay) if replay else {}).items():
+        out.setdefault(k, []).extend(ts)
+    return out or None
 
 
 def _comm(cal: Calibration, bandwidth: Optional[float], inter_node_bandwidth: float) -> Optional[CommModel]:

@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from scheduling.calibrate import HBM_FRACTION, Calibration  # noqa: E402
 from scheduling.protocol import (MATRIX_PLANNERS, MATRIX_RULES, PAPER, STRATEGIES,  # noqa: E402
-                                 describe_setting, inputs_from, matrix_shares, planner_label, record_chosen,
-                                 record_chosen_at_g, run_fixed_batch, run_matrix, run_unconstrained)
+                                 describe_setting, extra_truth_points, inputs_from, matrix_shares, planner_label,
+                                 record_chosen, record_chosen_at_g, run_fixed_batch, run_matrix, run_unconstrained)
 from scheduling.simulate import DEFAULT_MIX, G_FACTORS, KNOB, Mix  # noqa: E402
 from training.cli import run_main  # noqa: E402
 
@@ -64,6 +64,10 @@ def parse_args(argv):
                     help="GB/s per rank within a node for FSDP's collectives (e.g. 350 on NVLink); none: no comm")
     ap.add_argument("--inter-node-bandwidth", type=float, default=50.0, help="GB/s per rank beyond 8 ranks")
     ap.add_argument("--slow-rank", default=None, help="RANK:FACTOR, e.g. 0:1.1: one rank persistently slower")
+    ap.add_argument("--truth-points", action="append", default=[], metavar="CAL",
+                    help="another calibration of the same model and GPU whose measured points join the truth (e.g. "
+                    "scripts/h200_truth.sh's micro-batches of the headline's cells; repeatable); the planner keeps "
+                    "--calibration's cost model")
     ap.add_argument("--replay", default=None, help="a replay's JSON (scripts/replay_plans.py): its measured "
                     "micro-batches join the truth")
     ap.add_argument("--mbs", type=int, default=None, help="micro-batches per candidate run (the final run: 4×; "
@@ -104,14 +108,6 @@ def estimate_s(n_comparisons: int, n_ranks: int, args, n_matrix_rows: int = 0) -
     kind = "quick" if args.quick else "full"
     return scale * (n_comparisons * COMPARISON_S[kind] + n_matrix_rows * MATRIX_ROW_S[kind]
                     + (n_ranks * UNCONSTRAINED_S if args.unconstrained else 0.0))
-
-
-def replay_points(path: str) -> dict:
-    import json
-
-    with open(path) as f:
-        data = json.load(f)
-    return {(int(p["S"]), int(p["B"])): list(p["ms_runs"]) for p in data.get("points", [])}
 
 
 READING_TITLE = {"steady": "every step a batch of g (expected tokens ±10 %, their CV over steps ≤ 10 %)",
@@ -292,10 +288,11 @@ def main(argv=None) -> None:
     cal = Calibration.load(args.calibration)
     mode = "auto" if args.mode == "auto" and {"none", "full"} <= set(cal.modes) else cal.mode_name(args.mode)
     mix = mix_from_index(args.corpus) if args.corpus else Mix.of(DEFAULT_MIX)
-    if mode == "auto" and args.replay:
-        raise ValueError("--replay with --mode auto: a replay's micro-batches carry no policy; leave one out")
+    if mode == "auto" and (args.replay or args.truth_points):
+        raise ValueError("--replay or --truth-points with --mode auto: their micro-batches carry no policy; leave "
+                         "them out")
     inp = inputs_from(cal, mode, mix, args.bandwidth, args.inter_node_bandwidth,
-                      replay_points(args.replay) if args.replay else None, graph_tokens=args.graph_max_tokens)
+                      extra_truth_points(cal, mode, args.truth_points, args.replay), graph_tokens=args.graph_max_tokens)
     ranks = [8] if args.quick else [int(r) for r in args.ranks.split(",")]
     gs = [2.0] if args.quick else [float(g) for g in args.g.split(",")]
     slow = None

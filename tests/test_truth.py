@@ -163,3 +163,40 @@ def test_the_policy_truth_blends_the_measured_policies_as_the_planner_blends_the
     assert loo[("keep", 8000, 1)] == pytest.approx(400.0 * 30.0 / 35.0 / 330.0 - 1)  # by the ratio at S = 2000
     with pytest.raises(ValueError, match="none and full"):
         PolicyTruth({"full": full}, decide, 10)
+
+
+def test_truth_points_of_another_file_join_the_truth_and_the_planner_keeps_its_own_model(tmp_path):
+    """--truth-points: a second calibration of the same model (a slice timed at the simulation's own micro-batches)
+    adds its measured (S, B), scaled to the full depth as its own file says (×40/4 here), to the truth; the cost
+    model stays the first file's; a file of another model is refused."""
+    from scheduling.calibrate import Point, fit_mode, new_calibration
+    from scheduling.protocol import extra_truth_points, inputs_from
+
+    quad = lambda B, S: 50 + 15 * B + 0.07 * B * S + 3e-6 * B * S * S  # noqa: E731
+    shapes = [(48, 1560), (94, 1560), (1, 7800), (9, 7800), (1, 32760), (2, 32760), (1, 75600)]
+    model = {"dim": 5120, "num_layers": 40, "params": 1.4e10}
+
+    def cal_file(name, pts, scale, model=model):
+        rec = fit_mode([Point("b", S, B, True, ms, [ms, ms], 1.0) for B, S, ms in pts], scale=scale)
+        rec["memory_model"] = {"c0": 1e9, "c1": 2e5, "c2": 0.0}
+        c = new_calibration({"full": rec}, model=model, source="measured", device="t", date="t", command="t",
+                            hbm_bytes=150e9, extrapolation={"blocks_timed": 40 / scale, "num_layers": 40,
+                                                            "scale": scale})
+        c.save(str(tmp_path / name))
+        return str(tmp_path / name)
+
+    first = new_calibration({"full": fit_mode([Point("b", S, B, True, quad(B, S), [quad(B, S)], 1.0)
+                                               for B, S in shapes])}, model=model, source="t", device="t", date="t",
+                            command="t", hbm_bytes=150e9)
+    first.data["modes"]["full"]["memory_model"] = {"c0": 1e9, "c1": 2e5, "c2": 0.0}
+    second = cal_file("points.json", [(98, 1560, 300.0), (1, 75600, 2000.0), (18, 7800, 250.0)], 10.0)
+    extra = extra_truth_points(first, "full", [second], None)
+    assert extra == {(1560, 98): [3000.0, 3000.0], (75600, 1): [20000.0, 20000.0], (7800, 18): [2500.0, 2500.0]}
+    inp = inputs_from(first, "full", Mix.of([("i", 1560, 0.5), ("v", 75600, 0.5)]), measured_extra=extra)
+    assert inp.truth.is_measured(98, 1560) and inp.truth.mean(98, 1560) == pytest.approx(3000.0)
+    assert inp.truth.mean(48, 1560) == pytest.approx(quad(48, 1560))  # the first file's own points stay
+    assert inp.cost.predict(98, 1560) == pytest.approx(first.cost_model("full").predict(98, 1560))
+    other = cal_file("other.json", [(98, 1560, 300.0), (1, 75600, 2000.0), (18, 7800, 250.0)], 10.0,
+                     model={"dim": 1536, "num_layers": 30, "params": 1.3e9})
+    with pytest.raises(ValueError, match="another model"):
+        extra_truth_points(first, "full", [other], None)
