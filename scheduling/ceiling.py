@@ -90,3 +90,38 @@ def table(rows: list[dict]) -> str:
                      f"({r['mfu']:.3f}) | {cell('attention')} | {cell('gemm')} | {cell('ours (triton)')} | "
                      f"{p['other']:.0f} | {r['idle_ms']:.0f} | **{r['mfu_at_ceiling']:.3f}** |")
     return "\n".join(lines)
+
+
+def attention_rate(kernels: dict, S: int, heads: int) -> float:
+    """cuDNN's forward + backward FLOP/s at S: the measured rate at a measured S, else log-linear in S between the
+    two nearest measured (the nearest outside them)."""
+    import math
+
+    rows = sorted({r["S"]: r["tflops"] for r in kernels["timed"] if r["kernel"] == "cudnn" and r.get("tflops")
+                   and r["heads"] == heads}.items()) or \
+        sorted({r["S"]: r["tflops"] for r in kernels["timed"] if r["kernel"] == "cudnn" and r.get("tflops")}.items())
+    Ss = [s for s, _ in rows]
+    if S <= Ss[0] or S >= Ss[-1] or S in Ss:
+        return dict(rows)[min(Ss, key=lambda s: abs(s - S))] * 1e12
+    hi = next(i for i, s in enumerate(Ss) if s > S)
+    (s0, r0), (s1, r1) = rows[hi - 1], rows[hi]
+    w = (math.log(S) - math.log(s0)) / (math.log(s1) - math.log(s0))
+    return ((1 - w) * r0 + w * r1) * 1e12
+
+
+def mix_bound(mix, kernels: dict, p_matmul: float, layers: int, dim: int, heads: int, gemm: float = 790e12,
+              text_len: int = TEXT_LEN) -> dict:
+    """An upper bound on a design's MFU that runs cuDNN's attention and cuBLAS's GEMMs: per bucket (S, share of
+    samples), the model FLOPs (contracts §9) over the time of attention at cuDNN's measured rate at that S (3.5 × the
+    forward's FLOPs, no recompute) plus the matmuls (6·P·S) at the GEMM ceiling — nothing else (no fused ops, no
+    casts, no optimizer, no host gap, no recompute) — and the mix's: Σ share·FLOPs / Σ share·time."""
+    rows, F_all, T_all = [], 0.0, 0.0
+    for S, share in mix:
+        F = 6.0 * p_matmul * S + 12.0 * layers * dim * S * (S + text_len)
+        fwd = layers * (4.0 * S * S * dim + 4.0 * S * text_len * dim)
+        t = 3.5 * fwd / attention_rate(kernels, S, heads) + 6.0 * p_matmul * S / gemm
+        rows.append({"S": S, "share": share, "attention_share_of_flops": 12.0 * layers * dim * S * (S + text_len) / F,
+                     "mfu_bound": F / t / PEAK})
+        F_all += share * F
+        T_all += share * t
+    return {"rows": rows, "mix_mfu_bound": F_all / T_all / PEAK}

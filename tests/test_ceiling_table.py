@@ -31,3 +31,20 @@ def test_each_part_runs_its_own_work_at_its_own_ceiling(impl, attn_x, gemm_x):
     total = sum(r["ceiling_ms"].values())
     assert r["mfu_at_ceiling"] == pytest.approx(flops / (total / 1e3) / 989e12)
     assert "**" in ct.table([r]) and f"{r['mfu_at_ceiling']:.3f}" in ct.table([r])
+
+
+def test_the_mix_bound_counts_attention_at_cudnns_rate_and_matmuls_at_the_gemm_ceiling():
+    """One layer of dim 8 (2 heads), S = 8, no text: FLOPs 6·P·S + 12·dim·S² = 6·100·8 + 12·8·64 = 10,944; time
+    3.5 · 4·S²·dim / 1 TFLOP/s + 6·P·S / 2 TFLOP/s = 7,168 / 1e12 + 4,800 / 2e12 s; and a mix of it with S = 1000
+    at 9 TFLOP/s weighs each by its share of samples."""
+    one = ct.mix_bound([(8, 1.0)], KERNELS, p_matmul=100, layers=1, dim=8, heads=2, gemm=2e12, text_len=0)
+    t8 = 7168 / 1e12 + 4800 / 2e12
+    assert one["rows"][0]["mfu_bound"] == pytest.approx(10_944 / t8 / 989e12)
+    assert one["rows"][0]["attention_share_of_flops"] == pytest.approx(6144 / 10_944)
+    F1000, t1000 = 6 * 100 * 1000 + 12 * 8 * 1000**2, 3.5 * 4 * 1000**2 * 8 / 9e12 + 6 * 100 * 1000 / 2e12
+    two = ct.mix_bound([(8, 0.75), (1000, 0.25)], KERNELS, p_matmul=100, layers=1, dim=8, heads=2, gemm=2e12,
+                       text_len=0)
+    assert two["mix_mfu_bound"] == pytest.approx((0.75 * 10_944 + 0.25 * F1000) / (0.75 * t8 + 0.25 * t1000) / 989e12)
+    assert ct.attention_rate(KERNELS, 8, 2) == 1e12 and ct.attention_rate(KERNELS, 5000, 2) == 9e12
+    mid = ct.attention_rate(KERNELS, 89, 2)  # 89 ≈ √(8 · 1000) = 89.4: half way in log S, half way in rate
+    assert mid == pytest.approx(5e12, rel=3e-3) and mid < 5e12
