@@ -2,12 +2,16 @@
 by a PCA VAE fitted to its own pixels (data/pca_vae.py) — a corpus a CPU model learns visibly in minutes
 (`python train.py conf=demo`, `data.synthetic.kind: shapes`).
 
-Each sample is one shape (COLOURS × SHAPES) of radius r = 0.18·min(H, W). A clip moves it in one of DIRECTIONS
-across half the frame at a constant speed, starting where the direction puts it (a shape moving right starts left
-of centre) with a jitter of up to JITTER across the motion and 0.3·JITTER along it; an image holds it still at a
-jittered spot near the centre. Edges are anti-aliased (pixel coverage), so the PCA sees smooth patches. Captions:
-"a red square moving right" (clips), "a red square" (images). Every colour, shape and direction is thus fixed by a
-word of the caption, and the position nearly so: what a small model has to learn is the drawing and the motion.
+Each sample is one shape (COLOURS × SHAPES) of half-size r = RADIUS·min(H, W): a square of side 2r, or a triangle
+pointing up in the same 2r × 2r box (apex at the top centre, base along the bottom). Their silhouettes differ at the
+scale the model draws at (the VAE's 8×8 patches, the model's 16×16-pixel tokens): the triangle has half the square's
+area and a point on top. A square and a circle do not: after a 1000-step CPU run they were alike blobs. A clip moves
+the shape in one of DIRECTIONS across half the frame at a constant speed, starting where the direction puts it (a
+shape moving right starts left of centre) with a jitter of up to JITTER across the motion and 0.3·JITTER along it; an
+image holds it still at a jittered spot near the centre. Edges are anti-aliased (pixel coverage), so the PCA sees
+smooth patches. Captions: "a red square moving right" (clips), "a red triangle" (images). Every colour, shape and
+direction is thus fixed by a word of the caption, and the position nearly so: what a small model has to learn is the
+drawing and the motion.
 
 Written in the latent shard schema of data/synthetic.py (contracts §4): the pixels are drawn, the PCA VAE is fitted
 to all of them (channels = the model's in_channels) and saved in `vae/` beside the index, the latents are its
@@ -28,12 +32,12 @@ from data.buckets import Bucket
 from data.config import synthetic_mix
 
 COLOURS = {"red": (225, 45, 45), "green": (50, 190, 70), "blue": (55, 105, 235), "yellow": (235, 210, 40)}
-SHAPES = ("square", "circle")
+SHAPES = ("square", "triangle")
 DIRECTIONS = {"right": (1, 0), "left": (-1, 0), "down": (0, 1), "up": (0, -1)}
 BACKGROUND = (24, 24, 32)
-RADIUS, TRAVEL = 0.18, 0.5   # of min(H, W); of the frame's extent along the motion
+RADIUS, TRAVEL = 0.24, 0.5   # of min(H, W); of the frame's extent along the motion
 JITTER = 0.06                # of the frame's extent: how far a start may lie from where its direction puts it
-VERSION = 3                  # bump when the drawing or captions change: the cache key changes with it
+VERSION = 4                  # bump when the drawing or captions change: the cache key changes with it
 
 
 def caption(colour: str, shape: str, direction: str | None) -> str:
@@ -56,8 +60,9 @@ def draw(colour: str, shape: str, direction: str | None, frames: int, height: in
         cx, cy = (start + d * TRAVEL * t) * (width, height)
         if shape == "square":
             cover = np.clip(r - np.abs(xx - cx) + 0.5, 0, 1) * np.clip(r - np.abs(yy - cy) + 0.5, 0, 1)
-        else:
-            cover = np.clip(r - np.hypot(xx - cx, yy - cy) + 0.5, 0, 1)
+        else:  # the triangle: apex (cx, cy − r), base from (cx − r, cy + r) to (cx + r, cy + r)
+            side = ((yy - cy + r) / 2 - np.abs(xx - cx)) * (2 / np.sqrt(5))  # signed distance to a slanted side
+            cover = np.clip(np.minimum(side, r - (yy - cy)) + 0.5, 0, 1)
         out[f] = np.round(bg + (fg - bg) * cover[..., None]).astype(np.uint8)
     return out
 
