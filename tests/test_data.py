@@ -158,7 +158,8 @@ def test_an_empty_prompt_of_another_width_than_the_text_encoders_is_refused(corp
     from data.loader import LatentCorpus
 
     index = SampleIndex.load(corpus_dir)
-    with pytest.raises(ValueError, match=r"empty_text\.pt holds .* expected a float tensor \[L, text_dim\] with width 6"):
+    with pytest.raises(ValueError, match=r"empty_text\.pt holds .* expected a float tensor \[L, text_dim\] with "
+                                         r"width 6"):
         LatentCorpus([index], [1.0], BUCKETS, val_samples=4, seed=0, latent_channels=3, text_dim=6)
 
 

@@ -390,3 +390,12 @@ def test_the_empty_prompt_file_is_checked_only_where_no_raw_source_gives_the_emp
     for raw in ({"urls": os.path.join(clean, "*.tar")}, {"index": clean}):  # shards, or their raw index
         check_corpus(data_cfg(sources=[raw, {"index": latent}]), C, D)  # the encoders give the empty prompt
         check_corpus(data_cfg(sources=[raw]), C, D)
+
+
+def test_a_raw_corpus_takes_its_channels_and_text_width_from_the_encoders(clean):
+    from data.loader import LatentCorpus
+
+    opened = open_corpus(data_cfg(urls=os.path.join(clean, "*.tar")), TINY, C, D, seed=0)
+    corpus = LatentCorpus(opened.indexes, [1.0], TINY, 2, 0, RawConfig(), opened.encoders)
+    assert (corpus.latent_channels, corpus.text_dim) == (opened.encoders.vae.latent_channels, D) == (C, D)
+    assert corpus.placeholder(0).a.shape == TINY[corpus.bucket_names[corpus.bucket_of[0]]].latent_shape(C)

@@ -516,3 +516,30 @@ def test_micro_batches_beside_the_cuda_graphs_pool_leave_room_for_it():
     pr = PartialRecompute(4, 100.0, Line(), Line(), None, None, graph_tokens=20, graph_reserve=30.0)
     assert pr.budget_at(4, 5) == 100.0 and pr.budget_at(3, 7) == 70.0
     assert pr.peak(3, 7, 0, 0) == 52.0 and graph_pool_bytes({"a": 5, "b": 7}, 20, Line()) == 40.0  # 2·(4·5)
+
+
+def test_a_fixed_batch_for_dual_constraint_tunes_m_comp_with_the_power_fits_p_or_keeps_a_configured_one(tmp_path):
+    """scheduling.tokens_per_step with dual_constraint: its knob is m_comp (under the calibration's p and m_mem), M is
+    chosen so that the expected tokens a step hold g, and each value says where it came from."""
+    from scheduling.batching import batch_sizes as rule_sizes
+    from scheduling.simulate import tokens_per_step
+
+    path = four_block_h200_calibration().save(str(tmp_path / "cal.json"))
+    mix = Mix.of(DEFAULT_MIX)
+    tokens, shares, g = dict(zip(mix.names, mix.S)), dict(zip(mix.names, mix.share)), 2 * mix.S_max
+    for m_comp in (None, 2e6):
+        s = resolve_schedule(SchedulingConfig("dual_constraint", calibration=path, tokens_per_step=g, m_comp=m_comp),
+                             tokens, ModelShape(1, 30, 1536, 512), world_size=8, shares=shares)
+        v = s.values
+        assert v["p"] == Calibration.load(path).cost_model("full", "power").params["p"]
+        sizes = rule_sizes("dual_constraint", mix.S, m_mem=v["m_mem"], m_comp=v["m_comp"], p=v["p"])
+        assert [s.batch_sizes[n] for n in mix.names] == sizes
+        assert v["tokens_per_step"] == round(tokens_per_step(mix, sizes, s.micro_batches), 1)
+        assert abs(v["tokens_per_step"] - g) <= 0.1 * g and s.micro_batches == v["micro_batches"] == 2
+        assert s.sources["tokens_per_step"] == f"expected for g={g:g}"
+        if m_comp is None:
+            chosen = "chosen for tokens_per_step (predicted tokens/s)"
+            assert s.sources["m_comp"] == s.sources["micro_batches"] == chosen
+        else:
+            assert v["m_comp"] == 2e6 and s.sources["m_comp"] == "config"
+            assert s.sources["micro_batches"] == "M for the configured m_comp"

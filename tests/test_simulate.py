@@ -450,3 +450,38 @@ def test_matrix_shares_split_the_best_cells_gain_into_the_planners_part_and_the_
                                         "best_stream_rule": "equal_token", "planner_on_paper_rule": 100 / 80,
                                         "paper_rule_best_planner": "sorted", "planner_on_best_rule": 120 / 85,
                                         "rule_under_best_planner": 120 / 100}
+
+
+def test_fsdps_collectives_and_a_chosen_m_mem_enter_the_protocols_inputs():
+    """--comm-bandwidth: FSDP's collectives from the file's parameter count and layers (refused without the count);
+    a calibration without a memory model (a CPU file) gives its chosen m_mem."""
+    from scheduling.protocol import inputs_from
+    from scheduling.truth import CommModel
+
+    cal = four_block_h200_calibration()
+    assert inputs_from(cal, "full", SMALL).comm is None
+    with pytest.raises(ValueError, match="needs the parameter count"):
+        inputs_from(cal, "full", SMALL, comm_bandwidth=350.0)
+    cal.data["model"]["params"] = 1.3e9
+    inp = inputs_from(cal, "full", SMALL, comm_bandwidth=350.0, inter_node_bandwidth=40.0)
+    assert inp.comm == CommModel(param_bytes=5.2e9, grad_bytes=5.2e9, blocks=30, bandwidth=350.0,
+                                 inter_node_bandwidth=40.0)
+    cal.data["hbm_bytes"] = None  # no device memory: no m_mem from the memory model
+    cal.data["chosen"] = {"m_mem": 50_000}
+    inp = inputs_from(cal, "full", SMALL)
+    assert inp.m_mem == 50_000 and inp.m_mem_at(64) == 50_000
+    assert inp.notes == ["no memory model: m_mem=50000 from the calibration's chosen settings"]
+
+
+def test_auto_mode_takes_fsdps_collectives_at_every_world_size(monkeypatch):
+    from scheduling.calibrate import Calibration
+    from scheduling.protocol import inputs_from
+    from tests.helpers import ROOT
+
+    monkeypatch.chdir(ROOT)
+    cal = Calibration.load("results/calibration_h200_policies.json")
+    cal.data["model"]["params"] = 1.3e9
+    inp = inputs_from(cal, "auto", Mix.of(DEFAULT_MIX), comm_bandwidth=350.0)
+    for R in (1, 8):
+        assert inp.at(R).comm.param_bytes == 5.2e9 and inp.at(R).comm.bandwidth == 350.0
+    assert inputs_from(cal, "auto", Mix.of(DEFAULT_MIX)).comm is None
