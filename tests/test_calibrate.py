@@ -639,11 +639,11 @@ def test_the_cap_probe_is_skipped_only_where_its_own_bucket_already_ran_that_b()
     def pt(name, S, B):
         return Point(name, S, B, True, 1.0 + B * S / 1e3, [1.0], 1.0, C0 + C1 * B * S)
 
-    tokens = {"img": 1000, "long": 16000}
+    tokens = {"img": 1000, "clip": 16000}  # the shortest bucket is not the first by name
     budget = C0 + C1 * 10 * 1000  # room for B = 10 of img
     for done, want_why in ((2, ""), (10, "cap probe: B=10 is not above the B=10 already timed")):
         calls = []
-        points = [pt("img", 1000, 1), pt("img", 1000, done), pt("long", 16000, 1), pt("long", 16000, 50)]
+        points = [pt("img", 1000, 1), pt("img", 1000, done), pt("clip", 16000, 1), pt("clip", 16000, 50)]
         _probe_cap(points, tokens, budget, 12, math.inf, lambda: False,
                    lambda name, S, B, why: calls.append((name, S, B, why)) or pt(name, S, B), lambda v: v,
                    lambda s: None)
@@ -663,3 +663,29 @@ def test_the_choice_for_a_fixed_batch_comes_from_the_nearest_world_size_and_g_an
     assert cal.chosen_at_tokens("cost", 16, 5000.0)["target_microbatch_ms"] == 90.0  # log-nearer 8000 than 2000
     assert cal.chosen_at_tokens("cost", 48, 3000.0)["simulated_world_size"] == 64
     assert cal.chosen_at_tokens("equal_token", 8, 3000.0) == {"simulated_world_size": 8, "simulated_g": 2000.0}
+
+
+def test_a_bucket_left_one_ladder_point_by_the_probe_takes_its_ladders_top():
+    """Six points over three buckets give two each; the probe takes one of the shortest bucket's, whose remaining
+    point is its ladder's top (its B = 1 would be launch-bound), not B = 1."""
+    pts = scan(fake_step(), TOKENS, max_points=6, top_tokens=64_000, mem_budget_bytes=C0 + C1 * 200_000, warmup=0,
+               repeats=1)
+    img = [p.B for p in pts if p.bucket == "img" and p.feasible]
+    assert img[0] == 64 and len(img) == 2 and img[1] > 64  # 64,000 // 1000, then the probe
+    assert [p.B for p in pts if p.bucket == "short"][0] == 1
+
+
+def test_a_slice_timed_at_two_depths_prices_those_points_at_t_fixed_plus_l_t_block(monkeypatch):
+    from tests.helpers import ROOT
+
+    monkeypatch.chdir(ROOT)
+    cal = Calibration.load("results/calibration_h200_14b.json")
+    dc = cal.data["modes"]["full"]["depth_check"]
+    main = str(dc["depths"][0])
+    rows = [r for r in dc["points"] if r["block_ms"] > 0 and r["full_affine_ms"] > 0]
+    affine = cal.affine_scales("full")
+    assert len(rows) >= 3 and {(r["bucket"], int(r["B"])) for r in rows} <= set(affine)
+    truth = {(p["bucket"], p["B"]): p["ms"] for p in cal.measured_points("full")}
+    for r in rows:
+        assert affine[(r["bucket"], int(r["B"]))] == pytest.approx(r["full_affine_ms"] / r["ms"][main])
+        assert truth[(r["bucket"], int(r["B"]))] == pytest.approx(r["full_affine_ms"], rel=1e-6)

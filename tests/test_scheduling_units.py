@@ -122,7 +122,7 @@ def test_settings_at_a_fixed_batch_spread_per_m_tables_evenly_and_one_takes_the_
 def test_a_fixed_batch_sweep_draws_its_candidates_from_its_seed_and_its_winner_from_the_next():
     import math
 
-    from scheduling.simulate import simulate, sweep_at_tokens
+    from scheduling.simulate import settings_at_tokens, simulate, sweep_at_tokens
 
     mix = Mix.of([("a", 1000, 0.6), ("b", 4000, 0.4)])
     cost = lambda B, S: 1.0 + B * S / 1e3  # noqa: E731
@@ -136,3 +136,11 @@ def test_a_fixed_batch_sweep_draws_its_candidates_from_its_seed_and_its_winner_f
                             M_max=2, per_M=2, residuals=[-0.2, 0.2])[1]
     assert [r.tokens_per_s for r in other] != [r.tokens_per_s for r in runs]  # the seed draws the samples and noise
     assert best.steps == max(8, math.ceil(128 / (4 * best.M)))
+    top = max((r for r in runs if r.tokens_step_cv <= 0.1), key=lambda r: r.tokens_per_s)  # on the next seed
+    again = simulate(cost, mix, "equal_token", top.batch_sizes, 4, top.M, best.steps, 4, residuals=[-0.2, 0.2],
+                     setting=top.setting)
+    assert (best.batch_sizes, best.tokens_per_s) == (top.batch_sizes, again.tokens_per_s)
+    assert len(runs) == len(settings_at_tokens("equal_token", mix, cost, None, 1e5, 8000.0, 2, 2))  # per_M = 2
+    # micro-batches of at most 4500 tokens: no M = 1 holds g = 8000, and the final draw's steps follow M
+    best = sweep_at_tokens(cost, mix, "equal_token", 4, 8000.0, p=None, m_mem=4500, mbs=64, M_max=4, per_M=2)[0]
+    assert best.M >= 2 and best.steps == max(8, math.ceil(16384 / (4 * best.M)))  # mbs_final's default

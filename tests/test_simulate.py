@@ -310,6 +310,13 @@ def test_a_sweep_refines_between_the_best_grid_points_neighbours_and_redraws_its
                  if sizes_for(strategy, mix, _setting(strategy, u, base, p, m_mem), QUAD.predict) != top.batch_sizes]
         assert top.setting[knob] < best.setting[knob] < above[0]  # its knob moved inside its batch table's range
         assert sizes_for(strategy, mix, best.setting, QUAD.predict) == top.batch_sizes
+        assert all(r.setting["factor"] == round(r.setting[knob] / base, 4) for r in refined)
+    # the best grid point last: refined up to 1.5 × its knob, and each distinct table once
+    best, runs = sweep(QUAD.predict, mix, "equal_token", 4, p=None, m_mem=1e5, steps=steps, factors=(0.5, 1.0))
+    assert len(runs) > 2 and max(r.setting["m_tokens"] for r in runs) <= 1.5 * 7000
+    assert len({tuple(r.batch_sizes) for r in runs}) == len(runs)
+    assert [r.setting["m_tokens"] for r in runs[:2]] == [3500, 7000] and runs[1].tokens_per_s > runs[0].tokens_per_s
+    assert max(r.setting["m_tokens"] for r in runs) > 1.4 * 7000  # refined above the last grid point
     # one grid point under the bound: nothing to refine between
     best, runs = sweep(QUAD.predict, mix, "equal_token", 4, p=None, m_mem=7000, steps=steps, factors=(1.0, 2.0))
     assert len(runs) == 1 and best.batch_sizes == [7, 2, 1]
@@ -415,6 +422,8 @@ def test_the_fixed_batch_protocol_and_the_matrix_on_a_small_cluster_and_what_the
     assert chosen["mode"] == "full" and chosen["by"] == "scripts/simulate_cluster.py"
     assert chosen["m_mem"] is None and chosen["m_mem_by_world_size"] == {"4": 4000, "16": 16000}
     assert list(chosen["by_tokens_per_step"]) == ["4", "16"]  # world sizes in numeric order; 16 kept
+    assert chosen["mix"] == [{"bucket": n, "S": S, "share": sh} for n, S, sh in (("a", 1560, 0.5), ("b", 7800, 0.3),
+                                                                                   ("c", 14040, 0.2))]
     at = chosen["by_tokens_per_step"]["4"][str(g)]
     for s in STRATEGIES:
         r = res["steady"][(4, 2.0, s)]
@@ -485,3 +494,18 @@ def test_auto_mode_takes_fsdps_collectives_at_every_world_size(monkeypatch):
     for R in (1, 8):
         assert inp.at(R).comm.param_bytes == 5.2e9 and inp.at(R).comm.bandwidth == 350.0
     assert inputs_from(cal, "auto", Mix.of(DEFAULT_MIX)).comm is None
+
+
+def test_a_cached_cell_is_relabelled_for_the_rule_asked_and_carries_the_optimizers_time():
+    import dataclasses
+
+    from scheduling.protocol import best_cell, inputs_from
+
+    inp = dataclasses.replace(inputs_from(four_block_h200_calibration(), "full", SMALL), optim_ms=80.0)
+    kw = dict(mbs=64, mbs_final=64, per_M=2)
+    cache = {}
+    cost = best_cell(inp, SMALL, "cost", 4, 2 * 14040, "sorted", cache=cache, **kw)
+    assert cost.optim_ms == 80.0 and len(cache) == 1
+    bal = best_cell(inp, SMALL, "balanced", 4, 2 * 14040, "sorted", cache=cache, **kw)  # cost's rule, sorted: shared
+    assert bal.strategy == "balanced" and bal.tokens_per_s == cost.tokens_per_s and len(cache) == 1
+    assert best_cell(inp, SMALL, "cost", 4, 2 * 14040, "sorted", cache=cache, **kw).strategy == "cost"

@@ -150,6 +150,9 @@ def test_the_policy_truth_blends_the_measured_policies_as_the_planner_blends_the
     assert short.policy_mean("none", 1, 500) == pytest.approx(6.0 * 10.0 / 14.0)
     assert t.mean(1, 8000) == pytest.approx(400.0 - 4 / 10 * (400.0 - 330.0))
     assert t.policy(1, 8000) is None and not t.is_measured(1, 8000)
+    noise = np.concatenate([x.noise for x in (none, full, keep)])  # a blend draws from every policy's spread
+    assert t.draw(1, 8000, np.random.default_rng(5)) == pytest.approx(
+        t.mean(1, 8000) * (1 + np.random.default_rng(5).choice(noise)))
     loo = {(pol, S, B): e for pol, S, B, _, e in t.loo_errors()}
     assert loo[("keep", 8000, 1)] == pytest.approx(400.0 * 30.0 / 35.0 / 330.0 - 1)  # by the ratio at S = 2000
     with pytest.raises(ValueError, match="none and full"):
@@ -174,3 +177,10 @@ def test_fsdps_collectives_hold_every_slot_to_their_time_and_add_the_first_units
     assert Cluster(truth).times(plan, rng).tolist() == [[10.0, 50.0]] * 2
     assert Cluster(truth, comm, {1: 2.0}).describe(2) == ("truth: model; " + comm.describe(2) + "; slow ranks {1: 2.0}")
     assert Cluster(truth).describe(2) == "truth: model"
+
+
+def test_a_replays_extra_measurements_join_the_calibrations_points():
+    points = [{"S": 1000, "B": 1, "ms": 10.0, "ms_runs": [9.0, 11.0]}, {"S": 1000, "B": 4, "ms": 40.0}]
+    truth = MeasuredTruth.from_points(points, {(1000, 2): [22.0, 18.0], (1000.0, 4.0): [44.0]})
+    assert truth.is_measured(2, 1000) and truth.mean(2, 1000) == pytest.approx(20.0)
+    assert truth.mean(4, 1000) == pytest.approx(42.0) and truth.mean(1, 1000) == pytest.approx(10.0)
