@@ -208,3 +208,43 @@ def test_open_corpus_makes_the_synthetic_corpus_its_kind_names_and_only_that_one
         assert len(corpus.table) == 8 and len(corpus.val_ids) == 2
         latent, text = corpus.load(int(corpus.table.ids[0]))
         assert latent.shape[0] == 4 and text.shape[1] == 16
+
+
+def test_a_text_embedding_of_another_length_than_its_record_says_is_a_bad_shape(corpus_dir):
+    from data.loader import BadSample, LatentCorpus
+
+    index = SampleIndex.load(corpus_dir)
+    index.records[0] = dict(index.records[0], L_text=index.records[0]["L_text"] + 1)
+    corpus = LatentCorpus([index], [1.0], BUCKETS, val_samples=4, seed=0, latent_channels=3, text_dim=8)
+    with pytest.raises(BadSample, match=r"text\.npy has shape") as e:
+        corpus.load(0)
+    assert e.value.reason == "bad_shape" and corpus.load(1)[1].shape[1] == 8
+
+
+def test_the_synthetic_corpus_follows_its_seed_and_carries_pooled_text_where_the_model_takes_it(tmp_path):
+    from data.config import SyntheticConfig
+
+    def corpus(seed, **kw):
+        cfg = DataConfig(buckets={}, cache_dir=str(tmp_path), val_samples=2,
+                         synthetic=SyntheticConfig(num_samples=6, num_val=2, samples_per_shard=8, seed=seed))
+        return open_corpus(cfg, BUCKETS, latent_channels=4, text_dim=16, seed=0, **kw)
+
+    a, b = corpus(0), corpus(5)
+    assert a.indexes[0].root != b.indexes[0].root
+    assert not torch.equal(a.load(0)[0], b.load(0)[0]) and torch.equal(a.load(0)[0], corpus(0).load(0)[0])
+    assert a.empty_pooled is None
+    pooled = corpus(0, pooled_dim=12)
+    assert pooled.empty_pooled.shape == (12,) and pooled.pooled(int(pooled.table.ids[0])).shape == (12,)
+
+
+def test_prefetch_reads_a_plan_ahead_and_none_is_no_plan(corpus_dir):
+    corpus = _corpus(corpus_dir)
+    plan, _ = plan_step(corpus.table, 0, 0, 0, 1, "equal_token", 3, [3, 1], lambda B, S: B * S)
+    loader = Loader(corpus, 6, 0.0, seed=0, rank=0, num_workers=2)
+    loader.prefetch(None)
+    loader.prefetch(plan)
+    assert len(loader._ahead) == 1
+    ahead = [b.latents for b in loader.step(plan)]
+    plain = [b.latents for b in Loader(corpus, 6, 0.0, seed=0, rank=0).step(plan)]
+    assert len(ahead) == 3 and all(torch.equal(x, y) for x, y in zip(ahead, plain)) and not loader._ahead
+    loader.close()

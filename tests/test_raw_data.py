@@ -362,6 +362,7 @@ def test_a_random_clip_is_placed_by_seed_epoch_and_key_and_a_held_out_one_as_in_
               and not np.array_equal(pix[g, 0], pix[g, 2]) and not np.array_equal(pix[g, 1], pix[g, 2])]
     assert len(moving) >= len(videos) // 2  # another epoch, another start (where the video is longer than the clip)
     for g in moving[:3]:
+        assert np.array_equal(corpus.load_checked(g, 2)[1], pix[g, 2])  # training's call, at its epoch
         item = corpus.find_readable(g)  # validation's call: epoch 0
         assert item.gid == g and np.array_equal(item.a, pix[g, 0])
         item = corpus.find_readable(g, 2)
@@ -399,3 +400,13 @@ def test_a_raw_corpus_takes_its_channels_and_text_width_from_the_encoders(clean)
     corpus = LatentCorpus(opened.indexes, [1.0], TINY, 2, 0, RawConfig(), opened.encoders)
     assert (corpus.latent_channels, corpus.text_dim) == (opened.encoders.vae.latent_channels, D) == (C, D)
     assert corpus.placeholder(0).a.shape == TINY[corpus.bucket_names[corpus.bucket_of[0]]].latent_shape(C)
+
+
+def test_the_raw_config_given_is_the_one_used_and_the_index_goes_where_data_index_says(clean, tmp_path):
+    start = open_corpus(data_cfg(urls=os.path.join(clean, "*.tar"), raw=RawConfig(clip="start")), TINY, C, D, seed=0)
+    assert start.raw.clip == "start"
+    video = next(g for g in range(len(start.bucket_of)) if start.record(g)["kind"] == "video")
+    assert all(np.array_equal(start.load(video, e)[0], start.load(video, 0)[0]) for e in (1, 2, 3))
+    elsewhere = str(tmp_path / "index")
+    corpus = open_corpus(data_cfg(urls=os.path.join(clean, "shard-00000.tar"), index=elsewhere), TINY, C, D, seed=0)
+    assert corpus.indexes[0].root == elsewhere and os.path.isfile(os.path.join(elsewhere, "index.jsonl"))
