@@ -509,3 +509,14 @@ def test_a_cached_cell_is_relabelled_for_the_rule_asked_and_carries_the_optimize
     bal = best_cell(inp, SMALL, "balanced", 4, 2 * 14040, "sorted", cache=cache, **kw)  # cost's rule, sorted: shared
     assert bal.strategy == "balanced" and bal.tokens_per_s == cost.tokens_per_s and len(cache) == 1
     assert best_cell(inp, SMALL, "cost", 4, 2 * 14040, "sorted", cache=cache, **kw).strategy == "cost"
+
+
+def test_grid_points_that_repeat_a_batch_table_are_not_neighbours_of_the_best():
+    """equal_token at 2.0, 2.05 and 2.1 × S_max gives one batch table: run once, and the best grid point's upper
+    neighbour is the next distinct table (none here: up to 1.5 × its knob), not a repeat of itself."""
+    from scheduling.simulate import sweep
+
+    mix = Mix.of([("a", 1000, 0.5), ("b", 2600, 0.3), ("c", 7000, 0.2)])
+    best, runs = sweep(QUAD.predict, mix, "equal_token", 4, p=None, m_mem=1e5, steps=8, factors=(1.0, 2.0, 2.05, 2.1))
+    assert [r.setting["m_tokens"] for r in runs[:2]] == [7000, 14000] and runs[1].tokens_per_s > runs[0].tokens_per_s
+    assert max(r.setting["m_tokens"] for r in runs) > 14700  # refined above the repeats, towards 21,000
