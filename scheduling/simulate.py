@@ -273,7 +273,7 @@ def settings_at_tokens(strategy: str, mix: Mix, cost_fn, p: Optional[float], m_m
     for M in range(1, M_max + 1):
         ok = sorted((t for t in tables if abs(M * t[2] - g) <= tol * g), key=lambda t: t[2])
         if len(ok) > per_M:
-            ok = [ok[round(i * (len(ok) - 1) / (per_M - 1))] for i in range(per_M)]
+            ok = [ok[round(i * (len(ok) - 1) / max(1, per_M - 1))] for i in range(per_M)]  # one: the first
         out += [(dict(setting, M=M, tokens_per_step=round(M * tok, 1)), sizes, M) for setting, sizes, tok in ok]
     return out
 

@@ -415,9 +415,12 @@ def test_a_slice_is_measured_at_the_whole_models_depth_and_older_files_refit_wit
     cal = refit(cal, None)
     new = cal.data["modes"]["full"]
     assert new["launch_point"]["ms"] == pytest.approx(plain["ms"]) and "slice_memory" in new
+    assert new["launch_point"]["optim_ms"] == 9.0  # the plain step's own optimizer time
     assert new["cost_model"]["params"]["floor"] == pytest.approx(40 / 18 * plain["ms"])
     measured = {(p["S"], p["B"]): p["ms"] for p in cal.measured_points("full")}
     assert measured[(32760, 2)] == pytest.approx(40 / 18 * quad(2, 32760)) and len(measured) == 8
+    runs = {(p["S"], p["B"]): p["ms_runs"] for p in cal.measured_points("full")}
+    assert runs[(32760, 2)] == pytest.approx([40 / 18 * quad(2, 32760)])  # each repeat, scaled as the median is
     inp = inputs_from(cal, "full", Mix.of([("i480", 1560, 0.5), ("v720_81f", 75600, 0.5)]))
     cut = refit(cal, 10_000).data["modes"]["full"]  # min_tokens leaves the launch point out with the small points
     assert "launch_point" not in cut and "floor" not in cut["cost_model"]["params"]
@@ -599,3 +602,90 @@ def test_a_fresh_calibration_holds_the_batch_and_says_the_simulator_would_tune_i
     assert s.sources["micro_batches"] == "chosen for tokens_per_step (predicted tokens/s)"
     assert abs(s.values["tokens_per_step"] - 151200) <= 0.1 * 151200
     assert any("records no simulated choice" in n and "--write-chosen" in n for n in s.notes)
+
+
+def test_refit_takes_the_points_memory_model_and_optimizer_time_unless_the_file_keeps_its_own():
+    """A measured memory model is fitted again from the points' peaks (a stale one is replaced), but kept where the
+    points hold no peaks; the optimizer's ms is the points' median, except where the file had none."""
+    from scheduling.calibrate import new_calibration, refit
+
+    quad = lambda B, S: 2.0 + 1e-3 * B * S + 1e-7 * B * S * S  # noqa: E731
+    shapes = [(1, 1000), (8, 1000), (32, 1000), (1, 4000), (4, 4000), (1, 16000)]
+
+    def cal_of(peaks: bool, **rec_kw):
+        pts = [Point("b", S, B, True, quad(B, S), [quad(B, S)], 5.0, C0 + C1 * B * S if peaks else None)
+               for B, S in shapes]
+        rec = fit_mode(pts) | rec_kw
+        return new_calibration({"full": rec}, model={}, source="t", device="t", date="t", command="t")
+
+    fitted = cal_of(True).data["modes"]["full"]["memory_model"]
+    assert fitted["c0"] == pytest.approx(C0, rel=1e-6) and fitted["c1"] == pytest.approx(C1, rel=1e-6)
+    stale = {**fitted, "c0": 2 * C0, "measured": True}
+    again = refit(cal_of(True, memory_model=stale), None).data["modes"]["full"]
+    assert again["memory_model"]["c0"] == pytest.approx(C0, rel=1e-6)  # the points' peaks say otherwise
+    kept = refit(cal_of(False, memory_model=stale), None).data["modes"]["full"]
+    assert kept["memory_model"] == stale  # no peaks to fit: the file's model stays
+    assert again["optim_ms"] == 5.0
+    assert refit(cal_of(True, optim_ms=99.0), None).data["modes"]["full"]["optim_ms"] == 5.0
+    assert refit(cal_of(True, optim_ms=None), None).data["modes"]["full"]["optim_ms"] is None
+
+
+def test_the_cap_probe_is_skipped_only_where_its_own_bucket_already_ran_that_b():
+    """The probe's B is compared with the shortest bucket's own largest timed B, not with a longer bucket's."""
+    import math
+
+    from scheduling.calibrate import _probe_cap
+
+    def pt(name, S, B):
+        return Point(name, S, B, True, 1.0 + B * S / 1e3, [1.0], 1.0, C0 + C1 * B * S)
+
+    tokens = {"img": 1000, "clip": 16000}  # the shortest bucket is not the first by name
+    budget = C0 + C1 * 10 * 1000  # room for B = 10 of img
+    for done, want_why in ((2, ""), (10, "cap probe: B=10 is not above the B=10 already timed")):
+        calls = []
+        points = [pt("img", 1000, 1), pt("img", 1000, done), pt("clip", 16000, 1), pt("clip", 16000, 50)]
+        _probe_cap(points, tokens, budget, 12, math.inf, lambda: False,
+                   lambda name, S, B, why: calls.append((name, S, B, why)) or pt(name, S, B), lambda v: v,
+                   lambda s: None)
+        assert calls == [("img", 1000, 10, want_why)]
+
+
+def test_the_choice_for_a_fixed_batch_comes_from_the_nearest_world_size_and_g_and_is_empty_for_a_missing_rule():
+    from scheduling.calibrate import new_calibration
+
+    cal = new_calibration({}, model={}, source="t", device="t", date="t", command="t")
+    assert cal.chosen_at_tokens("cost", 8, 3000.0) == {}
+    cal.data["chosen"] = {"by_tokens_per_step": {"8": {"2000": {"cost": {"target_microbatch_ms": 50.0}},
+                                                       "8000": {"cost": {"target_microbatch_ms": 90.0}}},
+                                                 "64": {"2000": {"cost": {"target_microbatch_ms": 70.0}}}}}
+    assert cal.chosen_at_tokens("cost", 16, 3000.0) == {"target_microbatch_ms": 50.0, "simulated_world_size": 8,
+                                                        "simulated_g": 2000.0}
+    assert cal.chosen_at_tokens("cost", 16, 5000.0)["target_microbatch_ms"] == 90.0  # log-nearer 8000 than 2000
+    assert cal.chosen_at_tokens("cost", 48, 3000.0)["simulated_world_size"] == 64
+    assert cal.chosen_at_tokens("equal_token", 8, 3000.0) == {"simulated_world_size": 8, "simulated_g": 2000.0}
+
+
+def test_a_bucket_left_one_ladder_point_by_the_probe_takes_its_ladders_top():
+    """Six points over three buckets give two each; the probe takes one of the shortest bucket's, whose remaining
+    point is its ladder's top (its B = 1 would be launch-bound), not B = 1."""
+    pts = scan(fake_step(), TOKENS, max_points=6, top_tokens=64_000, mem_budget_bytes=C0 + C1 * 200_000, warmup=0,
+               repeats=1)
+    img = [p.B for p in pts if p.bucket == "img" and p.feasible]
+    assert img[0] == 64 and len(img) == 2 and img[1] > 64  # 64,000 // 1000, then the probe
+    assert [p.B for p in pts if p.bucket == "short"][0] == 1
+
+
+def test_a_slice_timed_at_two_depths_prices_those_points_at_t_fixed_plus_l_t_block(monkeypatch):
+    from tests.helpers import ROOT
+
+    monkeypatch.chdir(ROOT)
+    cal = Calibration.load("results/calibration_h200_14b.json")
+    dc = cal.data["modes"]["full"]["depth_check"]
+    main = str(dc["depths"][0])
+    rows = [r for r in dc["points"] if r["block_ms"] > 0 and r["full_affine_ms"] > 0]
+    affine = cal.affine_scales("full")
+    assert len(rows) >= 3 and {(r["bucket"], int(r["B"])) for r in rows} <= set(affine)
+    truth = {(p["bucket"], p["B"]): p["ms"] for p in cal.measured_points("full")}
+    for r in rows:
+        assert affine[(r["bucket"], int(r["B"]))] == pytest.approx(r["full_affine_ms"] / r["ms"][main])
+        assert truth[(r["bucket"], int(r["B"]))] == pytest.approx(r["full_affine_ms"], rel=1e-6)

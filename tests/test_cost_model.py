@@ -258,3 +258,23 @@ def test_scaled_multiplies_every_term_but_the_exponent(form, params):
     # the rest is carried over; the original is left alone
     assert (s.form, s.rel_rmse, s.loo_rel_rmse, s.n_points, s.L, s.residuals) == (form, 0.01, 0.02, 9, 300.0, [0.1, -0.1])
     assert m.params == params
+
+
+def test_a_cost_models_description_names_its_form_and_every_term():
+    err = dict(rel_rmse=0.01, loo_rel_rmse=0.02)
+    tail = " ms  (rel RMSE 1.00 %, leave-one-out 2.00 %)"
+    q = CostModel("quadratic", {"a": 1.0, "b0": 2.0, "b1": 3.0, "b2": 4.0, "b3": 5.0}, **err)
+    assert q.describe() == "t = 1 + 2·B + 3·B·S + 4·B·S² + 5·B·S·L" + tail
+    joint = CostModel("quadratic", {"a": 1.0, "b1": 3.0, "b2": 4.0}, joint=True, L=512, **err)
+    assert joint.describe() == "t = 1 + 3·B·(S+L) + 4·B·(S+L)²" + tail  # no b0: no B term
+    power = CostModel("power", {"a": 1.0, "b": 2.0, "p": 1.25, "floor": 9.0}, **err)
+    assert power.describe() == "t = max(9, 1 + 2·B·S^1.2500)" + tail
+
+
+def test_a_memory_fit_reports_its_largest_relative_error():
+    B, S = [1, 2, 4, 8, 1, 2], [1000, 1000, 1000, 1000, 4000, 4000]
+    peaks = [1e9 + 2e5 * b * s for b, s in zip(B, S)]
+    peaks[3] *= 1.05  # one point 5 % above the line
+    m = fit_memory_model(B, S, peaks)
+    rel = (np.asarray(m.predict(np.asarray(B), np.asarray(S))) - peaks) / peaks
+    assert m.max_rel_err == pytest.approx(np.abs(rel).max()) and 0.01 < m.max_rel_err < 0.06

@@ -139,3 +139,112 @@ def test_weighted_sources_define_the_epoch(tmp_path, corpus_dir):
     assert len(corpus.table) == round(0.25 * total) + round(0.75 * total)
     assert n_other == round(0.75 * total)  # the 5-sample source is cycled
     assert len(set(i for i in corpus.table.ids if corpus.key(i).startswith("1/"))) == 5
+
+
+# -- what the corpus itself declares, and the synthetic corpora open_corpus makes -------------------------------------
+
+def test_channels_and_text_width_come_from_the_corpus_meta_when_neither_config_nor_encoders_give_them(corpus_dir):
+    from data.loader import LatentCorpus
+
+    index = SampleIndex.load(corpus_dir)
+    corpus = LatentCorpus([index], [1.0], BUCKETS, val_samples=4, seed=0)
+    assert (corpus.latent_channels, corpus.text_dim) == (3, 8)  # corpus.json's, as write_synthetic_corpus wrote them
+    latent, text = corpus.load(0)
+    assert latent.shape[0] == 3 and text.shape[1] == 8
+    assert corpus.empty_text.shape == (1, 8)
+
+
+def test_an_empty_prompt_of_another_width_than_the_text_encoders_is_refused(corpus_dir):
+    from data.loader import LatentCorpus
+
+    index = SampleIndex.load(corpus_dir)
+    with pytest.raises(ValueError, match=r"empty_text\.pt holds .* expected a float tensor \[L, text_dim\] with "
+                                         r"width 6"):
+        LatentCorpus([index], [1.0], BUCKETS, val_samples=4, seed=0, latent_channels=3, text_dim=6)
+
+
+def test_the_latent_dtype_a_corpus_declares_is_enforced_at_load(corpus_dir):
+    from data.loader import BadSample, LatentCorpus
+
+    index = SampleIndex.load(corpus_dir)  # its latents are float32
+    for declared, ok in (("float32", True), ("float16", False)):
+        index.meta["dtype"] = declared
+        corpus = LatentCorpus([index], [1.0], BUCKETS, val_samples=4, seed=0, latent_channels=3, text_dim=8)
+        if ok:
+            assert corpus.load(0)[0].dtype == torch.float32
+        else:
+            with pytest.raises(BadSample, match="latent.npy holds float32, expected float16") as e:
+                corpus.load(0)
+            assert e.value.reason == "bad_shape"
+            item = corpus.read_checked(0)  # every latent is float32: none of the bucket reads, a placeholder goes in
+            assert item.placeholder and corpus.skipped["bad_shape"] > 0
+
+
+def test_what_indexing_skipped_in_a_latent_corpus_is_counted_by_open_corpus(tmp_path, corpus_dir):
+    import shutil
+
+    root = str(tmp_path / "c")
+    shutil.copytree(corpus_dir, root)
+    index = SampleIndex.load(root)
+    index.meta["skipped"] = {"too_small": 2, "unreadable": 1}  # as precompute records what it left out
+    index.save()
+    corpus = _corpus(root)
+    assert corpus.skipped == {"too_small": 2, "unreadable": 1}
+
+
+def test_open_corpus_makes_the_synthetic_corpus_its_kind_names_and_only_that_one(tmp_path):
+    from data.config import SyntheticConfig
+    from data.encoders import EncoderConfig
+
+    for kind, writer in (("waves", "data/synthetic.py"), ("shapes", "data/shapes.py")):
+        cache = tmp_path / kind
+        cfg = DataConfig(buckets={}, cache_dir=str(cache), val_samples=2, encoders=EncoderConfig(text="words",
+                         device="cpu"), synthetic=SyntheticConfig(kind=kind, num_samples=8, num_val=2,
+                                                                  samples_per_shard=8))
+        corpus = open_corpus(cfg, BUCKETS, latent_channels=4, text_dim=16, seed=0)
+        assert corpus.indexes[0].meta["writer"] == writer
+        assert (corpus.indexes[0].meta["latent_channels"], corpus.indexes[0].meta["text_dim"]) == (4, 16)
+        assert len(os.listdir(cache)) == 1  # one corpus, at the config's widths
+        assert len(corpus.table) == 8 and len(corpus.val_ids) == 2
+        latent, text = corpus.load(int(corpus.table.ids[0]))
+        assert latent.shape[0] == 4 and text.shape[1] == 16
+
+
+def test_a_text_embedding_of_another_length_than_its_record_says_is_a_bad_shape(corpus_dir):
+    from data.loader import BadSample, LatentCorpus
+
+    index = SampleIndex.load(corpus_dir)
+    index.records[0] = dict(index.records[0], L_text=index.records[0]["L_text"] + 1)
+    corpus = LatentCorpus([index], [1.0], BUCKETS, val_samples=4, seed=0, latent_channels=3, text_dim=8)
+    with pytest.raises(BadSample, match=r"text\.npy has shape") as e:
+        corpus.load(0)
+    assert e.value.reason == "bad_shape" and corpus.load(1)[1].shape[1] == 8
+
+
+def test_the_synthetic_corpus_follows_its_seed_and_carries_pooled_text_where_the_model_takes_it(tmp_path):
+    from data.config import SyntheticConfig
+
+    def corpus(seed, **kw):
+        cfg = DataConfig(buckets={}, cache_dir=str(tmp_path), val_samples=2,
+                         synthetic=SyntheticConfig(num_samples=6, num_val=2, samples_per_shard=8, seed=seed))
+        return open_corpus(cfg, BUCKETS, latent_channels=4, text_dim=16, seed=0, **kw)
+
+    a, b = corpus(0), corpus(5)
+    assert a.indexes[0].root != b.indexes[0].root
+    assert not torch.equal(a.load(0)[0], b.load(0)[0]) and torch.equal(a.load(0)[0], corpus(0).load(0)[0])
+    assert a.empty_pooled is None
+    pooled = corpus(0, pooled_dim=12)
+    assert pooled.empty_pooled.shape == (12,) and pooled.pooled(int(pooled.table.ids[0])).shape == (12,)
+
+
+def test_prefetch_reads_a_plan_ahead_and_none_is_no_plan(corpus_dir):
+    corpus = _corpus(corpus_dir)
+    plan, _ = plan_step(corpus.table, 0, 0, 0, 1, "equal_token", 3, [3, 1], lambda B, S: B * S)
+    loader = Loader(corpus, 6, 0.0, seed=0, rank=0, num_workers=2)
+    loader.prefetch(None)
+    loader.prefetch(plan)
+    assert len(loader._ahead) == 1
+    ahead = [b.latents for b in loader.step(plan)]
+    plain = [b.latents for b in Loader(corpus, 6, 0.0, seed=0, rank=0).step(plan)]
+    assert len(ahead) == 3 and all(torch.equal(x, y) for x, y in zip(ahead, plain)) and not loader._ahead
+    loader.close()

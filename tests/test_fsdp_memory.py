@@ -123,6 +123,13 @@ def test_from_slice_gives_the_fsdp_terms_and_reproduces_the_slice():
     assert m.state_bytes == 20.0  # 16 + EMA
     c = m.checks()
     assert c["backward_bytes_per_param"] == pytest.approx(12 + 0.1 * MB / Pb, rel=1e-6)
+    assert c["forward_bytes_per_param"] == pytest.approx(12, abs=1e-6)  # nothing planted beyond the cache here
+    one = FSDPMemoryModel.from_slice(lines["backward"], lines["forward"], floor, {18: 18 * cache_b + cache_0},
+                                     layers=40, params_block=Pb, params_fixed=P0, ranks=8, ema=False)
+    assert (one.cache_block, one.cache_fixed) == (0.0, 18 * cache_b + cache_0)  # one depth's cache: all fixed
+    assert one.state_bytes == 16.0  # weights, gradients, two moments; no EMA
+    planted = replace(m, extra_block_fwd=0.2 * MB).checks()
+    assert planted["forward_bytes_per_param"] == pytest.approx(12 + 0.2 * MB / Pb)
     assert c["optimizer_step_bytes_per_param"] == pytest.approx(20.1) and c["cache_bytes_per_param"] == \
         pytest.approx(cache_b / Pb)
     # the model at the slice's own depth, on one process, holding no gradients (12 B/param): the measurements back
@@ -154,6 +161,8 @@ def test_slice_record_writes_the_model_the_checks_and_how_many_blocks_fit():
                        params_fixed=P0, ranks=4, ema=False, budget=budget, largest=(4, 4000))
     m = FSDPMemoryModel.from_dict(rec["memory_model"])
     assert m.ranks == 4 and m.act_block == pytest.approx(4000) and m.optim_bytes == pytest.approx(4.0)
+    assert rec["slice_memory"]["plain_step"] == {"6": plain[6], "3": plain[3]}  # refit's launch point, by depth
+    assert rec["slice_memory"]["peaks"] == {"6": peaks[6], "3": peaks[3]}
     dc = rec["depth_check"]
     for row in dc["points"]:  # t(k) = t_fixed + k·t_block at both depths; the ×L/k scaling against it
         assert row["fixed_ms"] + 6 * row["block_ms"] == pytest.approx(row["ms"]["6"])

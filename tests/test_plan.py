@@ -90,3 +90,14 @@ def test_equal_token_refuses_a_calibrated_memory_bound_below_the_longest_bucket(
     with pytest.raises(ValueError, match=r"scheduling\.m_mem \(calibration:chosen\)=40000"):
         resolve_schedule(SchedulingConfig("equal_token", m_tokens=32760, calibration=str(path)), tokens,
                          ModelShape(1, 30, 1536, 512), checkpointing="full")
+
+
+def test_micro_batches_of_equal_predicted_cost_share_slots_in_id_order():
+    """The sorted planner's groups are costliest first and, among equal costs, in entry order (a stable sort), so a
+    plan does not depend on the sort's tie-breaking."""
+    from scheduling.planner import _sorted_groups
+
+    pred = [1.0, 2.0] * 8
+    groups = _sorted_groups(pred, 4, 4)
+    assert groups.tolist() == [[1, 3, 5, 7], [9, 11, 13, 15], [0, 2, 4, 6], [8, 10, 12, 14]]
+    assert _sorted_groups([3.0, 1.0, 2.0], 2, 2).tolist() == [[0, 2], [1, -1]]  # padded with −1

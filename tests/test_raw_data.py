@@ -346,3 +346,76 @@ def test_precompute_names_members_safely_and_keeps_twins_of_one_key_apart(tmp_pa
     assert sources == ["a.tar:../../evil", "a.tar:/abs/olute", "a.tar:twin", "b.tar:twin"]
     captions = {json.loads(index.read(i, "json"))["caption"] for i in range(len(index.records))}
     assert captions == {"climbs out", "absolute", "twin in a", "twin in b"}
+
+
+# -- where a random clip starts, what encodes to NaN, where the empty prompt comes from -------------------------------
+
+def test_a_random_clip_is_placed_by_seed_epoch_and_key_and_a_held_out_one_as_in_epoch_0(clean):
+    corpus = open_corpus(data_cfg(urls=os.path.join(clean, "*.tar")), TINY, C, D, seed=0)
+    assert corpus.raw.clip == "random"  # the default
+    videos = [g for g in range(len(corpus.bucket_of)) if corpus.record(g)["kind"] == "video"]
+    torch.manual_seed(1)
+    pix = {(g, e): corpus.load(g, e)[0] for g in videos for e in range(3)}
+    torch.manual_seed(2)  # torch's global generator places no clip: the same pixels again
+    assert all(np.array_equal(corpus.load(g, e)[0], a) for (g, e), a in pix.items())
+    moving = [g for g in videos if not np.array_equal(pix[g, 0], pix[g, 1])
+              and not np.array_equal(pix[g, 0], pix[g, 2]) and not np.array_equal(pix[g, 1], pix[g, 2])]
+    assert len(moving) >= len(videos) // 2  # another epoch, another start (where the video is longer than the clip)
+    for g in moving[:3]:
+        item = corpus.find_readable(g)  # validation's call: epoch 0
+        assert item.gid == g and np.array_equal(item.a, pix[g, 0])
+        item = corpus.find_readable(g, 2)
+        assert item.gid == g and np.array_equal(item.a, pix[g, 2])
+
+
+def test_a_raw_sample_that_encodes_to_nan_is_skipped_as_nonfinite_and_goes_in_with_loss_weight_0(clean):
+    corpus = open_corpus(data_cfg(urls=os.path.join(clean, "*.tar")), TINY, C, D, seed=0)
+    plan, _ = plan_step(corpus.table, 0, 0, 0, 1, "equal_token", 6, B_SIZES, COST)
+    encode = corpus.encoders.encode_pixels
+    corpus.encoders.encode_pixels = lambda x: encode(x) * float("nan")
+    batch = next(iter(Loader(corpus, TEXT_LEN, 0.0, seed=0, rank=0).step(plan)))
+    assert corpus.skipped == {"nonfinite": batch.B, "placeholder": batch.B}  # each known bad, each replaced by zeros
+    assert batch.loss_weight.tolist() == [0.0] * batch.B and not batch.latents.abs().any()
+
+
+def test_the_empty_prompt_file_is_checked_only_where_no_raw_source_gives_the_empty_prompt(clean, tmp_path):
+    from data.loader import check_corpus
+    from data.synthetic import write_synthetic_corpus
+
+    latent = str(tmp_path / "latent")
+    write_synthetic_corpus(latent, TINY, {"img_64": 1.0}, num_samples=3, num_val=0, latent_channels=C, text_dim=D)
+    os.remove(os.path.join(latent, "empty_text.pt"))
+    with pytest.raises(ValueError, match=r"empty_text\.pt is missing"):
+        check_corpus(data_cfg(index=latent), C, D)
+    for raw in ({"urls": os.path.join(clean, "*.tar")}, {"index": clean}):  # shards, or their raw index
+        check_corpus(data_cfg(sources=[raw, {"index": latent}]), C, D)  # the encoders give the empty prompt
+        check_corpus(data_cfg(sources=[raw]), C, D)
+
+
+def test_a_raw_corpus_takes_its_channels_and_text_width_from_the_encoders(clean):
+    from data.loader import LatentCorpus
+
+    opened = open_corpus(data_cfg(urls=os.path.join(clean, "*.tar")), TINY, C, D, seed=0)
+    corpus = LatentCorpus(opened.indexes, [1.0], TINY, 2, 0, RawConfig(), opened.encoders)
+    assert (corpus.latent_channels, corpus.text_dim) == (opened.encoders.vae.latent_channels, D) == (C, D)
+    assert corpus.placeholder(0).a.shape == TINY[corpus.bucket_names[corpus.bucket_of[0]]].latent_shape(C)
+
+
+def test_the_raw_config_given_is_the_one_used_and_the_index_goes_where_data_index_says(clean, tmp_path):
+    start = open_corpus(data_cfg(urls=os.path.join(clean, "*.tar"), raw=RawConfig(clip="start")), TINY, C, D, seed=0)
+    assert start.raw.clip == "start"
+    video = next(g for g in range(len(start.bucket_of)) if start.record(g)["kind"] == "video")
+    assert all(np.array_equal(start.load(video, e)[0], start.load(video, 0)[0]) for e in (1, 2, 3))
+    elsewhere = str(tmp_path / "index")
+    corpus = open_corpus(data_cfg(urls=os.path.join(clean, "shard-00000.tar"), index=elsewhere), TINY, C, D, seed=0)
+    assert corpus.indexes[0].root == elsewhere and os.path.isfile(os.path.join(elsewhere, "index.jsonl"))
+
+
+def test_load_checked_places_a_random_clip_at_the_epoch_it_is_given(clean):
+    corpus = open_corpus(data_cfg(urls=os.path.join(clean, "*.tar")), TINY, C, D, seed=0)
+    videos = [g for g in range(len(corpus.bucket_of)) if corpus.record(g)["kind"] == "video"]
+    moved = [g for g in videos if not np.array_equal(corpus.load(g, 0)[0], corpus.load(g, 2)[0])]
+    assert moved
+    for g in moved[:2]:
+        gid, pixels, caption = corpus.load_checked(g, 2)
+        assert gid == g and np.array_equal(pixels, corpus.load(g, 2)[0]) and caption == corpus.load(g, 2)[1]

@@ -253,3 +253,15 @@ def test_a_dry_run_prices_each_planner_by_the_simulators_truth_as_a_loop_of_the_
         assert s["truth"]["full"]["tokens_per_s"] == pytest.approx(tokens / (total_ms / 1e3), rel=1e-12)
         got[s["label"]] = s["truth"]["full"]["tokens_per_s"]
     assert got["sorted"] != pytest.approx(got["paper"], rel=1e-6)
+
+
+def test_plan_steps_plans_one_step_at_a_time_unless_given_a_window():
+    mix = Mix.of(DEFAULT_MIX)
+    sizes = batch_sizes("balanced", mix.S, m_mem=4e5, cost_model=QUAD, target_ms=1.5 * QUAD.predict(1, mix.S_max))
+    table = mix.table(2000, 0)
+    plans = plan_steps(table, 0, 4, "balanced", 4, sizes, QUAD.predict, 4)
+    assert [p.ranks for p in plans] == [p.ranks for p in plan_steps(table, 0, 4, "balanced", 4, sizes, QUAD.predict, 4,
+                                                                    window=1)]
+    assert all(p.window_norm is None for p in plans)  # sorted, one step: no window's loss norm
+    windowed = plan_steps(table, 0, 4, "balanced", 4, sizes, QUAD.predict, 4, window=2)
+    assert all(p.window_norm is not None for p in windowed)

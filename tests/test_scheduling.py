@@ -516,3 +516,71 @@ def test_micro_batches_beside_the_cuda_graphs_pool_leave_room_for_it():
     pr = PartialRecompute(4, 100.0, Line(), Line(), None, None, graph_tokens=20, graph_reserve=30.0)
     assert pr.budget_at(4, 5) == 100.0 and pr.budget_at(3, 7) == 70.0
     assert pr.peak(3, 7, 0, 0) == 52.0 and graph_pool_bytes({"a": 5, "b": 7}, 20, Line()) == 40.0  # 2·(4·5)
+
+
+def test_a_fixed_batch_for_dual_constraint_tunes_m_comp_with_the_power_fits_p_or_keeps_a_configured_one(tmp_path):
+    """scheduling.tokens_per_step with dual_constraint: its knob is m_comp (under the calibration's p and m_mem), M is
+    chosen so that the expected tokens a step hold g, and each value says where it came from."""
+    from scheduling.batching import batch_sizes as rule_sizes
+    from scheduling.simulate import tokens_per_step
+
+    path = four_block_h200_calibration().save(str(tmp_path / "cal.json"))
+    mix = Mix.of(DEFAULT_MIX)
+    tokens, shares, g = dict(zip(mix.names, mix.S)), dict(zip(mix.names, mix.share)), 2 * mix.S_max
+    for m_comp in (None, 2e6):
+        s = resolve_schedule(SchedulingConfig("dual_constraint", calibration=path, tokens_per_step=g, m_comp=m_comp),
+                             tokens, ModelShape(1, 30, 1536, 512), world_size=8, shares=shares)
+        v = s.values
+        assert v["p"] == Calibration.load(path).cost_model("full", "power").params["p"]
+        sizes = rule_sizes("dual_constraint", mix.S, m_mem=v["m_mem"], m_comp=v["m_comp"], p=v["p"])
+        assert [s.batch_sizes[n] for n in mix.names] == sizes
+        assert v["tokens_per_step"] == round(tokens_per_step(mix, sizes, s.micro_batches), 1)
+        assert abs(v["tokens_per_step"] - g) <= 0.1 * g and s.micro_batches == v["micro_batches"] == 2
+        assert s.sources["tokens_per_step"] == f"expected for g={g:g}"
+        if m_comp is None:
+            chosen = "chosen for tokens_per_step (predicted tokens/s)"
+            assert s.sources["m_comp"] == s.sources["micro_batches"] == chosen
+        else:
+            assert v["m_comp"] == 2e6 and s.sources["m_comp"] == "config"
+            assert s.sources["micro_batches"] == "M for the configured m_comp"
+
+
+def test_partial_recompute_peak_counts_kept_attention_and_decide_keeps_what_the_budget_leaves():
+    from scheduling.policy import PartialRecompute
+
+    none, full = MemoryModel(0.0, 100.0), MemoryModel(0.0, 90.0)  # bytes a token: 100 without recompute, 90 with
+    pr = PartialRecompute(10, 95_000.0, none, full, None, None, attention_bytes=0.9995)
+    assert pr.peak(1, 1000, 10, 4) == pytest.approx(90_000 + 4 * 999.5)  # kept attention on 4 of the 10 blocks
+    assert pr.peak(1, 1000, 5, 0) == pytest.approx(95_000)
+    # recomputing a block frees 1000 bytes, keeping its attention costs 999.5: a net 0.5 a block cannot reach the
+    # budget before L, so every block recomputes and keeps what the 5000 bytes left hold
+    assert pr.decide(1, 1000) == (10, 5)
+    assert PartialRecompute(10, 95_000.0, none, full, None, None).decide(1, 1000) == (5, 0)  # no keeping: 5 blocks
+    # all blocks recompute (checkpointing=full): keeping costs nothing where keep's memory is full's, so all keep
+    free = PartialRecompute(10, 95_000.0, none, full, None, None, attention_bytes=1.0, keep_mem=full, all_blocks=True)
+    assert free.kept_bytes(1, 1000) == 0.0 and free.decide(1, 1000) == (10, 10)
+
+
+def test_a_fixed_batch_needs_a_cost_and_a_memory_model_and_takes_a_choice_tuned_without_a_window(tmp_path):
+    from scheduling.policy import fixed_batch
+
+    mix = Mix.of(DEFAULT_MIX)
+    tokens, shares, g = dict(zip(mix.names, mix.S)), dict(zip(mix.names, mix.share)), 2 * mix.S_max
+    cfg = SchedulingConfig("cost", tokens_per_step=g)
+    with pytest.raises(ValueError, match="needs scheduling.calibration"):
+        fixed_batch(cfg, tokens, shares, CostModel("quadratic", {"a": 15.7, "b1": 0.0238, "b2": 1.44e-6}).predict,
+                    None, None, 8, None, {}, {}, [])
+    cal = four_block_h200_calibration()
+    path = cal.save(str(tmp_path / "cal.json"))
+    shape = ModelShape(1, 30, 1536, 512)
+    first = resolve_schedule(SchedulingConfig("cost", calibration=path, tokens_per_step=g), tokens, shape,
+                             world_size=8, shares=shares)
+    assert first.sources["micro_batches"] == "chosen for tokens_per_step (predicted tokens/s)"
+    target = first.values["target_microbatch_ms"] * 1.001  # the same batch table, but the file's own value
+    cal.data["chosen"] = {"by_tokens_per_step": {"8": {str(g): {"cost": {
+        "target_microbatch_ms": target, "micro_batches": first.micro_batches, "window": 1}}}}}
+    path = cal.save(str(tmp_path / "chosen.json"))
+    s = resolve_schedule(SchedulingConfig("cost", calibration=path, tokens_per_step=g), tokens, shape, world_size=8,
+                         shares=shares)
+    assert s.sources["micro_batches"] == f"calibration:chosen (simulated at R=8, g={g:,.0f})"
+    assert s.values["target_microbatch_ms"] == target and s.micro_batches == first.micro_batches

@@ -100,3 +100,47 @@ def test_a_slow_rank_outside_the_cluster_is_ignored_and_a_step_has_no_optimizer_
     cluster = Cluster(MeasuredTruth({(10, 1): [1.0]}), slow_ranks={1: 2.0, 2: 5.0})
     assert cluster.times(_plan(2, 3), np.random.default_rng(0)).tolist() == [[1.0] * 3, [2.0] * 3]
     assert step_times([_plan(2, 3)])[0].optim_ms == 0.0
+
+
+def test_settings_at_a_fixed_batch_spread_per_m_tables_evenly_and_one_takes_the_first():
+    """per_M tables per M, evenly over the admissible ones sorted by tokens a micro-batch (--per-m 1 took a
+    ZeroDivisionError)."""
+    from scheduling.simulate import settings_at_tokens
+
+    mix = Mix.of([("a", 16, 1.0), ("b", 64, 1.0)])
+    args = ("equal_token", mix, lambda B, S: float(B * S), None, 4096.0, 1000.0)
+    every = settings_at_tokens(*args, M_max=2, per_M=1000)
+    for per_M in (1, 2, 3):
+        got = settings_at_tokens(*args, M_max=2, per_M=per_M)
+        for M in (1, 2):
+            ok = [s for s in every if s[2] == M]
+            assert len(ok) > 3
+            want = {1: [ok[0]], 2: [ok[0], ok[-1]], 3: [ok[0], ok[round((len(ok) - 1) / 2)], ok[-1]]}[per_M]
+            assert [s for s in got if s[2] == M] == want
+
+
+def test_a_fixed_batch_sweep_draws_its_candidates_from_its_seed_and_its_winner_from_the_next():
+    import math
+
+    from scheduling.simulate import settings_at_tokens, simulate, sweep_at_tokens
+
+    mix = Mix.of([("a", 1000, 0.6), ("b", 4000, 0.4)])
+    cost = lambda B, S: 1.0 + B * S / 1e3  # noqa: E731
+    best, runs = sweep_at_tokens(cost, mix, "equal_token", 4, 8000.0, p=None, m_mem=1e5, seed=3, mbs=64,
+                                 mbs_final=128, M_max=2, per_M=2, residuals=[-0.2, 0.2])
+    for r in runs:
+        again = simulate(cost, mix, "equal_token", r.batch_sizes, 4, r.M, max(8, math.ceil(64 / (4 * r.M))), 3,
+                         residuals=[-0.2, 0.2], setting=r.setting)
+        assert r.tokens_per_s == again.tokens_per_s
+    other = sweep_at_tokens(cost, mix, "equal_token", 4, 8000.0, p=None, m_mem=1e5, seed=0, mbs=64, mbs_final=128,
+                            M_max=2, per_M=2, residuals=[-0.2, 0.2])[1]
+    assert [r.tokens_per_s for r in other] != [r.tokens_per_s for r in runs]  # the seed draws the samples and noise
+    assert best.steps == max(8, math.ceil(128 / (4 * best.M)))
+    top = max((r for r in runs if r.tokens_step_cv <= 0.1), key=lambda r: r.tokens_per_s)  # on the next seed
+    again = simulate(cost, mix, "equal_token", top.batch_sizes, 4, top.M, best.steps, 4, residuals=[-0.2, 0.2],
+                     setting=top.setting)
+    assert (best.batch_sizes, best.tokens_per_s) == (top.batch_sizes, again.tokens_per_s)
+    assert len(runs) == len(settings_at_tokens("equal_token", mix, cost, None, 1e5, 8000.0, 2, 2))  # per_M = 2
+    # micro-batches of at most 4500 tokens: no M = 1 holds g = 8000, and the final draw's steps follow M
+    best = sweep_at_tokens(cost, mix, "equal_token", 4, 8000.0, p=None, m_mem=4500, mbs=64, M_max=4, per_M=2)[0]
+    assert best.M >= 2 and best.steps == max(8, math.ceil(16384 / (4 * best.M)))  # mbs_final's default

@@ -272,3 +272,251 @@ def test_auto_mode_prices_and_times_each_micro_batch_at_the_policy_training_pick
     t_none = t_full * 482.412 / 587.754   # ratio there
     assert one.truth.mean(1, 75600) == pytest.approx(t_none + k / 30 * (t_full - t_none) - j / 30 * (t_full - t_keep),
                                                      rel=1e-5)
+
+
+# -- the cluster protocols on a small cluster (the slow tests above run them at full size) ----------------------------
+
+SMALL = Mix.of([("a", 1560, 0.5), ("b", 7800, 0.3), ("c", 14040, 0.2)])
+
+
+def test_a_sweep_refines_between_the_best_grid_points_neighbours_and_redraws_its_winner():
+    from scheduling.simulate import KNOB, _knob_base, _setting, breakpoints, settings_for, sizes_for, sweep
+
+    mix, p, m_mem, steps = Mix.of([("a", 1000, 0.5), ("b", 2600, 0.3), ("c", 7000, 0.2)]), 1.3, 1e5, 8
+    for strategy in ("equal_token", "cost"):
+        knob, base = KNOB[strategy], _knob_base(strategy, mix, QUAD.predict, p)
+        best, runs = sweep(QUAD.predict, mix, strategy, 4, p=p, m_mem=m_mem, steps=steps)
+        grid = []  # the grid's distinct batch tables, in knob order, as sweep runs them first
+        for st in settings_for(strategy, mix, QUAD.predict, p, m_mem, None):
+            if sizes_for(strategy, mix, st, QUAD.predict) not in [r.batch_sizes for r in grid]:
+                grid.append(simulate(QUAD.predict, mix, strategy, sizes_for(strategy, mix, st, QUAD.predict), 4, 4,
+                                     steps, 0, setting=st))
+        assert [r.batch_sizes for r in runs[:len(grid)]] == [r.batch_sizes for r in grid]
+        i = max(range(len(grid)), key=lambda j: grid[j].tokens_per_s)
+        lo = grid[i - 1].setting[knob] if i > 0 else grid[0].setting[knob] / 2
+        hi = grid[i + 1].setting[knob] if i + 1 < len(grid) else grid[-1].setting[knob] * 1.5
+        refined = runs[len(grid):]
+        assert refined and all(lo <= r.setting[knob] <= hi * (1 + 1e-9) for r in refined)
+        between = {tuple(sizes_for(strategy, mix, _setting(strategy, v, base, p, m_mem), QUAD.predict))
+                   for v in breakpoints(strategy, mix, QUAD.predict, p, m_mem, lo, hi)}
+        assert between <= {tuple(r.batch_sizes) for r in runs}  # every distinct setting of the interval ran
+        assert len({tuple(r.batch_sizes) for r in runs}) == len(runs)  # each once
+        top = max(runs, key=lambda r: r.tokens_per_s)
+        assert best.batch_sizes == top.batch_sizes and best.strategy == strategy and best.steps == steps
+        again = simulate(QUAD.predict, mix, strategy, top.batch_sizes, 4, 4, steps, 1, setting=best.setting)
+        assert best.tokens_per_s == again.tokens_per_s  # the winner on a fresh draw (seed + 1)
+        above = [u for u in breakpoints(strategy, mix, QUAD.predict, p, m_mem, top.setting[knob],
+                                        4 * top.setting[knob])
+                 if sizes_for(strategy, mix, _setting(strategy, u, base, p, m_mem), QUAD.predict) != top.batch_sizes]
+        assert top.setting[knob] < best.setting[knob] < above[0]  # its knob moved inside its batch table's range
+        assert sizes_for(strategy, mix, best.setting, QUAD.predict) == top.batch_sizes
+        assert all(r.setting["factor"] == round(r.setting[knob] / base, 4) for r in refined)
+    # the best grid point last: refined up to 1.5 × its knob, and each distinct table once
+    best, runs = sweep(QUAD.predict, mix, "equal_token", 4, p=None, m_mem=1e5, steps=steps, factors=(0.5, 1.0))
+    assert len(runs) > 2 and max(r.setting["m_tokens"] for r in runs) <= 1.5 * 7000
+    assert len({tuple(r.batch_sizes) for r in runs}) == len(runs)
+    assert [r.setting["m_tokens"] for r in runs[:2]] == [3500, 7000] and runs[1].tokens_per_s > runs[0].tokens_per_s
+    assert max(r.setting["m_tokens"] for r in runs) > 1.4 * 7000  # refined above the last grid point
+    # one grid point under the bound: nothing to refine between
+    best, runs = sweep(QUAD.predict, mix, "equal_token", 4, p=None, m_mem=7000, steps=steps, factors=(1.0, 2.0))
+    assert len(runs) == 1 and best.batch_sizes == [7, 2, 1]
+
+
+def test_steps_for_and_a_settings_description():
+    from scheduling.protocol import describe_setting, planner_label, steps_for
+
+    assert steps_for(8, 4, 64) == 16 and steps_for(1, 1, 100) == 100 and steps_for(2, 3, 100) == 17
+    assert planner_label("windowed", 4) == "W=4" and planner_label("sorted") == "sorted"
+    r = simulate(QUAD.predict, SMALL, "equal_token", [9, 1, 1], 4, 2, 4, setting={"m_tokens": 14040})
+    assert describe_setting(r) == "m_tokens=1.404e+04, M=2"
+    r = simulate(QUAD.predict, SMALL, "balanced", [9, 1, 1], 4, 2, 4, window=4,
+                 setting={"target_microbatch_ms": 90.0})
+    assert describe_setting(r) == "target_microbatch_ms=90, M=2, W=4"
+
+
+def test_the_unconstrained_protocol_on_a_small_cluster_and_what_it_records():
+    from scheduling.protocol import STRATEGIES, inputs_from, record_chosen, run_unconstrained, steps_for
+    from scheduling.simulate import sizes_for, sweep
+
+    cal = four_block_h200_calibration()
+    inp = inputs_from(cal, "full", SMALL)
+    res = run_unconstrained(cal, "full", SMALL, ranks=[2, 4], sweep_ranks=[2], M=2, mbs=32, log=lambda s: None)
+    assert (res["ranks"], res["sweep_ranks"], res["M"], res["mbs"]) == ([2, 4], [2], 2, 32)
+    assert res["mix"] is SMALL and res["m_mem"] == inp.m_mem and res["m_mem_by_world_size"] is None
+    assert res["p"] == inp.p and res["optim_ms"] == inp.optim_ms and res["memory"] is not None
+    K = steps_for(2, 2, 32)
+    kw = dict(residuals=inp.cost.residuals, optim_ms=inp.optim_ms)
+    b, runs = sweep(inp.cost.predict, SMALL, "equal_token", 2, p=inp.p, m_mem=inp.m_mem, M=2, steps=K, seed=0, **kw)
+    got = res["best"][(2, "equal_token")]
+    assert (got.batch_sizes, got.tokens_per_s) == (b.batch_sizes, b.tokens_per_s)
+    assert [r for lab, r in res["sweeps"][:len(runs)]] == runs
+    for s in STRATEGIES:
+        b = res["best"][(2, s)]
+        assert b.strategy == s and b.steps == K and b.R == 2
+        at4 = res["best"][(4, s)]  # R = 4 is not swept: R = 2's knob, simulated at 4 on the reporting draw
+        assert at4.strategy == s and at4.setting == b.setting and at4.R == 4
+        want = simulate(inp.cost.predict, SMALL, s, sizes_for(s, SMALL, b.setting, inp.cost.predict), 4, 2,
+                        steps_for(4, 2, 32), seed=1, setting=b.setting, **kw)
+        assert at4.tokens_per_s == want.tokens_per_s
+    for R in (2, 4):
+        base = res["best"][(R, "equal_token@S_max")]
+        assert base.strategy == "equal_token" and base.setting == {"m_tokens": 14040, "factor": 1.0}
+        assert base.batch_sizes == [9, 1, 1]
+    assert len(res["rows"]) == 10 and all(r is not None for r in res["rows"])
+    assert len(res["sweeps"]) > 4 * len(runs) / 2 and {lab for lab, _ in res["sweeps"]} == {"sweep"}
+    record_chosen(cal, res, "full")
+    chosen = cal.data["chosen"]
+    assert (chosen["mode"], chosen["micro_batches"], chosen["m_mem"], chosen["m_mem_S_min"]) == ("full", 2,
+                                                                                                 inp.m_mem, 1560)
+    assert chosen["mix"] == [{"bucket": "a", "S": 1560, "share": 0.5}, {"bucket": "b", "S": 7800, "share": 0.3},
+                             {"bucket": "c", "S": 14040, "share": 0.2}]
+    by = chosen["by_world_size"]
+    assert set(by) == {"2", "4"}
+    assert by["4"]["equal_token"] == {"m_tokens": res["best"][(4, "equal_token")].setting["m_tokens"]}
+    assert by["4"]["dual_constraint"] == {k: res["best"][(4, "dual_constraint")].setting[k] for k in ("m_comp", "p")}
+    for s in ("cost", "balanced"):
+        assert by["2"][s] == {"target_microbatch_ms": res["best"][(2, s)].setting["target_microbatch_ms"]}
+
+
+def test_the_fixed_batch_protocol_asks_each_reading_and_the_model_truth_for_every_strategy(monkeypatch):
+    import scheduling.protocol as protocol
+    from scheduling.truth import ModelTruth
+
+    calls = []
+
+    def best_at_g(inp, mix, s, R, g, truth=None, reading="steady", **kw):
+        calls.append((mix, s, R, g, type(truth).__name__, reading, tuple(sorted(kw.items()))))
+        return simulate(QUAD.predict, SMALL, s, [9, 1, 1], R, 2, 4)
+
+    monkeypatch.setattr(protocol, "best_at_g", best_at_g)
+    inp = protocol.Inputs(cost=QUAD, m_mem=4e5, p=1.3, optim_ms=0.0, truth=None)
+    out = protocol.run_fixed_batch(inp, SMALL, ranks=(4,), g_factors=(2.0,), log=lambda s: None)
+    kw = (("mbs", 4096), ("mbs_final", 16384), ("per_M", 6), ("seed", 0), ("slow_ranks", None))
+    want = []
+    for s in protocol.STRATEGIES:
+        want += [(SMALL, s, 4, 2 * 14040, "NoneType", r, (("cache", None),) + kw) for r in ("steady", "expected")]
+        want.append((SMALL, s, 4, 2 * 14040, "ModelTruth", "steady", kw))
+    assert calls == want
+    assert set(out) == {"steady", "expected", "model"} and all(len(v) == 4 for v in out.values())
+    assert isinstance(ModelTruth(QUAD.predict), ModelTruth)
+
+
+def test_the_fixed_batch_protocol_and_the_matrix_on_a_small_cluster_and_what_they_record():
+    from scheduling.protocol import (MATRIX_RULES, STRATEGIES, best_at_g, inputs_from, record_chosen_at_g,
+                                     run_fixed_batch, run_matrix)
+
+    cal = four_block_h200_calibration()
+    inp = inputs_from(cal, "full", SMALL)
+    kw = dict(mbs=64, mbs_final=64, per_M=2)
+    res = run_fixed_batch(inp, SMALL, ranks=(4,), g_factors=(2.0,), log=lambda s: None, **kw)
+    g = 2 * SMALL.S_max
+    for reading in ("steady", "expected"):
+        want = best_at_g(inp, SMALL, "dual_constraint", 4, g, reading=reading, **kw)
+        got = res[reading][(4, 2.0, "dual_constraint")]
+        assert (got.M, got.window, got.tokens_per_s) == (want.M, want.window, want.tokens_per_s)
+    for s in STRATEGIES:
+        assert res["steady"][(4, 2.0, s)].strategy == res["model"][(4, 2.0, s)].strategy == s
+    cal.data["chosen"] = {"m_mem": 123, "by_tokens_per_step": {"16": {"28080": {"cost": {}}}}}
+    record_chosen_at_g(cal, res, SMALL, "full", inp.m_mem, m_mem_at=lambda R: 1000 * R)
+    chosen = cal.data["chosen"]
+    assert chosen["mode"] == "full" and chosen["by"] == "scripts/simulate_cluster.py"
+    assert chosen["m_mem"] is None and chosen["m_mem_by_world_size"] == {"4": 4000, "16": 16000}
+    assert list(chosen["by_tokens_per_step"]) == ["4", "16"]  # world sizes in numeric order; 16 kept
+    assert chosen["mix"] == [{"bucket": n, "S": S, "share": sh} for n, S, sh in (("a", 1560, 0.5), ("b", 7800, 0.3),
+                                                                                   ("c", 14040, 0.2))]
+    at = chosen["by_tokens_per_step"]["4"][str(g)]
+    for s in STRATEGIES:
+        r = res["steady"][(4, 2.0, s)]
+        keep = {"equal_token": ("m_tokens",), "dual_constraint": ("m_comp", "p")}.get(s, ("target_microbatch_ms",))
+        assert at[s] == {**{k: r.setting[k] for k in keep}, "micro_batches": r.M, "window": r.window,
+                         "tokens_per_step": r.setting["tokens_per_step"]}
+    # the matrix: every rule under every planner, the best window, cells shared through the cache
+    cache = {}
+    m = run_matrix(inp, SMALL, ranks=(4,), g_factors=(2.0,), planners=(("stream", 1), ("windowed", 2),
+                                                                        ("windowed", 4)), cache=cache,
+                   log=lambda s: None, **kw)
+    assert set(m) == {(4, 2.0, rule, col) for rule in MATRIX_RULES for col in ("stream", "W=2", "W=4", "best W")}
+    assert len(cache) == 9
+    for rule in MATRIX_RULES:
+        assert m[(4, 2.0, rule, "stream")].planner == "stream" and m[(4, 2.0, rule, "stream")].window == 1
+        assert m[(4, 2.0, rule, "W=2")].planner == "windowed" and m[(4, 2.0, rule, "W=2")].window == 2
+        assert m[(4, 2.0, rule, "W=4")].window == 4
+        assert m[(4, 2.0, rule, "best W")] is max((m[(4, 2.0, rule, c)] for c in ("W=2", "W=4")),
+                                                  key=lambda r: r.tokens_per_s)
+
+
+def test_matrix_shares_split_the_best_cells_gain_into_the_planners_part_and_the_rules():
+    from types import SimpleNamespace
+
+    from scheduling.protocol import matrix_shares
+
+    tps = {("equal_token", "stream"): 90, ("equal_token", "sorted"): 95, ("dual_constraint", "stream"): 80,
+           ("dual_constraint", "sorted"): 100, ("cost", "stream"): 85, ("cost", "sorted"): 120}
+    m = {(8, 2.0, rule, col): SimpleNamespace(tokens_per_s=v) for (rule, col), v in tps.items()}
+    m |= {(64, 2.0, rule, col): SimpleNamespace(tokens_per_s=1000 - v) for (rule, col), v in tps.items()}  # not read
+    m |= {(8, 3.0, rule, col): SimpleNamespace(tokens_per_s=1.0) for (rule, col) in tps}
+    assert matrix_shares(m, 8, 2.0) == {"total": 120 / 80, "best": ("cost", "sorted"), "rule_in_stream": 90 / 80,
+                                        "best_stream_rule": "equal_token", "planner_on_paper_rule": 100 / 80,
+                                        "paper_rule_best_planner": "sorted", "planner_on_best_rule": 120 / 85,
+                                        "rule_under_best_planner": 120 / 100}
+
+
+def test_fsdps_collectives_and_a_chosen_m_mem_enter_the_protocols_inputs():
+    """--comm-bandwidth: FSDP's collectives from the file's parameter count and layers (refused without the count);
+    a calibration without a memory model (a CPU file) gives its chosen m_mem."""
+    from scheduling.protocol import inputs_from
+    from scheduling.truth import CommModel
+
+    cal = four_block_h200_calibration()
+    assert inputs_from(cal, "full", SMALL).comm is None
+    with pytest.raises(ValueError, match="needs the parameter count"):
+        inputs_from(cal, "full", SMALL, comm_bandwidth=350.0)
+    cal.data["model"]["params"] = 1.3e9
+    inp = inputs_from(cal, "full", SMALL, comm_bandwidth=350.0, inter_node_bandwidth=40.0)
+    assert inp.comm == CommModel(param_bytes=5.2e9, grad_bytes=5.2e9, blocks=30, bandwidth=350.0,
+                                 inter_node_bandwidth=40.0)
+    cal.data["hbm_bytes"] = None  # no device memory: no m_mem from the memory model
+    cal.data["chosen"] = {"m_mem": 50_000}
+    inp = inputs_from(cal, "full", SMALL)
+    assert inp.m_mem == 50_000 and inp.m_mem_at(64) == 50_000
+    assert inp.notes == ["no memory model: m_mem=50000 from the calibration's chosen settings"]
+
+
+def test_auto_mode_takes_fsdps_collectives_at_every_world_size(monkeypatch):
+    from scheduling.calibrate import Calibration
+    from scheduling.protocol import inputs_from
+    from tests.helpers import ROOT
+
+    monkeypatch.chdir(ROOT)
+    cal = Calibration.load("results/calibration_h200_policies.json")
+    cal.data["model"]["params"] = 1.3e9
+    inp = inputs_from(cal, "auto", Mix.of(DEFAULT_MIX), comm_bandwidth=350.0)
+    for R in (1, 8):
+        assert inp.at(R).comm.param_bytes == 5.2e9 and inp.at(R).comm.bandwidth == 350.0
+    assert inputs_from(cal, "auto", Mix.of(DEFAULT_MIX)).comm is None
+
+
+def test_a_cached_cell_is_relabelled_for_the_rule_asked_and_carries_the_optimizers_time():
+    import dataclasses
+
+    from scheduling.protocol import best_cell, inputs_from
+
+    inp = dataclasses.replace(inputs_from(four_block_h200_calibration(), "full", SMALL), optim_ms=80.0)
+    kw = dict(mbs=64, mbs_final=64, per_M=2)
+    cache = {}
+    cost = best_cell(inp, SMALL, "cost", 4, 2 * 14040, "sorted", cache=cache, **kw)
+    assert cost.optim_ms == 80.0 and len(cache) == 1
+    bal = best_cell(inp, SMALL, "balanced", 4, 2 * 14040, "sorted", cache=cache, **kw)  # cost's rule, sorted: shared
+    assert bal.strategy == "balanced" and bal.tokens_per_s == cost.tokens_per_s and len(cache) == 1
+    assert best_cell(inp, SMALL, "cost", 4, 2 * 14040, "sorted", cache=cache, **kw).strategy == "cost"
+
+
+def test_grid_points_that_repeat_a_batch_table_are_not_neighbours_of_the_best():
+    """equal_token at 2.0, 2.05 and 2.1 × S_max gives one batch table: run once, and the best grid point's upper
+    neighbour is the next distinct table (none here: up to 1.5 × its knob), not a repeat of itself."""
+    from scheduling.simulate import sweep
+
+    mix = Mix.of([("a", 1000, 0.5), ("b", 2600, 0.3), ("c", 7000, 0.2)])
+    best, runs = sweep(QUAD.predict, mix, "equal_token", 4, p=None, m_mem=1e5, steps=8, factors=(1.0, 2.0, 2.05, 2.1))
+    assert [r.setting["m_tokens"] for r in runs[:2]] == [7000, 14000] and runs[1].tokens_per_s > runs[0].tokens_per_s
+    assert max(r.setting["m_tokens"] for r in runs) > 14700  # refined above the repeats, towards 21,000

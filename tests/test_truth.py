@@ -157,8 +157,15 @@ def test_the_policy_truth_blends_the_measured_policies_as_the_planner_blends_the
     # (10, 4) at S = 8000: none beyond its lengths is full × none/full at S = 2000 (25 / 35)
     t_none = 400.0 * 25.0 / 35.0
     assert t.policy_mean("none", 1, 8000) == pytest.approx(t_none)
+    # below a policy's shortest length: full's time × their ratio there (S = 1000), not at its longest
+    short = PolicyTruth({"none": MeasuredTruth({(1000, 1): [10.0], (2000, 1): [30.0]}),
+                         "full": MeasuredTruth({(500, 1): [6.0], (1000, 1): [14.0], (2000, 1): [35.0]})}, decide, 10)
+    assert short.policy_mean("none", 1, 500) == pytest.approx(6.0 * 10.0 / 14.0)
     assert t.mean(1, 8000) == pytest.approx(400.0 - 4 / 10 * (400.0 - 330.0))
     assert t.policy(1, 8000) is None and not t.is_measured(1, 8000)
+    noise = np.concatenate([x.noise for x in (none, full, keep)])  # a blend draws from every policy's spread
+    assert t.draw(1, 8000, np.random.default_rng(5)) == pytest.approx(
+        t.mean(1, 8000) * (1 + np.random.default_rng(5).choice(noise)))
     loo = {(pol, S, B): e for pol, S, B, _, e in t.loo_errors()}
     assert loo[("keep", 8000, 1)] == pytest.approx(400.0 * 30.0 / 35.0 / 330.0 - 1)  # by the ratio at S = 2000
     with pytest.raises(ValueError, match="none and full"):
@@ -200,3 +207,30 @@ def test_truth_points_of_another_file_join_the_truth_and_the_planner_keeps_its_o
                      model={"dim": 1536, "num_layers": 30, "params": 1.3e9})
     with pytest.raises(ValueError, match="another model"):
         extra_truth_points(first, "full", [other], None)
+
+
+def test_fsdps_collectives_hold_every_slot_to_their_time_and_add_the_first_units_gather():
+    """Cluster.times with a CommModel: each (rank, slot) takes max(compute, c) + c / blocks, c the collectives' ms
+    at R; without one, the truth's times alone."""
+    from types import SimpleNamespace
+
+    from scheduling.truth import Cluster, CommModel, ModelTruth
+
+    comm = CommModel(param_bytes=7e9, grad_bytes=7e9, blocks=4, bandwidth=350.0)
+    c = comm.ms(2)
+    assert c == pytest.approx(3 * 7e9 / 2 / 350e9 * 1e3)  # 30 ms
+    plan = SimpleNamespace(ranks=[[SimpleNamespace(B=1, S=1000), SimpleNamespace(B=5, S=1000)]] * 2)
+    truth = ModelTruth(lambda B, S: 10.0 * B)  # 10 and 50 ms
+    rng = np.random.default_rng(0)
+    with_comm = Cluster(truth, comm).times(plan, rng)
+    np.testing.assert_allclose(with_comm, [[c + c / 4, 50.0 + c / 4]] * 2)  # 10 ms waits for the 30
+    assert Cluster(truth).times(plan, rng).tolist() == [[10.0, 50.0]] * 2
+    assert Cluster(truth, comm, {1: 2.0}).describe(2) == ("truth: model; " + comm.describe(2) + "; slow ranks {1: 2.0}")
+    assert Cluster(truth).describe(2) == "truth: model"
+
+
+def test_a_replays_extra_measurements_join_the_calibrations_points():
+    points = [{"S": 1000, "B": 1, "ms": 10.0, "ms_runs": [9.0, 11.0]}, {"S": 1000, "B": 4, "ms": 40.0}]
+    truth = MeasuredTruth.from_points(points, {(1000, 2): [22.0, 18.0], (1000.0, 4.0): [44.0]})
+    assert truth.is_measured(2, 1000) and truth.mean(2, 1000) == pytest.approx(20.0)
+    assert truth.mean(4, 1000) == pytest.approx(42.0) and truth.mean(1, 1000) == pytest.approx(10.0)
