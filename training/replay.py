@@ -143,7 +143,7 @@ def load_settings(args: ReplayOptions, cfg) -> tuple[list[dict], dict]:
     return entries, defaults
 
 
-def truth_sources(path: str, checkpointing: str, k: int, layers: int) -> dict:
+def truth_sources(path: str, checkpointing: str, k: int, layers: int, model_dim: int) -> dict:
     """The simulator's truth from a calibration file (--truth): "full" (its points at the whole model's depth, as
     the simulator reads them: Calibration.measured_points) and, where it timed the replay's own depth k < layers
     (a slice's main or second depth), "as_run" — its points at k blocks, unscaled, so that a slice's replay is
@@ -152,6 +152,10 @@ def truth_sources(path: str, checkpointing: str, k: int, layers: int) -> dict:
     from scheduling.truth import MeasuredTruth
 
     cal = Calibration.load(path)
+    measured = cal.data.get("model") or {}
+    if (measured.get("dim"), measured.get("num_layers")) != (model_dim, layers):
+        raise ValueError(f"--truth {path}: measured on a model of dim {measured.get('dim')} and "
+                         f"{measured.get('num_layers')} layers, not this one's ({model_dim}, {layers})")
     mode = cal.mode_name(checkpointing)
     out = {"full": (MeasuredTruth.from_points(cal.measured_points(mode)), cal.optim_ms(mode))}
     if k < layers:
@@ -491,7 +495,7 @@ def replay(args: ReplayOptions, command: str) -> dict:
         for note in sched.notes:
             log(f"  note: {note}")
 
-    truth_at = truth_sources(args.truth, cfg.model.checkpointing, k, layers) if args.truth else {}
+    truth_at = truth_sources(args.truth, cfg.model.checkpointing, k, layers, cfg.model.dim) if args.truth else {}
     for t in todo:
         t["truth"] = {depth: evaluate(t["plans"][args.warmup:], lambda mb, tr=tr: tr.mean(mb.B, mb.S), om).row()
                       for depth, (tr, om) in truth_at.items()}
