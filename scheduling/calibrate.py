@@ -372,15 +372,18 @@ class Calibration:
         """A slice timed at two depths (calibrate.fsdp_ranks with memory_blocks): (bucket, B) → the factor from the
         main depth's time to the full depth's t_fixed + L·t_block (fsdp_memory.depth_check), which counts the part
         outside the blocks once where the flat ×L/k counts it L/k times; "launch" → the same for the plain step.
-        Empty without a second depth; a point whose two depths give no positive per-block time keeps the flat
-        scale."""
+        Never above the flat scale (that would take a negative t_fixed, which is timing noise). Empty without a
+        second depth; a point whose two depths give no positive per-block time keeps the flat scale."""
         dc = self.data["modes"][mode].get("depth_check") or {}
         main = str((dc.get("depths") or [None])[0])
+        flat = float((self.data.get("extrapolation") or {}).get("scale", 1.0))
         out = {}
         for key, r in [((r["bucket"], int(r["B"])), r) for r in dc.get("points") or []] + [("launch", dc.get("launch"))]:
             t_main = ((r or {}).get("ms") or {}).get(main)
             if t_main and r.get("block_ms", 0) > 0 and r.get("full_affine_ms", 0) > 0:
-                out[key] = float(r["full_affine_ms"]) / float(t_main)
+                # a negative t_fixed (timing noise: the part outside the blocks costs ≥ 0) would put the full depth
+                # above the flat ×L/k; there the flat scale is the better estimate
+                out[key] = min(float(r["full_affine_ms"]) / float(t_main), flat)
         return out
 
     def optim_ms(self, mode: str) -> float:

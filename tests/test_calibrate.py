@@ -689,3 +689,23 @@ def test_a_slice_timed_at_two_depths_prices_those_points_at_t_fixed_plus_l_t_blo
     for r in rows:
         assert affine[(r["bucket"], int(r["B"]))] == pytest.approx(r["full_affine_ms"] / r["ms"][main])
         assert truth[(r["bucket"], int(r["B"]))] == pytest.approx(r["full_affine_ms"], rel=1e-6)
+
+
+def test_the_two_depth_truth_takes_the_fixed_part_once_and_never_a_negative_one():
+    """At 18 and 9 of 40 blocks: t(18) = 20 + 18·10 = 200, t(9) = 110 → 20 + 40·10 = 420 ms at the full depth, not the
+    flat 200·40/18 = 444; a pair whose fixed part comes out negative (t(9) = 92: 2 − ... = −16) keeps the flat scale."""
+    from scheduling.calibrate import new_calibration
+    from scheduling.fsdp_memory import depth_check
+
+    pts = [Point("a", 1000, 1, True, 200.0, [200.0], 1.0), Point("b", 4000, 1, True, 200.0, [200.0], 1.0),
+           Point("c", 8000, 1, True, 300.0, [300.0], 1.0)]
+    rec = fit_mode(pts, scale=40 / 18)
+    second = [{"bucket": "a", "S": 1000, "B": 1, "feasible": True, "ms": 110.0},
+              {"bucket": "b", "S": 4000, "B": 1, "feasible": True, "ms": 92.0}]
+    rec["depth_check"] = depth_check({18: [dict(p.__dict__) for p in pts], 9: second}, 40, 18)
+    cal = new_calibration({"full": rec}, model={"num_layers": 40}, source="t", device="t", date="t", command="t",
+                          extrapolation={"blocks_timed": 18, "num_layers": 40, "scale": 40 / 18})
+    got = {p["bucket"]: p["ms"] for p in cal.measured_points("full")}
+    assert got["a"] == pytest.approx(420.0)
+    assert got["b"] == pytest.approx(200.0 * 40 / 18)  # fixed 200 − 18·(108/9) = −16 ms: flat
+    assert got["c"] == pytest.approx(300.0 * 40 / 18)  # one depth only: flat
