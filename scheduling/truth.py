@@ -6,8 +6,9 @@ measurement instead:
 
     MeasuredTruth   the measured repeats of each (S, B) the scan timed, drawn at random; any other (S, B) from
                     those measurements by local interpolation — per measured S a line in B through its points
-                    (t = α_S + β_S·B; below the smallest measured B never under t ∝ B through it, since the
-                    fixed part α is not negative), between measured S log-linear in log S at the same B (the nearest two,
+                    (t = α_S + β_S·B: between measured B the two that bracket it, outside them the smallest and
+                    the largest; below the smallest never under t ∝ B through it, since the fixed part α is not
+                    negative), between measured S log-linear in log S at the same B (the nearest two,
                     extrapolated outside), never the planner's global fit — times a relative noise drawn from the
                     repeats' spread. A replay's measured micro-batches (scripts/replay_plans.py) add to the table.
                     Its interpolation error is reported as leave-one-out: each measured (S, B) interpolated from
@@ -74,8 +75,12 @@ class MeasuredTruth:
         if len(pts) == 1:
             B0, t0 = pts[0]
             return t0 * B / B0
-        two = sorted(pts, key=lambda bt: (abs(bt[0] - B), bt[0]))[:2]
-        (B1, t1), (B2, t2) = sorted(two)
+        if pts[0][0] <= B <= pts[-1][0]:  # between measured B: the two that bracket it
+            hi = next(i for i, (b, _) in enumerate(pts) if b >= B)
+            (B1, t1), (B2, t2) = pts[max(hi - 1, 0)], pts[max(hi, 1)]
+        else:  # outside them: the line through the smallest and the largest measured B, whose slope a little
+            # noise on two close points (B = 38 and 39, say) cannot tilt
+            (B1, t1), (B2, t2) = pts[0], pts[-1]
         if B2 == B1:
             return t1
         beta = (t2 - t1) / (B2 - B1)

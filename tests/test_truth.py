@@ -234,3 +234,13 @@ def test_a_replays_extra_measurements_join_the_calibrations_points():
     truth = MeasuredTruth.from_points(points, {(1000, 2): [22.0, 18.0], (1000.0, 4.0): [44.0]})
     assert truth.is_measured(2, 1000) and truth.mean(2, 1000) == pytest.approx(20.0)
     assert truth.mean(4, 1000) == pytest.approx(42.0) and truth.mean(1, 1000) == pytest.approx(10.0)
+
+
+def test_outside_the_measured_b_the_truth_follows_the_widest_pair_not_the_nearest():
+    """Three clustered measurements at one S (B = 38, 39, 42; t = 10 + 2.5·B, 1 % high at 38): at B = 26 the line
+    through the nearest two (38, 39) would give 106.05 − 12·1.45 = 88.65 ms; through the smallest and the largest
+    (38, 42) 106.05 − 12·8.95/4 = 79.2 (true: 75); between measured B, the bracketing pair."""
+    t = MeasuredTruth({(3600, 38): [105.0 * 1.01], (3600, 39): [107.5], (3600, 42): [115.0]})
+    assert t.mean(26, 3600) == pytest.approx(106.05 - 12 * 8.95 / 4)
+    assert t.mean(50, 3600) == pytest.approx(106.05 + 12 * 8.95 / 4)
+    assert t.mean(40, 3600) == pytest.approx(107.5 + 7.5 / 3)  # between 39 and 42
