@@ -386,6 +386,11 @@ def main(argv=None) -> None:
         stream.flush()
         return row
 
+    def keep_profile(key, impl, prof):  # into the file's meta at the end, and the stream now (a killed run keeps it)
+        meta.setdefault("profiles", {}).setdefault(key, {})[impl] = prof
+        stream.write(json.dumps({"profile_of": impl, "BxS": key, **prof}) + "\n")
+        stream.flush()
+
     # parity on a small input, bf16 parameters on both sides (diffusers' .to(bf16) casts every module)
     theirs.to(torch.bfloat16)
     ours._cast_params(torch.bfloat16)
@@ -535,7 +540,7 @@ def main(argv=None) -> None:
                     record("ours@none", shape, *timed(ours_run(shape, False, glue)))
                     if args.profile_every:
                         prof = profile(ours_run(shape, False, glue))
-                        meta.setdefault("profiles", {}).setdefault(f"{B}x{S_}", {})["ours@none"] = prof
+                        keep_profile(f"{B}x{S_}", "ours@none", prof)
                 except torch.OutOfMemoryError as e:
                     print(f"ours@none at {shape}: out of memory", flush=True)
                     meta.setdefault("oom", {})[f"ours@none {shape}"] = str(e).splitlines()[0][:200]
@@ -543,7 +548,7 @@ def main(argv=None) -> None:
                     torch.cuda.empty_cache()
             if args.profile_every and "ours@glue" in impls:
                 prof = profile(ours_run(shape, True, glue))
-                meta.setdefault("profiles", {}).setdefault(f"{B}x{S_}", {})["ours@glue"] = prof
+                keep_profile(f"{B}x{S_}", "ours@glue", prof)
             for impl in [i for i in impls if i == "ours@unchunked" or i.startswith("ours@chunk")]:
                 # ours@offload with the MLP's ffn-sized temporaries in other chunks (ops/gelu_ffn.py; default 128 MiB)
                 mib = None if impl == "ours@unchunked" else int(impl[len("ours@chunk"):])
