@@ -36,9 +36,10 @@ def main(argv=None) -> None:
         from scheduling.simulate import DEFAULT_MIX
 
         layers, dim, heads, ffn = (30, 1536, 12, 8960) if args.model == "1.3b" else (40, 5120, 40, 13824)
-        # P_matmul as the model counts it (models/wan.py num_matmul_params; contracts §9): the weights that act on
-        # every latent token — self-attention's q, k, v, o, cross-attention's q and o, the MLP — not cross-attention's
-        # k and v (they act on the 512 text tokens)
+        # P_matmul as the model counts it (models/wan.py num_matmul_params; contracts §9) but for the patch embedding
+        # and the output projection (128·dim: 0.02 % of it): the weights that act on every latent token —
+        # self-attention's q, k, v, o, cross-attention's q and o, the MLP — not cross-attention's k and v (they act
+        # on the 512 text tokens)
         p_matmul = layers * (6 * dim * dim + 2 * dim * ffn)
         res = mix_bound([(S, share) for _, S, share in DEFAULT_MIX], kernels, p_matmul, layers, dim, heads,
                         args.gemm_tflops * 1e12)

@@ -2,7 +2,7 @@
 # hydra, omegaconf, wandb; bash scripts/make_wheels.sh fills .whl/), quiet logging, and the GPU and
 # versions in $OUT/gpu.txt.
 OUT=${OUT:-$1}; mkdir -p "$OUT"
-if [ -d .whl ] && [ ! -f /tmp/site/.installed ]; then  # once a call: a second script in the same call reuses it
+if [ -d .whl ] && [ ! -f /tmp/site/.installed ]; then  # once a machine: a later script (or call) on it reuses them
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && touch /tmp/site/.installed
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site

@@ -394,6 +394,33 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def truth_table(results: list[dict]) -> list[str]:
+    """With --truth: each setting's measured tokens/s beside the simulator's truth of the same plans — at the depth
+    that ran (as_run: no extrapolation on either side) and at the full depth — and every setting ÷ the first, the
+    ratio a comparison claims, measured and by the truth."""
+    ok = [r for r in results if "measured" in r and r.get("truth")]
+    if not ok:
+        return []
+    lines = ["| setting | tokens/s measured (as run) | truth (as run) | Δ | measured ×L/k | truth (full depth) | Δ |",
+             "|---|---|---|---|---|---|---|"]
+    for r in ok:
+        m, ma, tr = r["measured"]["tokens_per_s"], r["measured_as_run"]["tokens_per_s"], r["truth"]
+        ta, tf = (tr.get("as_run") or {}).get("tokens_per_s"), tr["full"]["tokens_per_s"]
+        lines.append(f"| {r['label']} | {ma:,.0f} | " + (f"{ta:,.0f} | {100 * (ma / ta - 1):+.1f} %" if ta else "— | —")
+                     + f" | {m:,.0f} | {tf:,.0f} | {100 * (m / tf - 1):+.1f} % |")
+    base = ok[0]
+    for r in ok[1:]:
+        parts = [f"measured (as run) {r['measured_as_run']['tokens_per_s'] / base['measured_as_run']['tokens_per_s']:.3f}"]
+        for depth in ("as_run", "full"):
+            a, b = (r["truth"].get(depth) or {}), (base["truth"].get(depth) or {})
+            if a and b:
+                parts.append(f"truth ({depth}) {a['tokens_per_s'] / b['tokens_per_s']:.3f}")
+        parts.append(f"predicted {r['predicted']['tokens_per_s'] / base['predicted']['tokens_per_s']:.3f}")
+        lines.append(f"- {r['label']} ÷ {base['label']}: " + ", ".join(parts))
+    return ["", "The simulator's truth of the same plans (--truth; measured ×L/k counts the part outside the blocks "
+            "L/k times, the truth at the full depth once where its file timed two depths):", ""] + lines
+
+
 def comparisons(results: list[dict]) -> list[dict]:
     """balanced ÷ dual_constraint (and each cost-aware setting ÷ equal_token), measured and predicted."""
     ok = [r for r in results if "measured" in r]
@@ -606,6 +633,7 @@ def replay(args: ReplayOptions, command: str) -> dict:
     for c in comparisons(results):
         lines.append(f"- {c['ratio']}: measured {c['measured']:.3f}, predicted {c['predicted']:.3f} "
                      f"({c['points']:+.1f} points)")
+    lines += truth_table(results)
     lines += ["", "Predicted: the planner's pred_ms of the same plans + the calibration's optim_ms / R (the "
               "simulator without noise). Measured: " + meta["formulas"] + "."]
     report = "\n".join(lines) + "\n"
