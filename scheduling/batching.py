@@ -39,7 +39,9 @@ def dual_constraint_batch_size(S: int, m_mem: float, m_comp: float, p: float) ->
     _check_positive("scheduling.m_comp", m_comp)
     _check_positive("scheduling.p", p)
     _check_fits(S, m_mem)
-    return max(1, min(int(m_mem // S), int(m_comp // S ** p)))
+    # ⌊m_comp / S^p⌋ with a relative tolerance: m_comp = k·S^p (the simulator's knob, factor · S_max^p) divides in
+    # floating point to k − 1 + 0.99999… (or `//` rounds down below k) for about one k in six
+    return max(1, min(int(m_mem // S), math.floor(m_comp / S ** p * (1 + 1e-12))))
 
 
 def _predictor(cost_model) -> Callable[[int, int], float]:

@@ -144,3 +144,17 @@ def test_a_fixed_batch_sweep_draws_its_candidates_from_its_seed_and_its_winner_f
     # micro-batches of at most 4500 tokens: no M = 1 holds g = 8000, and the final draw's steps follow M
     best = sweep_at_tokens(cost, mix, "equal_token", 4, 8000.0, p=None, m_mem=4500, mbs=64, M_max=4, per_M=2)[0]
     assert best.M >= 2 and best.steps == max(8, math.ceil(16384 / (4 * best.M)))  # mbs_final's default
+
+
+def test_dual_constraint_takes_k_at_m_comp_exactly_k_times_s_to_the_p():
+    """m_comp = k·S^p is the simulator's knob at S_max (factor · S_max^p); in floating point k·x // x gives k − 1 for
+    S = 1560, p = 1.1, k = 9 (and about one k in six), the paper's rule ⌊m_comp / S^p⌋ says k."""
+    from scheduling.batching import dual_constraint_batch_size
+
+    assert (9 * 1560 ** 1.1) // 1560 ** 1.1 == 8  # the float trap the rule must not fall into
+    for S in (1560, 3600, 7800, 14040, 32760, 75600):
+        for p in (1.0, 1.1, 1.3, 1.45):
+            for k in range(1, 60):
+                assert dual_constraint_batch_size(S, 1e12, k * S ** p, p) == k
+                assert dual_constraint_batch_size(S, 1e12, (k + 0.5) * S ** p, p) == k
+                assert dual_constraint_batch_size(S, 1e12, (k - 1e-6) * S ** p, p) == max(1, k - 1)
