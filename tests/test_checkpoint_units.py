@@ -13,6 +13,7 @@ import torch
 from tests.test_checkpoint import CTX, _fresh, _model, _rehash, _save, _trained
 from training.checkpoint import (MANIFEST, CheckpointError, StateMismatch, _SafeReader, _listed, latest_checkpoint,
                                  load_checkpoint, read_meta, read_metadata, save_checkpoint, tail, verify_checkpoint)
+from training.dist import DistContext
 from training.optim import EMA, OptimConfig, build_optimizer
 
 
@@ -307,3 +308,115 @@ def test_a_leftover_tmp_folder_file_or_link_is_replaced_and_a_links_target_untou
         assert not os.path.islink(path) and "junk" not in os.listdir(path) and verify_checkpoint(path, CTX) is None
     assert sorted(os.listdir(run)) == ["step_1", "step_2", "step_3", "step_4"]
     assert os.listdir(outside) == ["keep"] and (outside / "keep").read_text() == "mine"
+
+
+# -- a local write that fails: the save fails, on every rank, and nothing half-written is left as a checkpoint -------
+
+@pytest.mark.parametrize("where", ["tmp folder", "rng_rank0.pt", "config.yaml", "meta.json", MANIFEST, "rename"])
+def test_a_failed_local_write_fails_the_save_with_its_own_error_and_keeps_the_last_checkpoint(tmp_path, monkeypatch,
+                                                                                                where):
+    """Each local write of a save (the tmp folder, the RNG file, config.yaml, meta.json, the manifest, the final
+    rename) is gathered and raised: a save that lost one of its files never becomes step_N."""
+    import training.checkpoint as ck
+
+    model, opt, sched, ema = _trained()
+    good = _save(tmp_path, 2, model, opt, sched, ema, keep_last=5)
+
+    def refuse(*a, **k):
+        raise PermissionError(f"refused: {where}")
+
+    if where == "tmp folder":
+        real = os.makedirs
+        monkeypatch.setattr(ck.os, "makedirs", lambda p, *a, **k: refuse() if p.endswith(".tmp") else real(p, *a, **k))
+    elif where == "rename":
+        real = os.rename
+        monkeypatch.setattr(ck.os, "rename", lambda a, b, *r, **k: refuse() if str(b).endswith("step_3")
+                            else real(a, b, *r, **k))
+    else:
+        real = ck.write_whole
+        monkeypatch.setattr(ck, "write_whole", lambda folder, name, data: refuse() if name == where
+                            else real(folder, name, data))
+    with pytest.raises(PermissionError, match=f"^refused: {re.escape(where)}$"):
+        _save(tmp_path, 3, model, opt, sched, ema, keep_last=5)
+    monkeypatch.undo()
+    assert "step_3" not in os.listdir(tmp_path) and latest_checkpoint(str(tmp_path)) == good
+    assert verify_checkpoint(good, CTX) is None
+
+
+def test_a_checkpoint_that_cannot_be_pruned_or_a_tmp_that_cannot_be_removed_changes_no_outcome(tmp_path, monkeypatch):
+    """Removal is best effort: an old checkpoint that keep_last cannot delete leaves the new save done, and a
+    step_N.tmp that cannot be removed after a full disk still ends in NoSpaceLeft (not in the removal's error)."""
+    import errno
+
+    import training.run_folder as rf
+
+    model, opt, sched, ema = _trained()
+    _save(tmp_path, 1, model, opt, sched, ema, keep_last=1)
+    real_rmdir = os.rmdir
+
+    def rmdir(path, *a, **k):  # a folder that will not go (e.g. held by another user's file)
+        if str(path).endswith(("step_1", "step_3.tmp")):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_rmdir(path, *a, **k)
+
+    monkeypatch.setattr(os, "rmdir", rmdir)
+    path = _save(tmp_path, 2, model, opt, sched, ema, keep_last=1)
+    assert path == str(tmp_path / "step_2") and verify_checkpoint(path, CTX) is None
+    monkeypatch.setattr(rf.os, "write", lambda fd, b: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    with pytest.raises(rf.NoSpaceLeft, match=r"no space left on .*step_3\.tmp while writing step_3"):
+        _save(tmp_path, 3, model, opt, sched, ema, keep_last=1)
+    monkeypatch.undo()
+    assert latest_checkpoint(str(tmp_path)) == path
+
+
+class _Peers(DistContext):
+    """Rank `rank` of a 2+-rank run whose gather returns what the other ranks said (`others`, by rank; this rank's
+    own entry is what it passes)."""
+
+    def __init__(self, rank, others):
+        super().__init__(rank=rank, world_size=len(others))
+        self.others, self.sent = others, "nothing"
+
+    def gather_objects(self, obj):
+        self.sent = obj
+        return [obj if r == self.rank else o for r, o in enumerate(self.others)]
+
+
+@pytest.mark.parametrize("others, errno_, named", [
+    ([None, (True, "OSError: [Errno 28] full"), None], 28, r"rank 1 could not write its part of the checkpoint "
+                                                          r"\(OSError: \[Errno 28\] full\)"),
+    ([None, (False, "PermissionError: no"), (True, "OSError: full")], 5, r"rank 1 could not write its part of the "
+                                                                          r"checkpoint \(PermissionError: no\)"),
+    ([(False, "a"), None, (True, "OSError: b")], 5, r"rank 0 .*\(a\)"),
+    ([None, None, (True, "OSError: b")], 28, r"rank 2 .*\(OSError: b\)"),
+])
+def test_agreed_raises_a_peers_failure_on_a_rank_that_wrote_its_part(others, errno_, named):
+    """A rank whose own writes went well learns of the first peer that failed: an OSError naming it, ENOSPC where
+    that peer's disk was full (so that every rank says no space), EIO otherwise."""
+    from training.checkpoint import _agreed
+
+    me = next(r for r, o in enumerate(others) if o is None)
+    ctx = _Peers(me, others)
+    with pytest.raises(OSError) as got:
+        _agreed(None, ctx)
+    assert re.fullmatch(named, got.value.strerror) and got.value.errno == errno_ and ctx.sent is None
+
+
+def test_agreed_raises_a_ranks_own_error_and_tells_its_peers_whether_it_was_a_full_disk():
+    import errno
+
+    from training.checkpoint import _agreed
+
+    for error, full in [(OSError(errno.ENOSPC, "No space left on device"), True),
+                        (PermissionError(errno.EACCES, "Permission denied"), False)]:
+        ctx = _Peers(1, [None, "mine", None])
+        with pytest.raises(type(error)) as got:
+            _agreed(error, ctx)
+        assert got.value is error
+        assert ctx.sent == (full, f"{type(error).__name__}: {error}")
+    ctx = _Peers(0, ["mine", None])
+    _agreed(None, ctx)  # nobody failed: nothing raised
+    assert ctx.sent is None
+    _agreed(None, CTX)  # one process: no gather
+    with pytest.raises(KeyError):
+        _agreed(KeyError("x"), CTX)

@@ -6,6 +6,7 @@ not compared; "switch": its 0 / null turns a part of the trained state off). A k
 here is checked against its section's class (SECTIONS).
 """
 import dataclasses
+import os
 
 import pytest
 
@@ -182,3 +183,92 @@ def test_a_resume_keeps_the_runs_values_where_the_command_line_names_none():
     assert now["train"]["steps"] == raw["train"]["steps"] and now["data"]["num_workers"] == raw["data"]["num_workers"]
     assert now["train"]["seed"] == raw["train"]["seed"] and now["name"] == raw["name"]  # check_config's to judge
     assert dict((k, (a, b)) for k, a, b in kept)["optim.lr"] == (raw["optim"]["lr"], 1e-3)
+
+
+def test_resume_table_itself_gives_each_section_its_pattern_each_switch_and_each_dicts_keys():
+    """resume_table built afresh (schema_table caches it): the root and section patterns, the two switches, a dict
+    field's `key.*` and its `resume_under` patterns, and a dict field declared apart from its section."""
+    from training.config import TrainConfig
+    from training.optim import OptimConfig
+    from training.resume import Rule
+
+    table = resume_table(TrainConfig())
+    assert table["*"] == Rule("free") and table["data.*"] == Rule("plan") and table["launch.*"] == Rule("ignored")
+    assert table["model.*"] == Rule("trained") and table["data.raw.*"] == Rule("plan")
+    assert {k for k, r in table.items() if r.switch} == {"optim.ema_decay", "model.lora.rank"}
+    assert str(table["optim.ema_decay"]) == "free switch" and str(table["model.lora.rank"]) == "trained switch"
+    assert table["optim.groups"] == Rule("trained")
+    assert table["optim.groups.*"] == Rule("free") and table["optim.groups.*.match"] == Rule("trained")
+    assert table["data.buckets.*"] == Rule("plan")
+
+    @dataclasses.dataclass
+    class Optim(OptimConfig):  # a dict field of another class than its section, with no resume_under
+        frozen: dict = dataclasses.field(default_factory=lambda: {"a": 1}, metadata={"resume": "trained"})
+
+    table = resume_table(Optim(), "optim.")
+    assert table["optim.frozen"] == table["optim.frozen.*"] == Rule("trained")
+    assert str(resume_rule("optim.frozen.b.c", table)) == "trained" and str(resume_rule("optim.lr", table)) == "free"
+
+
+def test_resume_rule_takes_the_longest_matching_pattern_not_the_last_in_order():
+    from training.resume import Rule
+
+    table = {"*": Rule("free"), "a.*": Rule("plan"), "a.*.z": Rule("trained"), "a.b*": Rule("execution")}
+    assert resume_rule("a.b.z", table) == Rule("trained")  # a.*.z (5) over a.b* (4), though "a.b*" sorts after it
+    assert resume_rule("a.bc", table) == Rule("execution") and resume_rule("a.x", table) == Rule("plan")
+    assert resume_rule("q", table) == Rule("free") and resume_rule("a.*.z", {"a.*.z": Rule("plan")}) == Rule("plan")
+
+
+def test_a_wrong_section_default_or_resume_under_class_is_refused_naming_where():
+    from training.optim import OptimConfig
+
+    @dataclasses.dataclass
+    class Knobs:
+        RESUME_DEFAULT = "planned"
+        x: int = 1
+
+    with pytest.raises(ValueError, match=r"^Knobs.RESUME_DEFAULT declares resume class 'planned': use one of "):
+        resume_table(Knobs())
+
+    @dataclasses.dataclass
+    class Optim(OptimConfig):
+        more: dict = dataclasses.field(default_factory=dict, metadata={"resume_under": {"*.w": "fre"}})
+
+    with pytest.raises(ValueError, match=r"^Optim.more\['\*.w'\] declares resume class 'fre'"):
+        resume_table(Optim())
+
+
+def test_keep_run_values_passes_over_keys_that_only_one_side_has():
+    """A checkpoint of another version holds keys this one lacks, and this one has new keys: neither is kept or
+    looked up (check_config judges them)."""
+    from training.resume import keep_run_values
+
+    saved = {"optim": {"lr": 1e-3, "gone": 5}, "train": {"steps": 10}}
+    raw = {"optim": {"lr": 2e-4, "new": 1}, "train": {"steps": 10}}
+    assert keep_run_values(raw, saved, set()) == [("optim.lr", 2e-4, 1e-3)]
+    assert raw == {"optim": {"lr": 1e-3, "new": 1}, "train": {"steps": 10}}
+
+
+def test_saved_run_config_reads_the_named_or_the_newest_checkpoints_config_or_gives_none(tmp_path):
+    """The config a resumed run continues: the named checkpoint's config.yaml; for auto the newest complete
+    checkpoint's (by step, not by name); None where there is no checkpoint, no config.yaml, or one that is not a
+    mapping or not YAML."""
+    from training.resume import saved_run_config
+
+    run = tmp_path / "run"
+    for step in (1, 2, 10, 30):
+        ckpt = run / f"step_{step}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "config.yaml").write_text(f"train:\n  steps: {step}\n")
+        if step != 30:
+            (ckpt / "meta.json").write_text("{}")  # step_30 has none: not complete, not listed
+    assert saved_run_config("auto", str(run)) == {"train": {"steps": 10}}
+    assert saved_run_config(str(run / "step_2"), str(tmp_path / "elsewhere")) == {"train": {"steps": 2}}
+    assert saved_run_config("auto", str(tmp_path / "empty")) is None
+    (run / "step_10" / "config.yaml").write_text("- a list\n")
+    assert saved_run_config("auto", str(run)) is None
+    (run / "step_10" / "config.yaml").write_text("a: [\n")
+    assert saved_run_config("auto", str(run)) is None
+    os.remove(run / "step_10" / "config.yaml")
+    assert saved_run_config("auto", str(run)) is None
+    assert saved_run_config(str(run / "step_1"), str(run)) == {"train": {"steps": 1}}

@@ -502,3 +502,21 @@ def test_open_fd_takes_plain_parts_names_the_full_path_and_says_no_space_at_open
     monkeypatch.setattr(os, "open", full)
     with pytest.raises(NoSpaceLeft, match=f"^\\[Errno {errno.ENOSPC}\\] no space left on {tmp_path}/sub/new$"):
         open_fd(str(tmp_path), "sub/new", "w")
+
+
+def test_a_link_deeper_down_the_path_is_refused_by_name_and_a_new_file_gets_mode_644(tmp_path):
+    """open_fd walks the path one folder at a time: a link two folders down is named as the link it is (not a raw
+    ELOOP), and a file it makes is rw-r--r-- less the umask, never executable."""
+    from training.run_folder import open_fd
+
+    (tmp_path / "a" / "real").mkdir(parents=True)
+    os.symlink(tmp_path / "a" / "real", tmp_path / "a" / "b")
+    with pytest.raises(LinkRefused, match=f"^{re.escape(str(tmp_path / 'a' / 'b'))} is a link"):
+        open_fd(str(tmp_path), "a/b/c", "w")
+    assert os.listdir(tmp_path / "a" / "real") == []
+    umask = os.umask(0o022)
+    try:
+        os.close(open_fd(str(tmp_path), "a/real/new", "w"))
+    finally:
+        os.umask(umask)
+    assert oct(os.stat(tmp_path / "a" / "real" / "new").st_mode & 0o777) == oct(0o644)
