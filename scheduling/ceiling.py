@@ -1,5 +1,6 @@
-"""The ceiling table (scripts/ceiling_table.py prints it): where a Wan step's device time goes at each bucket shape, each part against its own kernel's
-measured ceiling on the GPU, and the MFU the design could reach with every part at its ceiling (a script, not a test).
+"""The ceiling table (scripts/ceiling_table.py prints it): where a Wan step's device time goes at each bucket
+shape, each part against its own kernel's measured ceiling on the GPU, and the MFU the design could reach with every
+part at its ceiling; and the bound of a whole bucket mix (mix_bound).
 
     python scripts/ceiling_table.py --bench DIR_OR_JSON [--bench ...] --kernels results/attention_h200.json \
         [--gemm-tflops 790] [--fused-fraction 0.81] [--out FILE.md]
@@ -9,7 +10,7 @@ Inputs, all measured on the one GPU:
   kernel kind (attention, GEMM, our Triton kernels, the rest) for ours@glue (every block recomputed) and ours@none
   (no recompute, where it fits), beside the rows' wall ms and MFU;
 - `scripts/bench/attention.py`'s kernel table (attention_h200.json "timed"): cuDNN's forward + backward TFLOP/s at
-  Wan's shapes (3.5 × the forward's 4·B·H·S²·Dh), the attention's ceiling at the nearest measured S;
+  Wan's shapes (3.5 × the forward's 4·B·H·S²·Dh), the attention's ceiling at S (attention_rate);
 - the bf16 GEMM ceiling (--gemm-tflops; 790 TFLOP/s measured on this GPU kind) and the fused ops' measured share of
   the copy bandwidth (--fused-fraction; results/adaln_h200.md: 77–85 %).
 
@@ -25,7 +26,10 @@ MFU at the ceiling = the model FLOPs (no recompute counted) ÷ (Σ ceiling times
 from __future__ import annotations
 
 import json
+import math
 import os
+
+from scheduling.efficiency import model_flops
 
 PEAK = 989e12
 TEXT_LEN = 512
@@ -36,14 +40,6 @@ def load_bench(path: str) -> dict:
         path = os.path.join(path, "bench_step.json")
     with open(path) as f:
         return json.load(f)
-
-
-def cudnn_rate(kernels: dict, S: int, heads: int) -> tuple[float, int]:
-    """cuDNN's measured forward + backward TFLOP/s at the nearest measured S (same heads where measured)."""
-    rows = [r for r in kernels["timed"] if r["kernel"] == "cudnn" and r.get("tflops")]
-    same = [r for r in rows if r["heads"] == heads] or rows
-    best = min(same, key=lambda r: abs(r["S"] - S))
-    return best["tflops"] * 1e12, best["S"]
 
 
 def ceiling_rows(bench: dict, kernels: dict, gemm: float, fused_fraction: float) -> list[dict]:
@@ -60,9 +56,9 @@ def ceiling_rows(bench: dict, kernels: dict, gemm: float, fused_fraction: float)
                 continue
             flops = row["mfu"] * PEAK * row["ms"] / 1e3  # the model FLOPs of the step (no recompute)
             attn_fwd = layers * B * (4.0 * heads * S * S * dh + 4.0 * heads * S * TEXT_LEN * dh)
-            p_tokens = (flops - B * 12.0 * layers * dim * S * (S + TEXT_LEN)) / 6.0  # P_matmul · B·S
+            p_tokens = (flops - model_flops(B, S, TEXT_LEN, 0, layers, dim)) / 6.0  # P_matmul · B·S
             recompute = impl != "ours@none"
-            rate, at_S = cudnn_rate(kernels, S, heads)
+            rate = attention_rate(kernels, S, heads)
             parts = {k: (prof.get(k) or {}).get("ms", 0.0) for k in ("attention", "gemm", "ours (triton)", "other")}
             idle = prof.get("idle_ms", 0.0) or 0.0
             ceil = {"attention": attn_fwd * (4.5 if recompute else 3.5) / rate * 1e3,
@@ -72,7 +68,7 @@ def ceiling_rows(bench: dict, kernels: dict, gemm: float, fused_fraction: float)
             total_ceiling = sum(ceil.values())
             out.append({"impl": impl, "B": B, "S": S, "wall_ms": row["ms"], "mfu": row["mfu"],
                         "device_ms": prof.get("total_ms"), "idle_ms": idle, "parts_ms": parts,
-                        "ceiling_ms": ceil, "attention_rate_tflops": rate / 1e12, "attention_rate_at_S": at_S,
+                        "ceiling_ms": ceil, "attention_rate_tflops": rate / 1e12,
                         "model_tflop": flops / 1e12, "mfu_at_ceiling": flops / (total_ceiling / 1e3) / PEAK,
                         "part_of_ceiling": {k: (ceil[k] / parts[k] if parts[k] else None) for k in parts}})
     return out
@@ -94,9 +90,7 @@ def table(rows: list[dict]) -> str:
 
 def attention_rate(kernels: dict, S: int, heads: int) -> float:
     """cuDNN's forward + backward FLOP/s at S: the measured rate at a measured S, else log-linear in S between the
-    two nearest measured (the nearest outside them)."""
-    import math
-
+    two nearest measured (the nearest outside them); the model's head count where it was measured."""
     rows = sorted({r["S"]: r["tflops"] for r in kernels["timed"] if r["kernel"] == "cudnn" and r.get("tflops")
                    and r["heads"] == heads}.items()) or \
         sorted({r["S"]: r["tflops"] for r in kernels["timed"] if r["kernel"] == "cudnn" and r.get("tflops")}.items())
@@ -117,10 +111,10 @@ def mix_bound(mix, kernels: dict, p_matmul: float, layers: int, dim: int, heads:
     casts, no optimizer, no host gap, no recompute) — and the mix's: Σ share·FLOPs / Σ share·time."""
     rows, F_all, T_all = [], 0.0, 0.0
     for S, share in mix:
-        F = 6.0 * p_matmul * S + 12.0 * layers * dim * S * (S + text_len)
+        F = model_flops(1, S, text_len, p_matmul, layers, dim)
         fwd = layers * (4.0 * S * S * dim + 4.0 * S * text_len * dim)
         t = 3.5 * fwd / attention_rate(kernels, S, heads) + 6.0 * p_matmul * S / gemm
-        rows.append({"S": S, "share": share, "attention_share_of_flops": 12.0 * layers * dim * S * (S + text_len) / F,
+        rows.append({"S": S, "share": share, "attention_share_of_flops": 1.0 - 6.0 * p_matmul * S / F,
                      "mfu_bound": F / t / PEAK})
         F_all += share * F
         T_all += share * t
