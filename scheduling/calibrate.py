@@ -368,6 +368,13 @@ class Calibration:
         return [{"bucket": p["bucket"], "S": p["S"], "B": p["B"], "feasible": True, "ms": p["ms"] * f,
                  "ms_runs": [t * f for t in p.get("ms_runs") or []]} for p, f in pts if p.get("ms")]
 
+    def check_model(self, dim, num_layers, what: str) -> None:
+        """Refuse this file (`what` names its use) unless it measured a model of this width and depth."""
+        model = self.data.get("model") or {}
+        if (model.get("dim"), model.get("num_layers")) != (dim, num_layers):
+            raise ValueError(f"{what} {self.path}: measured on a model of dim {model.get('dim')} and "
+                             f"{model.get('num_layers')} layers, not ({dim}, {num_layers})")
+
     def affine_scales(self, mode: str) -> dict[tuple[str, int], float]:
         """A slice timed at two depths (calibrate.fsdp_ranks with memory_blocks): (bucket, B) → the factor from the
         main depth's time to the full depth's t_fixed + L·t_block (fsdp_memory.depth_check), which counts the part
@@ -378,7 +385,8 @@ class Calibration:
         main = str((dc.get("depths") or [None])[0])
         flat = float((self.data.get("extrapolation") or {}).get("scale", 1.0))
         out = {}
-        for key, r in [((r["bucket"], int(r["B"])), r) for r in dc.get("points") or []] + [("launch", dc.get("launch"))]:
+        rows = [((r["bucket"], int(r["B"])), r) for r in dc.get("points") or []] + [("launch", dc.get("launch"))]
+        for key, r in rows:
             t_main = ((r or {}).get("ms") or {}).get(main)
             if t_main and r.get("block_ms", 0) > 0 and r.get("full_affine_ms", 0) > 0:
                 # a negative t_fixed (timing noise: the part outside the blocks costs ≥ 0) would put the full depth

@@ -126,9 +126,8 @@ def extra_truth_points(cal: Calibration, mode: str, truth_files, replay) -> dict
     out: dict = {}
     for path in truth_files:
         other = Calibration.load(path)
-        if (other.data.get("model") or {}).get("dim") != (cal.data.get("model") or {}).get("dim") or \
-                (other.data.get("model") or {}).get("num_layers") != (cal.data.get("model") or {}).get("num_layers"):
-            raise ValueError(f"--truth-points {path}: measured on another model than {cal.path}")
+        model = cal.data.get("model") or {}
+        other.check_model(model.get("dim"), model.get("num_layers"), "--truth-points")
         for p in other.measured_points(other.mode_name(mode)):
             out.setdefault((int(p["S"]), int(p["B"])), []).extend(p.get("ms_runs") or [p["ms"]])
     for k, ts in (replay_points(replay) if replay else {}).items():

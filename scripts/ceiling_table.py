@@ -18,8 +18,8 @@ from scheduling import ceiling  # noqa: E402
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=ceiling.__doc__)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=ceiling.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bench", action="append", default=[], help="a step bench's folder or bench_step.json")
     ap.add_argument("--mix-bound", action="store_true", help="the MFU bound of the simulator's default mix (the Wan "
                     "mix's shares) from the kernels' table alone: attention at cuDNN's rate, matmuls at the GEMM "

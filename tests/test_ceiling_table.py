@@ -1,4 +1,5 @@
-"""scheduling/ceiling.py (scripts/ceiling_table.py): each part's ceiling time from a step bench's profile, worked out by hand."""
+"""scheduling/ceiling.py (scripts/ceiling_table.py): each part's ceiling time from a step bench's profile, and the
+mix bound, worked out by hand."""
 import pytest
 
 from scheduling import ceiling as ct

@@ -253,6 +253,10 @@ def test_a_dry_run_prices_each_planner_by_the_simulators_truth_as_a_loop_of_the_
         assert s["truth"]["full"]["tokens_per_s"] == pytest.approx(tokens / (total_ms / 1e3), rel=1e-12)
         got[s["label"]] = s["truth"]["full"]["tokens_per_s"]
     assert got["sorted"] != pytest.approx(got["paper"], rel=1e-6)
+    with pytest.raises(ValueError, match=r"--truth .*calibration_h200_14b.json: measured on a model of dim 5120"):
+        replay(ReplayOptions(overrides=[f"scheduling.calibration={ROOT}/{cal_path}"], out=str(tmp_path / "o2"),
+                             settings=str(settings), ranks=4, steps=6, warmup=1, micro_batches=2,
+                             truth=f"{ROOT}/results/calibration_h200_14b.json", dry_run=True), "test")
 
 
 def test_plan_steps_plans_one_step_at_a_time_unless_given_a_window():

@@ -205,7 +205,8 @@ def test_truth_points_of_another_file_join_the_truth_and_the_planner_keeps_its_o
     assert inp.cost.predict(98, 1560) == pytest.approx(first.cost_model("full").predict(98, 1560))
     other = cal_file("other.json", [(98, 1560, 300.0), (1, 75600, 2000.0), (18, 7800, 250.0)], 10.0,
                      model={"dim": 1536, "num_layers": 30, "params": 1.3e9})
-    with pytest.raises(ValueError, match="another model"):
+    with pytest.raises(ValueError, match=r"--truth-points .*other.json: measured on a model of dim 1536 and 30 "
+                                         r"layers, not \(5120, 40\)"):
         extra_truth_points(first, "full", [other], None)
 
 

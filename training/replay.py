@@ -152,10 +152,7 @@ def truth_sources(path: str, checkpointing: str, k: int, layers: int, model_dim:
     from scheduling.truth import MeasuredTruth
 
     cal = Calibration.load(path)
-    measured = cal.data.get("model") or {}
-    if (measured.get("dim"), measured.get("num_layers")) != (model_dim, layers):
-        raise ValueError(f"--truth {path}: measured on a model of dim {measured.get('dim')} and "
-                         f"{measured.get('num_layers')} layers, not this one's ({model_dim}, {layers})")
+    cal.check_model(model_dim, layers, "--truth")
     mode = cal.mode_name(checkpointing)
     out = {"full": (MeasuredTruth.from_points(cal.measured_points(mode)), cal.optim_ms(mode))}
     if k < layers:
@@ -410,7 +407,8 @@ def truth_table(results: list[dict]) -> list[str]:
                      + f" | {m:,.0f} | {tf:,.0f} | {100 * (m / tf - 1):+.1f} % |")
     base = ok[0]
     for r in ok[1:]:
-        parts = [f"measured (as run) {r['measured_as_run']['tokens_per_s'] / base['measured_as_run']['tokens_per_s']:.3f}"]
+        as_run = r["measured_as_run"]["tokens_per_s"] / base["measured_as_run"]["tokens_per_s"]
+        parts = [f"measured (as run) {as_run:.3f}"]
         for depth in ("as_run", "full"):
             a, b = (r["truth"].get(depth) or {}), (base["truth"].get(depth) or {})
             if a and b:
@@ -515,8 +513,8 @@ def replay(args: ReplayOptions, command: str) -> dict:
         device_s = sum(p.pred_ms().sum() for p in plans) / 1e3 / scale
         todo.append(dict(e=e, sizes=sizes, sched=sched, M=M, n=n, plans=plans, predicted=predicted,
                          device_s=device_s))
-        log(f"{e['label']}: B {dict(zip(names, sizes))}, M = {M}, planner {sched.planner}, window {sched.window}; predicted "
-            f"{predicted.tokens_per_s:,.0f} tokens/s, idle {pct(predicted.idle_fraction)}; the planned "
+        log(f"{e['label']}: B {dict(zip(names, sizes))}, M = {M}, planner {sched.planner}, window {sched.window}; "
+            f"predicted {predicted.tokens_per_s:,.0f} tokens/s, idle {pct(predicted.idle_fraction)}; the planned "
             f"micro-batches take ≈ {device_s:.0f} s on this device by the cost model"
             + (f" (×{k}/{layers} blocks)" if k < layers else ""))
         for note in sched.notes:
@@ -549,8 +547,8 @@ def replay(args: ReplayOptions, command: str) -> dict:
                             "without noise)",
             "truth": ({"file": args.truth, "depths": sorted(truth_at), "by": "each planned micro-batch at the "
                       "calibration's measured median time of its (S, B), interpolated between measured points as "
-                      "the simulator's truth is (scheduling/truth.py MeasuredTruth), and the calibration's optimizer step "
-                      "at that depth ÷ R"}
+                      "the simulator's truth is (scheduling/truth.py MeasuredTruth), and the calibration's "
+                      "optimizer step at that depth ÷ R"}
                       if args.truth else None)}
     os.makedirs(args.out, exist_ok=True)
     json_path, md_path = os.path.join(args.out, f"{args.name}.json"), os.path.join(args.out, f"{args.name}.md")
