@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The 14B simulation's truth where its headline lives (results/simulation_h200.md, issue 30 item 4), one device
+# The 14B simulation's truth where its headline lives (results/simulation_h200.md), one device
 # call per part, each within 10 minutes:
 #   t  every distinct (bucket, B) of the headline cells at R = 8, g = 2·S_max — dual_constraint's table (the paper's
 #      system in stream order and our best passing cell, sorted: 98 42 18 8 5 2 1) and the W = 8 cells' tables
