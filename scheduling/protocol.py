@@ -34,8 +34,9 @@ from typing import Callable, Mapping, Optional, Sequence
 from scheduling.calibrate import HBM_FRACTION, Calibration
 from scheduling.fsdp_memory import FSDPMemoryModel
 from scheduling.planner import resolve_planner
-from scheduling.simulate import (G_FACTORS, KNOB, TOKENS_CV, Mix, SimResult, simulate, sizes_for, sweep,
+from scheduling.simulate import (G_FACTORS, KNOB, TOKENS_CV, Mix, SimResult, plan_run, simulate, sizes_for, sweep,
                                  sweep_at_tokens)
+from scheduling.step_bound import run_bounds
 from scheduling.truth import Cluster, CommModel, MeasuredTruth, ModelTruth, PolicyTruth
 
 STRATEGIES = ("equal_token", "dual_constraint", "cost", "balanced")
@@ -304,6 +305,36 @@ def matrix_shares(m: dict, R: int, gf: float) -> dict:
             "planner_on_best_rule": cells[(best_rule, best_col)].tokens_per_s / cells[(best_rule, "stream")].tokens_per_s,
             "rule_under_best_planner": cells[(best_rule, best_col)].tokens_per_s
             / cells[(PAPER[0], best_planner(PAPER[0]))].tokens_per_s}
+
+
+def run_w1_bounds(inp: Inputs, mix: Mix, ranks: Sequence[int] = (8,), g_factors: Sequence[float] = (2.0,),
+                  seed: int = 0, mbs: int = 4096, mbs_final: int = 16384, per_M: int = 6,
+                  cache: Optional[dict] = None, log=print) -> dict:
+    """{(R, g_factor, rule): row} — what any one-step planner (each step's samples kept, no window) can reach on
+    each batch rule's best sorted table (its best W = 1 cell), on the very steps that cell's final run simulates
+    (seed + 1, mbs_final micro-batches): scheduling.step_bound.run_bounds's tokens/s, each also ÷ the paper's system
+    on its own final steps under the same mean times (row "paper": dual_constraint in stream order)."""
+    out: dict = {}
+    kw = dict(seed=seed, mbs=mbs, mbs_final=mbs_final, per_M=per_M, tokens_cv=TOKENS_CV, cache=cache)
+    for R in ranks:
+        at = inp.at(R)
+        cluster = Cluster(at.truth, at.comm)
+        for gf in g_factors:
+            cells = {"paper": best_cell(inp, mix, PAPER[0], R, gf * mix.S_max, PAPER[1], **kw)}
+            cells |= {rule: best_cell(inp, mix, rule, R, gf * mix.S_max, "sorted", **kw) for rule in MATRIX_RULES}
+            for name, cell in cells.items():
+                t0 = time.perf_counter()
+                steps = max(8, math.ceil(mbs_final / (R * cell.M)))
+                plans = plan_run(at.cost.predict, mix, cell.strategy, cell.batch_sizes, R, cell.M, steps, seed + 1,
+                                 planner="stream")
+                row = run_bounds(plans, cluster, at.optim_ms, at.m_mem_at(R), at.cost.predict, seed + 1)
+                out[(R, gf, name)] = dict(row, M=cell.M, batch_sizes=list(cell.batch_sizes),
+                                          sorted_drawn=None if name == "paper" else cell.tokens_per_s,
+                                          stream_drawn=cell.tokens_per_s if name == "paper" else None)
+                log(f"w1 bound R={R:<4} g={gf:g}·S_max {name:<16} sorted {row['sorted']:>9,.0f}  reform "
+                    f"{row['reform']:>9,.0f}  bounds {row['rank_bound']:>9,.0f} {row['reform_slot_bound']:>9,.0f} "
+                    f"tok/s  ({time.perf_counter() - t0:.1f} s)")
+    return out
 
 
 def run_fixed_batch(inp: Inputs, mix: Mix, ranks: Sequence[int] = (8, 64), g_factors: Sequence[float] = G_FACTORS,

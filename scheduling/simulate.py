@@ -120,6 +120,20 @@ def tokens_per_step(mix: Mix, sizes: Sequence[int], M: int) -> float:
     return M * mix.mean_tokens / float(sum(s / B for s, B in zip(mix.share, sizes)))
 
 
+def plan_run(cost_fn: Callable[[int, int], float], mix: Mix, strategy: str, sizes: Sequence[int], R: int, M: int,
+             steps: int, seed: int = 0, window: int = 1, planner: Optional[str] = None) -> list:
+    """The K = `steps` plans a simulated run makes: an epoch of the mix drawn from `seed`, planned from its start."""
+    n = int(math.ceil(samples_per_step(mix, sizes, R, M) * steps * 1.1)) + R * M * max(sizes)
+    table = mix.table(n, seed)
+    plans, pos = [], 0
+    for _ in range(steps):
+        plan, pos = plan_step(table, seed, 0, pos, R, strategy, M, sizes, cost_fn, window=window, planner=planner)
+        plans.append(plan)
+        if pos >= len(table):
+            raise AssertionError("the simulated epoch ran out: samples_per_step underestimates")
+    return plans
+
+
 def simulate(cost_fn: Callable[[int, int], float], mix: Mix, strategy: str, sizes: Sequence[int], R: int,
              M: int = 4, steps: int = 50, seed: int = 0, residuals: Optional[Sequence[float]] = None,
              optim_ms: float = 0.0, window: int = 1, setting: Optional[dict] = None,
@@ -130,15 +144,8 @@ def simulate(cost_fn: Callable[[int, int], float], mix: Mix, strategy: str, size
     (None: the strategy's default, scheduling/planner.py)."""
     planner = resolve_planner(strategy, window, planner)
     cluster = cluster or Cluster(ModelTruth(cost_fn, residuals))
-    n = int(math.ceil(samples_per_step(mix, sizes, R, M) * steps * 1.1)) + R * M * max(sizes)
-    table = mix.table(n, seed)
+    plans = plan_run(cost_fn, mix, strategy, sizes, R, M, steps, seed, window, planner)
     rng = np.random.default_rng([seed, 17])
-    plans, pos = [], 0
-    for _ in range(steps):
-        plan, pos = plan_step(table, seed, 0, pos, R, strategy, M, sizes, cost_fn, window=window, planner=planner)
-        plans.append(plan)
-        if pos >= len(table):
-            raise AssertionError("the simulated epoch ran out: samples_per_step underestimates")
     run = summarize([StepTimes.of(plan, cluster.times(plan, rng), optim_ms) for plan in plans])
     tokens = np.array([plan.tokens for plan in plans], dtype=np.float64)
     return SimResult(**{**asdict(run), "M": M}, strategy=strategy, setting=dict(setting or {}),

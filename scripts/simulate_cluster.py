@@ -4,6 +4,7 @@
     python scripts/simulate_cluster.py --calibration FILE --quick          (R = 8, g = 2·S_max only: about 95 s)
     python scripts/simulate_cluster.py --calibration FILE --unconstrained  (also the earlier M = 4 protocol)
     python scripts/simulate_cluster.py --calibration FILE --matrix-only    (the batch rule × planner matrix alone)
+    python scripts/simulate_cluster.py --calibration FILE --w1-bound       (what any one-step planner can reach)
 
 The protocol (scheduling/protocol.py): every strategy holds the same expected real tokens per rank per optimizer
 step, g = {1, 2, 3.66, 8} · S_max (±10 %), best-tuned inside it over its knob and M (balanced also over the
@@ -32,7 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from scheduling.calibrate import HBM_FRACTION, Calibration  # noqa: E402
 from scheduling.protocol import (MATRIX_PLANNERS, MATRIX_RULES, PAPER, STRATEGIES,  # noqa: E402
                                  describe_setting, extra_truth_points, inputs_from, matrix_shares, planner_label,
-                                 record_chosen, record_chosen_at_g, run_fixed_batch, run_matrix, run_unconstrained)
+                                 record_chosen, record_chosen_at_g, run_fixed_batch, run_matrix, run_unconstrained,
+                                 run_w1_bounds)
 from scheduling.simulate import DEFAULT_MIX, G_FACTORS, KNOB, Mix  # noqa: E402
 from training.cli import run_main  # noqa: E402
 
@@ -84,9 +86,15 @@ def parse_args(argv):
                     "(--quick: 2)")
     ap.add_argument("--matrix-only", action="store_true", help="the matrix alone, not the strategy comparison")
     ap.add_argument("--no-matrix", action="store_true", help="the strategy comparison alone")
+    ap.add_argument("--w1-bound", action="store_true", help="alone: at each R and --matrix-g, the bounds on any "
+                    "planner that keeps each step's samples (no window), on each rule's best sorted table, beside "
+                    "stream, sorted and a planner that re-forms the step's micro-batches (scheduling/step_bound.py)")
     args = ap.parse_args(argv)
     if args.mbs is None:
         args.mbs = 2048 if args.quick else 4096
+    if args.w1_bound and (args.matrix_only or args.no_matrix or args.write_chosen or args.unconstrained):
+        ap.error("--w1-bound writes its table alone: drop --matrix-only, --no-matrix, --write-chosen and "
+                 "--unconstrained")
     if args.matrix_only and (args.no_matrix or args.write_chosen or args.unconstrained):
         ap.error("--matrix-only writes the matrix alone: drop --no-matrix, --write-chosen and --unconstrained")
     return args
@@ -283,6 +291,35 @@ def plot(res: dict, path: str) -> None:
     plt.close(fig)
 
 
+W1_COLUMNS = (("sorted", "sorted"), ("re-formed", "reform"), ("bound: the table's micro-batches, any assignment",
+               "rank_bound"), ("bound: re-formed, per slot", "reform_slot_bound"),
+              ("bound: re-formed, per rank", "reform_rank_bound"))
+
+
+def w1_report(rows: dict) -> list[str]:
+    """One table per (R, g): each rule's best sorted table (its M and B per bucket), each column's tokens/s ÷ the
+    paper's system on the truth's mean times; then the drawn re-formed run and its measured share."""
+    lines = ["## What any one-step planner can reach (each step's samples kept, no window)", "",
+             "Tokens/s on the truth's mean times (FSDP's collectives included), ÷ the paper's system "
+             "(dual_constraint in stream order) on its own steps under the same times. A rule's row: the steps its "
+             "best sorted cell simulates. Bounds: scheduling/step_bound.py.", ""]
+    for R, gf in sorted({(R, gf) for R, gf, _ in rows}):
+        paper = rows[(R, gf, "paper")]
+        lines += [f"### R = {R}, g = {gf:g}·S_max (the paper's system: {paper['stream']:,.0f} tokens/s on the mean "
+                  f"times)", "",
+                  "| batch rule (table, M) | " + " | ".join(c for c, _ in W1_COLUMNS)
+                  + " | re-formed, drawn times (idle, measured) |", "|---|" + "---|" * (len(W1_COLUMNS) + 1)]
+        for name in [n for _, _, n in sorted(rows) if (R, gf, n) in rows and n != "paper"]:
+            r = rows[(R, gf, name)]
+            cells = [f"{r[k] / paper['stream']:.3f}×" for _, k in W1_COLUMNS]
+            cells.append(f"{r['reform_drawn'] / paper['stream_drawn']:.3f}× ({100 * r['reform_idle_drawn']:.1f} %, "
+                         f"{100 * (r['reform_measured_share'] or 0):.0f} %)")
+            table = f"{' '.join(map(str, r['batch_sizes']))}, M={r['M']}"
+            lines.append(f"| {name} ({table}) | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     cal = Calibration.load(args.calibration)
@@ -302,6 +339,8 @@ def main(argv=None) -> None:
     matrix_gs = [2.0] if args.quick else [float(g) for g in args.matrix_g.split(",")]
     n_runs = 0 if args.matrix_only else len(ranks) * len(gs) * (3 if not args.no_model_truth else 2)
     n_rows = 0 if args.no_matrix else len(ranks) * len(matrix_gs) * len(MATRIX_RULES)
+    if args.w1_bound:
+        n_runs, n_rows = 0, 0  # its cells are two a rule (stream, sorted): about 15 s an (R, g) at --mbs 2048
     print(f"input {args.calibration} ({cal.data.get('source')}); mode {mode}; {n_runs} comparisons of four "
           f"strategies and {n_rows} matrix rows at {args.mbs} micro-batches a candidate: estimated run time about "
           f"{estimate_s(n_runs, len(ranks), args, n_rows):.0f} s on 2 CPU cores", flush=True)
@@ -310,6 +349,16 @@ def main(argv=None) -> None:
     per_M = args.per_m or (3 if args.quick else 6)
     kw = dict(seed=args.seed, mbs=args.mbs, mbs_final=4 * args.mbs, per_M=per_M, slow_ranks=slow,
               cache={})  # the matrix's cells serve the strategy comparison's steady reading
+    if args.w1_bound:
+        kw.pop("slow_ranks")
+        rows = run_w1_bounds(inp, mix, ranks, matrix_gs, **kw)
+        lines = header(inp, cal, args.calibration, mix, ranks, time.perf_counter() - t0) + w1_report(rows)
+        path = os.path.join(args.out, "w1_bound.md")
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        print("\n".join(w1_report(rows)))
+        print(f"wrote {path} ({time.perf_counter() - t0:.0f} s)")
+        return
     matrix = {} if args.no_matrix else run_matrix(inp, mix, ranks, matrix_gs, **kw)
     res = None if args.matrix_only else run_fixed_batch(inp, mix, ranks, gs, model_truth=not args.no_model_truth,
                                                         **kw)
