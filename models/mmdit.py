@@ -28,7 +28,9 @@ dtype (diffusers: in x's dtype) — equal in fp32, closer to fp32 in bf16; diffu
 so `from_pretrained(torch_dtype=bf16)` keeps the modules above in fp32 where diffusers casts them; `forward` returns
 the tensor (no return_dict, no attention_kwargs); text positions after the last one any sample attends are dropped
 before the refiner (exact: masked keys add nothing and the video never reads them), and a mask that is then all
-ones is dropped, so the flash kernel can run; the joint mask uses the mask itself, where diffusers assumes
+ones is dropped, so the flash or cuDNN kernel can run; where every row's valid text is a prefix (left-aligned, as
+tokenizers pad) the joint attention takes it as key lengths and runs maskless, one call per run of equal lengths
+(layers.KeyLengths; a CUDA graph's capture keeps the mask), else the mask itself, where diffusers assumes
 left-aligned masks (it counts valid tokens) — equal for the masks tokenizers produce; an all-zero mask gives a
 zero pooled text vector instead of diffusers' NaN; image_condition_type="token_replace" (I2V) and qk_norm other
 than "rms_norm" are refused; latent sizes not divisible by the patch raise; new models start AdaLN-Zero
@@ -44,7 +46,8 @@ import torch.nn.functional as F
 
 from models.checkpointing import CheckpointingMixin
 from models.layers import (MLP, BackendKnobs, DiffusersFormat, FeedForward, FP32LayerNorm, RMSNorm, RoPE3D,
-                           SiLUFeedForward, apply_rope, gated_residual, masked_attention, timestep_embedding)
+                           KeyLengths, SiLUFeedForward, apply_rope, gated_residual, masked_attention,
+                           timestep_embedding)
 from ops.adaln import adaln_modulate
 
 EPS = 1e-6           # every norm in HunyuanVideo
@@ -366,7 +369,7 @@ class MMDiT(DiffusersFormat, BackendKnobs, CheckpointingMixin, nn.Module):
         f, h, w = frames // p_t, height // p_h, width // p_w  # token grid
         N = f * h * w
 
-        text_BLC, mask_BL, masked = _trim_text(encoder_hidden_states, encoder_attention_mask, text_span)
+        text_BLC, mask_BL, masked, rows = _trim_text(encoder_hidden_states, encoder_attention_mask, text_span)
         L = text_BLC.shape[1]
         temb_BD = self.time_text_embed(timestep, pooled_projections, guidance)
         x_BND = self.x_embedder(hidden_states)
@@ -375,7 +378,11 @@ class MMDiT(DiffusersFormat, BackendKnobs, CheckpointingMixin, nn.Module):
         cos_NK, sin_NK = self.rope(f, h, w, hidden_states.device)
         K = cos_NK.shape[1]
         rope = (torch.cat([cos_NK, cos_NK.new_ones(L, K)]), torch.cat([sin_NK, sin_NK.new_zeros(L, K)]))
-        mask = torch.cat([mask_BL.new_ones(B, N), mask_BL], dim=1)[:, None, None, :] if masked else None
+        mask = None
+        if masked and rows is not None and not _capturing(hidden_states):  # padded text as lengths: no mask
+            mask = KeyLengths(N + r for r in rows)
+        elif masked:  # holes in a row, or a CUDA graph's capture (which must not bake one batch's lengths in)
+            mask = torch.cat([mask_BL.new_ones(B, N), mask_BL], dim=1)[:, None, None, :]
 
         n_dual = len(self.transformer_blocks)  # self.blocks: dual-stream blocks first, then single-stream
         for i, block in enumerate(self.transformer_blocks):
@@ -437,28 +444,38 @@ class MMDiT(DiffusersFormat, BackendKnobs, CheckpointingMixin, nn.Module):
         return float(matmul + 12 * self.dim * (layers * (S + L) ** 2 + R * L ** 2))
 
 
-def text_span(mask_BL: torch.Tensor) -> tuple[int, bool]:
-    """(keep, masked): the text positions up to the last one any sample attends (at least one: the refiner always
-    lets queries see key 0), and whether some row is padded within them. A host sync when the mask is on a GPU;
-    a caller holding the mask on the host computes it there and passes it as `text_span` (CUDA graphs need that)."""
+def text_span(mask_BL: torch.Tensor) -> tuple[int, bool, tuple[int, ...] | None]:
+    """(keep, masked, rows): the text positions up to the last one any sample attends (at least one: the refiner
+    always lets queries see key 0), whether some row is padded within them, and each row's count of valid positions
+    where every row's are a prefix (left-aligned, as tokenizers pad), else None: the joint attention then runs
+    without a mask (KeyLengths). A host sync when the mask is on a GPU; a caller holding the mask on the host
+    computes it there and passes it as `text_span` (CUDA graphs need that)."""
     mask_BL = mask_BL.bool()
     pos_L = torch.arange(1, mask_BL.shape[1] + 1, device=mask_BL.device)
-    keep, fewest = torch.stack([(mask_BL.any(0) * pos_L).max(), mask_BL.sum(1).min()]).tolist()
+    count_B = mask_BL.sum(1)
+    last_B = (mask_BL * pos_L).amax(1)  # 1 + the last valid position of each row (0: none)
+    keep, fewest, prefix, *counts = torch.cat([torch.stack([last_B.max(), count_B.min(), (last_B == count_B).all()]),
+                                               count_B]).tolist()  # one transfer
     keep = max(1, keep)
     # every row valid over the kept span ⇔ its count equals the span (nothing valid lies beyond it)
-    return keep, fewest < keep
+    return keep, fewest < keep, tuple(counts) if prefix else None
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _trim_text(text_BLC: torch.Tensor, mask_BL: torch.Tensor | None, span: tuple[int, bool] | None = None):
-    """(text, bool mask, whether attention needs the mask) with trailing positions no sample attends cut off.
+    """(text, bool mask, whether attention needs the mask, rows: text_span's prefix lengths or None) with trailing
+    positions no sample attends cut off.
 
     Exact: a masked key adds nothing to any softmax, and a masked text query only feeds its own token, which no
     video token ever reads. It lets unpadded batches (e.g. B = 1) run SDPA's flash kernel.
     """
     if mask_BL is None:
-        return text_BLC, None, False
+        return text_BLC, None, False, None
     if mask_BL.shape != text_BLC.shape[:2]:
         raise ValueError(f"encoder_attention_mask must be [B, L] = {tuple(text_BLC.shape[:2])}, "
                          f"got {tuple(mask_BL.shape)}")
-    keep, masked = span if span is not None else text_span(mask_BL)
-    return text_BLC[:, :keep], mask_BL.bool()[:, :keep], masked
+    keep, masked, *rows = span if span is not None else text_span(mask_BL)
+    return text_BLC[:, :keep], mask_BL.bool()[:, :keep], masked, (rows[0] if rows else None)

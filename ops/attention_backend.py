@@ -11,12 +11,17 @@ call (its dtype, head_dim, mask or device) SDPA takes the next that can, and `sd
 each (asked, served, dtype, head_dim, masked): the numbers are always those of a kernel that serves the shape.
 Inside torch.compile the choice is not probed, so a compiled model's fallback goes unlogged.
 
-cuDNN is left out of a call that passes `cudnn=False`: the MMDiT's attention (models/layers.py masked_attention), whose
-gradients under cuDNN were wrong on the H200 (torch 2.11, bf16) — its patch embedding's 134 % off fp32 math at
-260 joint tokens without a mask (tests/test_attention_backend.py), and non-finite with masks in an earlier check —
-while flash, efficient and math were within bf16 rounding; and a call with a boolean mask, unless MASKED_CUDNN (a
-key-padding mask through cuDNN was within 0.3 % of fp32 math in results/attention_h200.md, but nothing the trainer
-runs needs it). Flash takes no mask: a masked call runs the memory-efficient kernel.
+cuDNN's backward is handed its output's gradient laid out as the output (GradLikeOutput). The MMDiT's single-stream
+block concatenates the attention's output with its MLP's before one projection, so the gradient reaching SDPA is a
+slice of a wider tensor: its rows lie 5·D apart where the output's lie D apart. Under cuDNN (torch 2.11, bf16, H200)
+that model's patch-embedding gradient came out 134 % off fp32 math while its output matched, as if cuDNN read dO
+with O's strides (the assumption torch dropped for cuDNN ≥ 9.5.1, pytorch#141147); flash, efficient and math were
+within bf16 rounding. A copy of the gradient where its layout differs (the single-stream blocks only) costs one pass
+over it. A call that passes `cudnn=False` leaves cuDNN out. A call with a boolean mask leaves it out unless
+MASKED_CUDNN: a key-padding mask through cuDNN was within 0.3 % of fp32 math (results/attention_h200.md), but torch
+2.11's cuDNN backward returns NaN dq under a mask at lengths ≡ 64 (mod 128) (pytorch#196678), and the MMDiT runs
+its padded text without a mask (models/layers.py KeyLengths). Flash takes no mask either: a masked call runs the
+memory-efficient kernel.
 
 The models hold the choice as a module attribute (`attention_backend` on every attention module, set by
 models/layers.py apply_attention_backend, as diffusers' `set_attention_backend`) and hand it to every call: an
@@ -92,6 +97,22 @@ def describe(name: str, device: torch.device, cudnn: bool = True) -> str:
             "memory-efficient kernel")
 
 
+class GradLikeOutput(torch.autograd.Function):
+    """The identity, whose backward hands on the gradient laid out as the output was (strides and all): cuDNN's SDPA
+    backward then reads dO as it reads O (the module docstring). No copy where the layouts already agree."""
+
+    @staticmethod
+    def forward(ctx, o: torch.Tensor) -> torch.Tensor:
+        ctx.layout = o.stride()
+        return o.view_as(o)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        if g.stride() == ctx.layout:
+            return g
+        return torch.empty_strided(g.shape, ctx.layout, dtype=g.dtype, device=g.device).copy_(g)
+
+
 def sdpa(q_BHND: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, mask: torch.Tensor | None = None,
          backend: str = "auto", cudnn: bool = True) -> torch.Tensor:
     """F.scaled_dot_product_attention under `backend` (module docstring); q, k, v [B, H, N or L, Dh]."""
@@ -99,7 +120,8 @@ def sdpa(q_BHND: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, mask:
     with sdpa_kernel([_SDP[k] for k in kinds], set_priority=True):
         if not torch.compiler.is_compiling():
             kernel_for(backend, q_BHND, k_BHLD, v_BHLD, mask, cudnn)
-        return F.scaled_dot_product_attention(q_BHND, k_BHLD, v_BHLD, attn_mask=mask)
+        o = F.scaled_dot_product_attention(q_BHND, k_BHLD, v_BHLD, attn_mask=mask)
+    return GradLikeOutput.apply(o) if kinds[0] == "cudnn" and o.requires_grad else o
 
 
 def kernel_for(backend: str, q_BHND: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,

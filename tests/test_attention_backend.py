@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ops.attention_backend as ab
 from models.config import ModelConfig
-from models.layers import apply_attention_backend
+from models.layers import MMDIT_CUDNN, apply_attention_backend
 from models.mmdit import MMDiT
 from models.wan import WanTransformer
 from tests.op_helpers import gpu, rel_err
@@ -165,8 +165,8 @@ def _run(model, args, kw, backend, bf16):
 @pytest.mark.parametrize("backend", ["cudnn", "flash", "efficient"])
 def test_every_backend_matches_the_math_backend_in_fp32(case, backend):
     """bf16 autocast under `backend` is within 3× bf16 math's own distance from fp32 math + 1e-2 (outputs and every
-    gradient), and the kernel asked for is the kernel that ran (the MMDiT never runs cuDNN: flash serves it, and a
-    masked call runs the memory-efficient kernel, flash taking no mask)."""
+    gradient), and the kernel asked for is the kernel that serves a maskless call (the MMDiT's too: its padded text
+    runs as key lengths), a masked one running the memory-efficient kernel (flash and cuDNN taking no mask here)."""
     from models.fused_wan import apply_fused_ops
 
     dev = torch.device("cuda")
@@ -182,7 +182,52 @@ def test_every_backend_matches_the_math_backend_in_fp32(case, backend):
            if not rel_err(g[n], g64[n]) <= 3 * rel_err(g_m[n], g64[n]) + 1e-2}
     assert not bad, bad
     q = torch.randn(2, 2, 240, 128, device=dev, dtype=torch.bfloat16)
-    masked, mmdit = case == "mmdit_ragged", case.startswith("mmdit")
-    want = "efficient" if masked else "flash" if mmdit and backend == "cudnn" else backend
-    mask = torch.ones(2, 1, 1, 240, dtype=torch.bool, device=dev) if masked else None
-    assert ab.kernel_for(backend, q, q, q, mask, cudnn=not mmdit) == want
+    mmdit = case.startswith("mmdit")
+    assert ab.kernel_for(backend, q, q, q, None, cudnn=not mmdit or MMDIT_CUDNN) == backend
+    # a boolean mask (the refiner's; the joint attention runs padded text as key lengths) takes efficient
+    assert ab.kernel_for(backend, q, q, q, torch.ones(2, 1, 1, 240, dtype=torch.bool, device=dev)) == "efficient"
+
+
+@gpu
+def test_cudnn_is_handed_its_output_gradient_laid_out_as_its_output():
+    """The MMDiT's single-stream block slices the attention's gradient out of a wider tensor (rows 5·D apart where
+    the output's are D apart). sdpa() under cuDNN hands it on laid out as the output (GradLikeOutput): dq, dk, dv
+    within bf16 rounding of fp32 math. Raw SDPA on the same gradient is printed beside it (whether this torch's
+    cuDNN reads such a dO right: results/attention_h200.md)."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    B, H, N, Dh = 2, 4, 300, 128  # B = 2: a batch stride read as O's would show too
+    qkv = [torch.randn(B, N, H, Dh, device=dev, generator=g).transpose(1, 2) for _ in range(3)]
+    wide = torch.randn(B, N, 5 * H * Dh, device=dev, generator=g)  # dO = wide[..., :H·Dh], as after a cat
+
+    def grads(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in qkv]
+        o = fn(*leaves)
+        # sliced after the cast: a cast of the slice would lay it out densely, as O, and test nothing
+        dO = wide.to(dtype)[..., :H * Dh].unflatten(-1, (H, Dh)).transpose(1, 2)
+        assert dO.stride() != o.stride()
+        o.backward(dO)
+        return [t.grad.float() for t in leaves]
+
+    ref = grads(lambda q, k, v: ab.sdpa(q, k, v, backend="math"), torch.float32)
+    ours = grads(lambda q, k, v: ab.sdpa(q, k, v, backend="cudnn"), torch.bfloat16)
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.CUDNN_ATTENTION]):
+        raw = grads(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v), torch.bfloat16)
+    print("cuDNN with a dO laid out unlike O, relative error of dq, dk, dv: raw SDPA",
+          [round(rel_err(a, r), 4) for a, r in zip(raw, ref)], "sdpa()",
+          [round(rel_err(a, r), 4) for a, r in zip(ours, ref)])
+    assert all(rel_err(a, r) <= 2e-2 for a, r in zip(ours, ref))
+
+
+def test_grad_like_output_lays_the_gradient_out_as_the_output():
+    o = torch.randn(2, 5, 3, 4).transpose(1, 2).requires_grad_()  # [B, H, N, Dh] over BNHD memory
+    wide = torch.randn(2, 5, 3 * 4 * 5)
+    g = wide[..., :12].unflatten(-1, (3, 4)).transpose(1, 2)  # the same values, rows 60 apart, not 12
+    seen = {}
+    o.register_hook(lambda grad: seen.setdefault("g", grad))
+    ab.GradLikeOutput.apply(o).backward(g)
+    assert seen["g"].stride() == o.stride() != g.stride() and torch.equal(seen["g"], g)
+    same = torch.randn(2, 5, 3, 4).transpose(1, 2)
+    seen.clear()
+    ab.GradLikeOutput.apply(o).backward(same)
+    assert seen["g"].data_ptr() == same.data_ptr()  # no copy where the layouts agree

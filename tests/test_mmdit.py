@@ -92,6 +92,36 @@ def test_output_and_every_gradient_match_diffusers(name, mask):
         assert (y_unmasked - y).abs().max().item() > 1e-3
 
 
+def test_padded_text_runs_the_joint_attention_maskless_and_equals_the_masked_run(monkeypatch):
+    """Left-aligned padded text reaches the joint attention as key lengths (layers.KeyLengths): one maskless call a
+    sample, so cuDNN or flash can serve it; outputs and every gradient equal the boolean-mask path's (forced by a
+    text_span without the row lengths), and a mask with a hole keeps the mask."""
+    from models import layers
+    from models.mmdit import text_span
+
+    _, ours = make_pair(TINY)
+    x, kw = inputs(TINY, [4, 7])
+    span = text_span(kw["encoder_attention_mask"])
+    assert span == (7, True, (4, 7))
+    calls, real = [], layers.sdpa
+    monkeypatch.setattr(layers, "sdpa", lambda q, k, v, mask=None, *a, **k2: calls.append(
+        (q.shape[0], k.shape[2], mask is None)) or real(q, k, v, mask, *a, **k2))
+    y = ours(x, **kw)
+    joint = [c for c in calls if c[1] > L_TEXT]  # the refiner's calls are text only
+    N = joint[0][1] - 4
+    assert joint and set(joint) == {(1, N + 4, True), (1, N + 7, True)}, joint
+    g = loss_and_grads(ours, y)
+    calls.clear()
+    y_mask = ours(x, **kw, text_span=span[:2])
+    assert {c[2] for c in calls if c[1] > L_TEXT} == {False}  # the mask path ran
+    assert (y - y_mask).abs().max().item() <= 1e-6
+    g_mask = loss_and_grads(ours, y_mask)
+    assert max((g[n] - g_mask[n]).abs().max().item() for n in g) <= 1e-6
+    holes = kw["encoder_attention_mask"].clone()
+    holes[1, 2] = False
+    assert text_span(holes) == (7, True, None)
+
+
 def test_padded_text_is_ignored_and_all_zero_mask_is_finite():
     _, ours = make_pair(TINY)
     x, kw = inputs(TINY, [4, 7])
