@@ -11,6 +11,7 @@ Each slot of a step runs inside `record_function("slot{k}")` (training/step.py).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import time
@@ -34,6 +35,44 @@ def _union(intervals) -> float:
         else:
             cur[1] = max(cur[1], b)
     return total + (cur[1] - cur[0] if cur is not None else 0.0)
+
+
+KERNEL_KINDS = (("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+                ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "splitk")),
+                ("optimizer", ("adam", "multi_tensor_apply")),
+                # our Triton kernels by their exact names (aten's elementwise kernels also end in "_kernel")
+                ("ours (triton)", ("_fwd_kernel", "_bwd_kernel", "_dmod_dtile_kernel", "_gelu_act_grad_kernel")))
+
+
+def kernel_kind(name: str) -> str:
+    """attention | gemm | optimizer (AdamW's fused or foreach kernels) | ours (triton) | other (aten's elementwise,
+    norms, reductions, copies, memsets)."""
+    low = name.lower()
+    kind = next((k for k, pats in KERNEL_KINDS[:3] if any(p in low for p in pats)), None)
+    return kind or ("ours (triton)" if name in KERNEL_KINDS[3][1] else "other")
+
+
+def step_split(events) -> dict:
+    """Where a traced step's device time went, in ms: each kernel kind's time, the span from the first kernel's
+    start to the last one's end, and the GPU's idle time inside it (the span less the union of the kernels: the
+    host behind, a sync, the data), with the longest gaps as [ms, kernel before, kernel after]."""
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type == DeviceType.CUDA and not SLOT.match(e.name))
+    if not kernels:
+        return {}
+    kinds: dict = {}
+    for a, b, name in kernels:
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + (b - a) / 1e3
+    span = (max(b for _, b, _ in kernels) - kernels[0][0]) / 1e3
+    gaps, end = [], kernels[0][1]
+    for (a, b, name), prev in zip(kernels[1:], kernels):
+        if a > end:
+            gaps.append(((a - end) / 1e3, prev[2][:60], name[:60]))
+        end = max(end, b)
+    busy = _union((a, b) for a, b, _ in kernels) / 1e3
+    return {"span_ms": round(span, 2), "busy_ms": round(busy, 2), "idle_ms": round(span - busy, 2),
+            **{f"{k}_ms": round(v, 2) for k, v in sorted(kinds.items())},
+            "top_gaps": [[round(g, 2), a, b] for g, a, b in sorted(gaps, reverse=True)[:8]]}
 
 
 def busy_per_slot(events, num_slots: int) -> list[float]:
@@ -92,6 +131,8 @@ class StepProfiler:
         if self.trace_range is not None and self.trace_range[0] <= step <= self.trace_range[-1]:
             os.makedirs(self.trace_dir, exist_ok=True)
             self.prof.export_chrome_trace(os.path.join(self.trace_dir, f"step{step}_rank{self.rank}.json"))
+            with open(os.path.join(self.trace_dir, f"step{step}_rank{self.rank}_split.json"), "w") as f:
+                json.dump(step_split(self.prof.events()), f, indent=1)
         busy = busy_per_slot(self.prof.events(), num_slots)
         self.prof = None
         self._stopped_at = time.monotonic()

@@ -52,6 +52,7 @@ import harness  # noqa: E402
 import ops.gelu_ffn as gelu_ffn  # noqa: E402 - CHUNK_BYTES is a column's knob
 import ops.gated_ffn as gated_ffn  # noqa: E402 - GATED_TAIL_MIN_TOKENS is a column's knob
 from scheduling.efficiency import model_flops  # noqa: E402
+from training.busy import kernel_kind  # noqa: E402
 
 WAN_1P3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
                 text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
@@ -189,12 +190,6 @@ def peak_search(measure, layers: int, limit: float):
     return (k, *at(k))
 
 
-KERNEL_KINDS = (("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
-                ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "splitk")),
-                # our Triton kernels by their exact names (aten's elementwise kernels also end in "_kernel")
-                ("ours (triton)", ("_fwd_kernel", "_bwd_kernel", "_dmod_dtile_kernel", "_gelu_act_grad_kernel")))
-
-
 def profile(run) -> dict:
     """Device time of one step by kernel kind (attention, GEMM, our Triton kernels, other = aten elementwise /
     norm / reduction / copy kernels), in ms, each kind's ten largest kernels as [ms, launches], and the GPU's idle
@@ -214,10 +209,7 @@ def profile(run) -> dict:
             e.self_cpu_time_total  # a CPU check of the script: its operators' own times
         if not us or e.key.startswith(("ProfilerStep", "cudaDeviceSynchronize")):
             continue
-        name = e.key.lower()
-        kind = next((k for k, pats in KERNEL_KINDS[:2] if any(p in name for p in pats)), None)
-        kind = kind or ("ours (triton)" if e.key in KERNEL_KINDS[2][1] else "other")  # other: aten elementwise,
-        # norms, reductions, copies
+        kind = kernel_kind(e.key)  # other: aten elementwise, norms, reductions, copies
         kinds[kind] = kinds.get(kind, 0.0) + us / 1e3
         named.setdefault(kind, {})[e.key[:90]] = [round(us / 1e3, 2), e.count]  # [ms, launches]
     total = sum(kinds.values())
