@@ -35,11 +35,28 @@ PEAK = 989e12
 TEXT_LEN = 512
 
 
-def load_bench(path: str) -> dict:
+WAN_CONFIGS = {"1.3b": {"num_layers": 30, "num_attention_heads": 12, "attention_head_dim": 128},
+               "14b": {"num_layers": 40, "num_attention_heads": 40, "attention_head_dim": 128}}
+
+
+def load_bench(path: str, model: str = "1.3b") -> dict:
+    """A step bench's bench_step.json, or, where the run was killed before writing it, its stream bench_step.jsonl
+    (rows and profiles as they were taken; the model's config then from `model`, which the stream does not hold)."""
     if os.path.isdir(path):
-        path = os.path.join(path, "bench_step.json")
+        whole = os.path.join(path, "bench_step.json")
+        path = whole if os.path.exists(whole) else os.path.join(path, "bench_step.jsonl")
+    if not path.endswith(".jsonl"):
+        with open(path) as f:
+            return json.load(f)
+    rows, profiles = [], {}
     with open(path) as f:
-        return json.load(f)
+        for line in f:
+            rec = json.loads(line)
+            if "profile_of" in rec:
+                profiles.setdefault(rec.pop("BxS"), {})[rec.pop("profile_of")] = rec
+            elif "impl" in rec:
+                rows.append(rec)
+    return {"meta": {"config": WAN_CONFIGS[model], "profiles": profiles}, "rows": rows}
 
 
 def ceiling_rows(bench: dict, kernels: dict, gemm: float, fused_fraction: float) -> list[dict]:

@@ -24,7 +24,8 @@ def main(argv=None) -> None:
     ap.add_argument("--mix-bound", action="store_true", help="the MFU bound of the simulator's default mix (the Wan "
                     "mix's shares) from the kernels' table alone: attention at cuDNN's rate, matmuls at the GEMM "
                     "ceiling, nothing else")
-    ap.add_argument("--model", choices=("1.3b", "14b"), default="1.3b", help="with --mix-bound")
+    ap.add_argument("--model", choices=("1.3b", "14b"), default="1.3b", help="with --mix-bound, and the config of a "
+                    "bench read from its stream (bench_step.jsonl of a killed run)")
     ap.add_argument("--kernels", default="results/attention_h200.json", help="the attention kernels' table")
     ap.add_argument("--gemm-tflops", type=float, default=790.0)
     ap.add_argument("--fused-fraction", type=float, default=0.81)
@@ -51,7 +52,7 @@ def main(argv=None) -> None:
         print(f"| the mix | | | **{res['mix_mfu_bound']:.3f}** |")
         if not args.bench:
             return
-    rows = [r for b in args.bench for r in ceiling_rows(load_bench(b), kernels, args.gemm_tflops * 1e12,
+    rows = [r for b in args.bench for r in ceiling_rows(load_bench(b, args.model), kernels, args.gemm_tflops * 1e12,
                                                           args.fused_fraction)]
     if not rows:
         sys.exit("ceiling_table.py: no profiled shape in the benches (run scripts/bench/step.py --profile-every)")
