@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The trainer at the GPU's limit (results/attention_h200.md, results/step_h200.md), one device call per part:
-#   t  the GPU tests of model.attention_backend (every backend against fp32 math, Wan and the MMDiT), the fused
-#      attention's kernels and Wan's parity with diffusers (~2 min)
+#   t  the GPU tests of model.attention_backend (every backend against fp32 math, Wan and the MMDiT; cuDNN handed a
+#      gradient laid out unlike its output), the fused attention's kernels, Wan's parity with diffusers and the
+#      MMDiT's GPU test (~2 min)
 #   k  SDPA's kernels at Wan's shapes and the cuDNN key-mask check (scripts/bench/attention.py, ~1.5 min)
 #   a  the 1.3B step against diffusers at its best (cuDNN; with compiled blocks) at S = 32760, 14040, 75600, with the
 #      device-time profile at the first (~5 min)
 #   b  the same at 16×1560 and 4×7800, with diffusers' compiled blocks, no recompute (ours@none) and the device-time
 #      split of every shape (~3.5 min)
-#   p  ours@glue and ours@none with their device-time split at 2×14040, 1×32760, 1×75600, beside diffusers@cudnn:
-#      the ceiling table's measured parts (~1.5 min)
+#   p  ours@glue and ours@none with their device-time split at 2×14040, 1×32760, 1×75600 (SHAPES_P: step.py's
+#      shape indices), beside diffusers@cudnn: the ceiling table's measured parts (~3.5 min)
 #   n  a K-block (default 4) full-width slice of Wan 14B at 720p 81 frames with no recompute (ours@none), beside
 #      ours@glue, ours@keep and diffusers@cudnn (~2.5 min)
 #   m  the MMDiT at HunyuanVideo width against diffusers' default and cuDNN backends (~1.5 min)
@@ -22,8 +23,10 @@ source scripts/h200_env.sh h200_attention_out
 PART=${PART:-tk}
 if [[ $PART == *t* ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_attention_backend.py tests/test_rope_attention.py \
-    tests/test_wan_parity.py tests/test_wan_fused.py -k "cuda or gpu or every_backend or fused_ops_model" 2>&1 \
-    | tee "$OUT/gpu_tests.log" | tail -6
+    tests/test_wan_parity.py tests/test_wan_fused.py tests/test_mmdit.py \
+    -k "cuda or gpu or every_backend or fused_ops_model or laid_out" 2>&1 | tee "$OUT/gpu_tests.log" | tail -6
+  python3 -m pytest -q -s -p no:cacheprovider tests/test_attention_backend.py -k laid_out 2>&1 | grep "raw SDPA" \
+    | tee "$OUT/cudnn_grad_layout.txt"
 fi
 if [[ $PART == *d* ]]; then
   python3 - <<'PY' 2>&1 | tee "$OUT/default_choice.txt"
@@ -42,11 +45,14 @@ if [[ $PART == *c* ]]; then
     +calibrate.out="$OUT/calibration_h200_policies.json" 2>&1 \
     | tee "$OUT/calibrate.log" | grep -vE '^\s*$' | cut -c1-300 | tail -25
 fi
-if [[ $PART == *r* ]]; then  # train.py, this commit against the previous main unpacked in ./prev, same batches
+if [[ $PART == *r* ]]; then  # train.py, this commit against the previous main unpacked in ./prev, same batches;
+  # PROF_STEP=N: that step of this commit's run traced (its device time by kernel kind and the GPU's idle time:
+  # $OUT/new/traces/stepN_rank0_split.json), and left out of the medians
   common=(conf=wan21_1p3b scheduling=equal_token scheduling.m_tokens=32760 train.steps=${STEPS:-7} train.val_every=1000
           train.progress=false checkpoint.every=0 checkpoint.at_end=false logging.wandb=disabled data.cache_dir=/tmp/cache)
-  timeout ${NEW_S:-150} python3 train.py "${common[@]}" name=new run_dir="$OUT/new" model.checkpointing=auto \
-    model.keep_attention=auto scheduling.calibration="${CAL:-results/calibration_h200_policies.json}" 2>&1 | tee "$OUT/train_new.log" \
+  timeout ${NEW_S:-150} python3 train.py "${common[@]}" name=new run_dir="$OUT/new" scheduling.tokens_per_step=null train.micro_batches=4 model.checkpointing=auto \
+    model.keep_attention=auto scheduling.calibration="${CAL:-results/calibration_h200_policies.json}" \
+    ${PROF_STEP:+metrics.profile_steps=[$PROF_STEP,$PROF_STEP]} 2>&1 | tee "$OUT/train_new.log" \
     | grep -E "attention:|scheduling:|perf|Error" | cut -c1-300 | tail -6
   [ -d prev ] && (cd prev && timeout ${OLD_S:-120} python3 train.py "${common[@]}" name=old run_dir="$OUT/old" \
     scheduling.calibration=results/calibration_h200.json 2>&1 \
@@ -54,7 +60,7 @@ if [[ $PART == *r* ]]; then  # train.py, this commit against the previous main u
   for r in new old; do python3 -c "
 import json, statistics as st
 rows = [json.loads(l) for l in open('$OUT/$r/metrics.jsonl') if 'perf/mfu' in l]
-steady = rows[3:] or rows
+steady = [r for r in rows[3:] if r['step'] != int('${PROF_STEP:-0}')] or rows  # a profiled step is slowed
 print('$r', len(rows), 'steps; median after 3: mfu', round(st.median(r['perf/mfu'] for r in steady), 4),
       'tokens/s', round(st.median(r['perf/tokens_per_s'] for r in steady)), 'peak GiB',
       max(r.get('memory/peak_gib', 0) for r in rows))" 2>&1 | tail -1; done
@@ -75,7 +81,7 @@ if [[ $PART == *b* ]]; then
     2>&1 | tee "$OUT/bench_b.log" | grep -E "^\||Error|error" | cut -c1-400 | tail -12
 fi
 if [[ $PART == *p* ]]; then
-  timeout ${T_P:-120} python3 scripts/bench/step.py --out "$OUT/p" --shapes 2,3,4 --fast-backend _native_cudnn --reps 2 \
+  timeout ${T_P:-120} python3 scripts/bench/step.py --out "$OUT/p" --shapes ${SHAPES_P:-2,3,4} --fast-backend _native_cudnn --reps 2 \
     --gc-off --longest '' --profile-every --impls ours@glue,ours@none 2>&1 | tee "$OUT/bench_p.log" \
     | grep -E "^\||Error|error|memory" | cut -c1-400 | tail -8
 fi
