@@ -17,11 +17,13 @@
 #      ≈ 226 s of micro-batches a plan by the cost model, ≈ 8.5 min in all. CAL14T=results/calibration_h200_14b.json
 #      plans as the committed simulation did; the truth of part t's file is then priced on the same plans on a CPU:
 #      the same command with --dry-run --truth FILE (the plans are deterministic).
+# POINTS="[bucket:B,...]" times other points (e.g. the W = 8 cells' four left unmeasured:
+# [v480_17f:14,v480_33f:7,v480_33f:6,v480_49f:4]).
 # Needs .whl/ (bash scripts/make_wheels.sh; carry it): the GPU image lacks hydra and omegaconf.
 set -uo pipefail
 source scripts/h200_env.sh h200_truth_out
 PART=${PART:-t}
-POINTS="[i480:98,i720:42,v480_17f:18,v480_33f:8,v480_49f:5,v480_81f:2,v720_81f:1,i480:90,i720:39,i720:38,v480_17f:16,v480_17f:14,v480_33f:7,v480_33f:6,v480_49f:4]"
+POINTS=${POINTS:-"[i480:98,i720:42,v480_17f:18,v480_33f:8,v480_49f:5,v480_81f:2,v720_81f:1,i480:90,i720:39,i720:38,v480_17f:16,v480_17f:14,v480_33f:7,v480_33f:6,v480_49f:4]"}
 if [[ $PART == *t* ]]; then
   timeout "${T_T:-420}" python3 scripts/calibrate.py conf=wan21_8gpu launch.num_processes=1 train.cuda_graphs=off \
     model.checkpointing=full +calibrate.blocks=4 +calibrate.memory_blocks=2 +calibrate.fsdp_ranks=8 \
