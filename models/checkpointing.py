@@ -82,6 +82,25 @@ def attention_ops() -> tuple:
     return tuple(getattr(aten, n).default for n in names if hasattr(aten, n))
 
 
+class _Joint(threading.local):
+    depth = 0
+
+
+_JOINT = _Joint()
+
+
+@contextlib.contextmanager
+def joint_attention():
+    """Marks SDPA calls that are a self-attention although their keys are fewer than their queries (the MMDiT's
+    joint attention over padded text, run as key lengths: models/layers.py KeyLengths), so that keep_attention
+    keeps them as it keeps the same attention run with a mask."""
+    _JOINT.depth += 1
+    try:
+        yield
+    finally:
+        _JOINT.depth -= 1
+
+
 def keep_attention_context():
     """Selective checkpointing (torch.utils.checkpoint): the self-attention's SDPA kernel is saved in forward,
     everything else is recomputed — the recompute then reuses its output and log-sum-exp instead of running it.
@@ -91,7 +110,8 @@ def keep_attention_context():
     ops = attention_ops()
 
     def policy(ctx, op, *args, **kwargs):
-        if op in ops and args[0].shape[-2] == args[1].shape[-2]:  # q, k: [B, H, N, Dh], [B, H, L, Dh]
+        # q, k: [B, H, N, Dh], [B, H, L, Dh]; a joint attention run as key lengths has fewer keys than queries
+        if op in ops and (args[0].shape[-2] == args[1].shape[-2] or _JOINT.depth):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -162,7 +182,8 @@ class CheckpointingMixin:
 
 def _offloaded(block, store: HostStore, args: tuple, context_fn):
     """offloaded_checkpoint over block(x, *rest), whose arguments are tensors or tuples of tensors (RoPE's (cos, sin)):
-    the tuples travel flattened and are rebuilt for the block."""
+    the tuples travel flattened and are rebuilt for the block (as plain tuples: a tuple subclass such as the MMDiT's
+    KeyLengths, which holds ints, must not come this way — the MMDiT hands run_block no offload store)."""
     sizes = [len(a) if isinstance(a, tuple) else None for a in args[1:]]
     flat = [t for a in args[1:] for t in (a if isinstance(a, tuple) else (a,))]
 

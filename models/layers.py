@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ops.attention_backend import check_backend, sdpa
 from ops.attention_backend import describe as describe_attention  # noqa: F401 - for the trainer's log
 from ops.attention_backend import preferred as attention_kernel  # noqa: F401 - for a calibration's record
+from models.checkpointing import joint_attention
 from models.config import warn_deprecated
 from ops.triton_setup import BACKENDS
 
@@ -189,19 +190,19 @@ def masked_attention(q_BNHD: torch.Tensor, k_BLHD: torch.Tensor, v_BLHD: torch.T
     """attention() with an optional boolean mask broadcastable to (B, heads, N, L) (True = may attend) or KeyLengths:
     the MMDiT's. cuDNN serves it where MMDIT_CUDNN and no boolean mask is given (ops/attention_backend.py)."""
     q, k, v = q_BNHD.transpose(1, 2), k_BLHD.transpose(1, 2), v_BLHD.transpose(1, 2)
-    if isinstance(mask, KeyLengths):
-        L, outs, i = k.shape[2], [], 0
+    if not isinstance(mask, KeyLengths):
+        return sdpa(q, k, v, mask, backend, cudnn=MMDIT_CUDNN).transpose(1, 2).flatten(2).type_as(q_BNHD)
+    L, outs, i = k.shape[2], [], 0
+    with joint_attention():  # keep_attention keeps these as the same attention under a mask
         while i < len(mask):  # consecutive samples of one length share a call
             j = i + 1
             while j < len(mask) and mask[j] == mask[i]:
                 j += 1
             n = min(int(mask[i]), L)
-            outs.append(sdpa(q[i:j], k[i:j, :, :n], v[i:j, :, :n], None, backend, cudnn=MMDIT_CUDNN))
+            outs.append(sdpa(q[i:j], k[i:j, :, :n], v[i:j, :, :n], None, backend, cudnn=MMDIT_CUDNN).transpose(1, 2))
             i = j
-        o_BHND = outs[0] if len(outs) == 1 else torch.cat(outs)
-    else:
-        o_BHND = sdpa(q, k, v, mask, backend, cudnn=MMDIT_CUDNN)
-    return o_BHND.transpose(1, 2).flatten(2).type_as(q_BNHD)
+    o_BNHD = outs[0] if len(outs) == 1 else torch.cat(outs)  # one copy: the pieces' [B, N, H, Dh] views joined
+    return o_BNHD.flatten(2).type_as(q_BNHD)
 
 
 def apply_attention_backend(model: nn.Module, backend: str = "auto") -> nn.Module:

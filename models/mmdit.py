@@ -349,7 +349,7 @@ class MMDiT(DiffusersFormat, BackendKnobs, CheckpointingMixin, nn.Module):
     # ----------------------------------------------------------------------------------------------- forward
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 encoder_attention_mask: torch.Tensor | None = None, pooled_projections: torch.Tensor | None = None,
-                guidance: torch.Tensor | None = None, text_span: tuple[int, bool] | None = None) -> torch.Tensor:
+                guidance: torch.Tensor | None = None, text_span: tuple | None = None) -> torch.Tensor:
         """x [B, C, F, H, W], timestep [B] (1000·t), text [B, L, text_embed_dim], text mask [B, L] (None: all
         valid), pooled text [B, pooled_projection_dim], guidance [B] (1000·scale; guidance_embeds only)
         → [B, C_out, F, H, W]. text_span: `text_span(mask)` computed by a caller that has the mask on the host."""
@@ -378,11 +378,7 @@ class MMDiT(DiffusersFormat, BackendKnobs, CheckpointingMixin, nn.Module):
         cos_NK, sin_NK = self.rope(f, h, w, hidden_states.device)
         K = cos_NK.shape[1]
         rope = (torch.cat([cos_NK, cos_NK.new_ones(L, K)]), torch.cat([sin_NK, sin_NK.new_zeros(L, K)]))
-        mask = None
-        if masked and rows is not None and not _capturing(hidden_states):  # padded text as lengths: no mask
-            mask = KeyLengths(N + r for r in rows)
-        elif masked:  # holes in a row, or a CUDA graph's capture (which must not bake one batch's lengths in)
-            mask = torch.cat([mask_BL.new_ones(B, N), mask_BL], dim=1)[:, None, None, :]
+        mask = self._joint_mask(mask_BL, masked, rows, N, hidden_states)
 
         n_dual = len(self.transformer_blocks)  # self.blocks: dual-stream blocks first, then single-stream
         for i, block in enumerate(self.transformer_blocks):
@@ -396,6 +392,20 @@ class MMDiT(DiffusersFormat, BackendKnobs, CheckpointingMixin, nn.Module):
         x_BNP = self.proj_out(x_BND)  # P = C_out·p_t·p·p, channel slowest (diffusers' layout)
         x = x_BNP.reshape(B, f, h, w, self.out_channels, p_t, p_h, p_w)
         return x.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(B, self.out_channels, frames, height, width)
+
+    def _blocks_compiled(self) -> bool:
+        return any(getattr(b, "_compiled_call_impl", None) is not None for b in self.blocks)
+
+    def _joint_mask(self, mask_BL: torch.Tensor | None, masked: bool, rows, N: int, x: torch.Tensor):
+        """The joint attention's mask: None where no row is padded; the rows' lengths (KeyLengths: no mask) where
+        every row's valid text is a prefix; else the boolean key mask — also under a CUDA graph's capture (which
+        must not bake one batch's lengths in) and with compiled blocks (which would recompile for each pattern of
+        lengths)."""
+        if not masked:
+            return None
+        if rows is not None and not _capturing(x) and not self._blocks_compiled():
+            return KeyLengths(N + r for r in rows)
+        return torch.cat([mask_BL.new_ones(mask_BL.shape[0], N), mask_BL], dim=1)[:, None, None, :]
 
     # ------------------------------------------------------------------------------------------------ counts
     _VIDEO_DUAL = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2")
@@ -465,7 +475,7 @@ def _capturing(x: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def _trim_text(text_BLC: torch.Tensor, mask_BL: torch.Tensor | None, span: tuple[int, bool] | None = None):
+def _trim_text(text_BLC: torch.Tensor, mask_BL: torch.Tensor | None, span: tuple | None = None):
     """(text, bool mask, whether attention needs the mask, rows: text_span's prefix lengths or None) with trailing
     positions no sample attends cut off.
 

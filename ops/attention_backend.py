@@ -14,10 +14,12 @@ Inside torch.compile the choice is not probed, so a compiled model's fallback go
 cuDNN's backward is handed its output's gradient laid out as the output (GradLikeOutput). The MMDiT's single-stream
 block concatenates the attention's output with its MLP's before one projection, so the gradient reaching SDPA is a
 slice of a wider tensor: its rows lie 5·D apart where the output's lie D apart. Under cuDNN (torch 2.11, bf16, H200)
-that model's patch-embedding gradient came out 134 % off fp32 math while its output matched, as if cuDNN read dO
-with O's strides (the assumption torch dropped for cuDNN ≥ 9.5.1, pytorch#141147); flash, efficient and math were
-within bf16 rounding. A copy of the gradient where its layout differs (the single-stream blocks only) costs one pass
-over it. A call that passes `cudnn=False` leaves cuDNN out. A call with a boolean mask leaves it out unless
+that model's patch-embedding gradient once came out 134 % off fp32 math while its output matched; flash, efficient
+and math were within bf16 rounding. A cuDNN that read dO with O's strides (an assumption torch dropped for cuDNN
+≥ 9.5.1, pytorch#141147) would do that — a hypothesis, not shown: with the copy the model's GPU test passes under
+cuDNN, and the isolated check of raw SDPA on such a gradient has yet to run as it should (results/attention_h200.md,
+session 4). The copy, where the layouts differ (the single-stream blocks only), costs one pass over the gradient.
+A call that passes `cudnn=False` leaves cuDNN out. A call with a boolean mask leaves it out unless
 MASKED_CUDNN: a key-padding mask through cuDNN was within 0.3 % of fp32 math (results/attention_h200.md), but torch
 2.11's cuDNN backward returns NaN dq under a mask at lengths ≡ 64 (mod 128) (pytorch#196678), and the MMDiT runs
 its padded text without a mask (models/layers.py KeyLengths). Flash takes no mask either: a masked call runs the
@@ -57,7 +59,7 @@ def check_backend(name: str, field: str = "model.attention_backend") -> str:
 
 
 def preferred(name: str, device: torch.device, cudnn: bool = True) -> str:
-    """The kernel `name` asks for on `device` (auto resolved; cudnn=False: a caller that cuDNN must not serve)."""
+    """The kernel `name` asks for on `device` (auto resolved; cudnn=False: a caller that keeps cuDNN out)."""
     check_backend(name)
     if name != "auto":
         return name
@@ -79,7 +81,7 @@ def order(name: str, device: torch.device, masked: bool = False, cudnn: bool = T
 
 def describe(name: str, device: torch.device, cudnn: bool = True) -> str:
     """One line for the run's log: what model.attention_backend resolves to on this device, and why (cudnn=False: a
-    model whose attention cuDNN must not serve, the MMDiT)."""
+    model whose attention keeps cuDNN out: the MMDiT where models/layers.py MMDIT_CUDNN is off)."""
     first = preferred(name, device, cudnn)
     if device.type != "cuda":
         served = "math" if first == "math" else "torch's own choice (its flash kernel where it serves, else math)"
@@ -118,10 +120,9 @@ def sdpa(q_BHND: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor, mask:
     """F.scaled_dot_product_attention under `backend` (module docstring); q, k, v [B, H, N or L, Dh]."""
     kinds = order(backend, q_BHND.device, mask is not None, cudnn)
     with sdpa_kernel([_SDP[k] for k in kinds], set_priority=True):
-        if not torch.compiler.is_compiling():
-            kernel_for(backend, q_BHND, k_BHLD, v_BHLD, mask, cudnn)
+        served = kinds[0] if torch.compiler.is_compiling() else kernel_for(backend, q_BHND, k_BHLD, v_BHLD, mask, cudnn)
         o = F.scaled_dot_product_attention(q_BHND, k_BHLD, v_BHLD, attn_mask=mask)
-    return GradLikeOutput.apply(o) if kinds[0] == "cudnn" and o.requires_grad else o
+    return GradLikeOutput.apply(o) if served == "cudnn" and o.requires_grad else o
 
 
 def kernel_for(backend: str, q_BHND: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,

@@ -50,7 +50,7 @@ def test_order_prefers_cudnn_from_hopper_and_never_hands_it_a_mask(monkeypatch):
     assert ab.order("auto", hopper, masked=True) == ["flash", "efficient", "math"]
     assert ab.order("efficient", hopper) == ["efficient", "cudnn", "flash", "math"]
     assert ab.order("cudnn", hopper, masked=True)[0] == "flash"
-    assert ab.order("auto", hopper, cudnn=False) == ["flash", "efficient", "math"]  # the MMDiT's
+    assert ab.order("auto", hopper, cudnn=False) == ["flash", "efficient", "math"]  # a caller keeping cuDNN out
     ampere = _fake_gpu(monkeypatch, 8)
     assert ab.order("auto", ampere) == ["flash", "cudnn", "efficient", "math"]
     cpu = torch.device("cpu")

@@ -49,3 +49,22 @@ def test_the_mix_bound_counts_attention_at_cudnns_rate_and_matmuls_at_the_gemm_c
     assert ct.attention_rate(KERNELS, 8, 2) == 1e12 and ct.attention_rate(KERNELS, 5000, 2) == 9e12
     mid = ct.attention_rate(KERNELS, 89, 2)  # 89 ≈ √(8 · 1000) = 89.4: half way in log S, half way in rate
     assert mid == pytest.approx(5e12, rel=3e-3) and mid < 5e12
+
+
+def test_a_killed_benchs_stream_reads_as_its_whole_file(tmp_path, monkeypatch):
+    """bench_step.jsonl (rows and profiles as taken, no meta) gives the rows the finished file would, the config from
+    the model named; the finished file wins where both exist."""
+    import json
+
+    whole = bench("ours@none")
+    prof = whole["meta"]["profiles"]["1x8"]["ours@none"]
+    with open(tmp_path / "bench_step.jsonl", "w") as f:
+        f.write(json.dumps(whole["rows"][0]) + "\n")
+        f.write(json.dumps({"profile_of": "ours@none", "BxS": "1x8", **prof}) + "\n")
+    monkeypatch.setitem(ct.WAN_CONFIGS, "tiny", whole["meta"]["config"])
+    streamed = ct.load_bench(str(tmp_path), "tiny")
+    assert streamed["meta"]["profiles"] == whole["meta"]["profiles"] and streamed["rows"] == whole["rows"]
+    assert ct.ceiling_rows(streamed, KERNELS, 2e12, 0.8) == ct.ceiling_rows(whole, KERNELS, 2e12, 0.8)
+    assert ct.load_bench(str(tmp_path / "bench_step.jsonl"), "1.3b")["meta"]["config"]["num_layers"] == 30
+    (tmp_path / "bench_step.json").write_text(json.dumps({**whole, "rows": []}))
+    assert ct.load_bench(str(tmp_path))["rows"] == []

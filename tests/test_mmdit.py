@@ -122,6 +122,53 @@ def test_padded_text_runs_the_joint_attention_maskless_and_equals_the_masked_run
     assert text_span(holes) == (7, True, None)
 
 
+def test_attention_run_as_key_lengths_is_kept_by_keep_attention_as_under_a_mask():
+    """Every block recomputed and keeping its attention: backward reruns no joint attention whether the padded text
+    runs as key lengths or under the mask (the keep policy tells self-attention by its key count, which key lengths
+    shorten: models/checkpointing.py joint_attention)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from models.checkpointing import attention_ops
+    from models.mmdit import text_span
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += func in attention_ops() and args[1].shape[-2] > L_TEXT  # the joint ones, not the refiner's
+            return func(*args, **(kwargs or {}))
+
+    _, ours = make_pair(TINY)
+    x, kw = inputs(TINY, [4, 7])
+    span = text_span(kw["encoder_attention_mask"])
+    n = len(ours.blocks)
+    reruns = {}
+    for name, spans in (("lengths", span), ("mask", span[:2])):
+        for keep in (0, n):
+            ours.set_activation_checkpointing(n, keep_attention=keep)
+            y = ours(x, **kw, text_span=spans)
+            with Count() as c:
+                (y * y).sum().backward()
+            reruns[name, keep] = c.calls
+    ours.set_activation_checkpointing(False)
+    assert reruns["lengths", 0] > 0 and reruns["mask", 0] > 0  # recomputed blocks rerun their attention
+    assert reruns["lengths", n] == reruns["mask", n] == 0, reruns
+
+
+def test_the_joint_attention_keeps_the_mask_where_key_lengths_would_not_serve():
+    _, ours = make_pair(TINY)
+    mask = torch.arange(L_TEXT)[None, :] < torch.tensor([4, 7])[:, None]
+    x = torch.zeros(1)
+    assert ours._joint_mask(mask, False, (4, 7), 10, x) is None
+    assert ours._joint_mask(mask, True, (4, 7), 10, x) == (14, 17)
+    want = torch.cat([torch.ones(2, 10, dtype=torch.bool), mask], 1)[:, None, None, :]
+    assert torch.equal(ours._joint_mask(mask, True, None, 10, x), want)  # a row with holes
+    ours.blocks[0].compile()  # lazy: nothing compiles until a call
+    assert torch.equal(ours._joint_mask(mask, True, (4, 7), 10, x), want)  # compiled blocks: one mask, no recompiles
+
+
 def test_padded_text_is_ignored_and_all_zero_mask_is_finite():
     _, ours = make_pair(TINY)
     x, kw = inputs(TINY, [4, 7])

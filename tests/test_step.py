@@ -368,6 +368,18 @@ def test_profiler_writes_a_trace_per_profiled_step_into_one_folder(tmp_path):
                                                         "step3_rank0.json", "step3_rank0_split.json"]
 
 
+def test_one_cuda_graph_serves_mmdit_batches_whose_text_rows_differ_in_length():
+    from types import SimpleNamespace
+
+    from training.step import graph_key
+
+    batch = SimpleNamespace(bucket="i480", latents=torch.zeros(2, 4, 1, 8, 8), text=torch.zeros(2, 9, 16))
+    key = lambda span: graph_key(batch, 3, {"extra.encoder_attention_mask": 0}, {"text_span": span})  # noqa: E731
+    assert key((7, True, (4, 7))) == key((7, True, (7, 5))) == key((7, True, (7, 7)))  # the capture runs the mask
+    assert key((7, True, (4, 7))) != key((7, True, None)) != key((6, True, None)) != key((7, False, None))
+    assert key((7, True)) != key((6, True))  # a caller's two-element span
+
+
 def test_step_split_sums_each_kernel_kind_and_the_gpu_idle_inside_the_step():
     """A traced step's device time by kind (µs in, ms out) and the idle time between its kernels: the span less the
     union of the kernels, overlapping kernels counted once in the union."""
@@ -384,7 +396,9 @@ def test_step_split_sums_each_kernel_kind_and_the_gpu_idle_inside_the_step():
               ev("nvjet_tst_128x256_64x4", 2_500, 4_000),     # overlaps the attention by 500 µs
               ev("_fwd_kernel", 6_000, 6_500),                 # a gap of 2 ms before it
               ev("void multi_tensor_apply_kernel<FusedAdamMathFunctor>", 7_000, 7_200),
-              ev("void at::native::vectorized_elementwise_kernel<4, add>", 7_200, 8_000)]
+              ev("void at::native::vectorized_elementwise_kernel<4, add>", 7_200, 8_000),
+              SimpleNamespace(name="Optimizer.step#AdamW.step", device_type=DeviceType.CUDA, thread=0,
+                              is_user_annotation=True, time_range=SimpleNamespace(start=6_600, end=7_300))]
     got = step_split(events)
     assert got["span_ms"] == 7.0 and got["busy_ms"] == 4.5 and got["idle_ms"] == pytest.approx(2.5)  # gaps: 2 + 0.5
     assert (got["attention_ms"], got["gemm_ms"], got["ours (triton)_ms"], got["optimizer_ms"], got["other_ms"]) == \

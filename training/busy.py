@@ -57,7 +57,8 @@ def step_split(events) -> dict:
     start to the last one's end, and the GPU's idle time inside it (the span less the union of the kernels: the
     host behind, a sync, the data), with the longest gaps as [ms, kernel before, kernel after]."""
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                     if e.device_type == DeviceType.CUDA and not SLOT.match(e.name))
+                     if e.device_type == DeviceType.CUDA and not SLOT.match(e.name)
+                     and not getattr(e, "is_user_annotation", False))  # a range's GPU span (AdamW.step's) is no kernel
     if not kernels:
         return {}
     kinds: dict = {}

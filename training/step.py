@@ -152,8 +152,7 @@ def train_step(parts: TrainParts, batches: Iterable[Batch], loss_norm: float, ep
             inputs.update(extra)
             if dev.type == "cuda":  # page-locked: the copies below then return at once instead of waiting
                 inputs = {n: v.pin_memory() if v.device.type == "cpu" else v for n, v in inputs.items()}
-            key = (batch.bucket, tuple(batch.latents.shape), tuple(batch.text.shape), str(decision),
-                   tuple(sorted(extra)), tuple(sorted(fixed.items())))
+            key = graph_key(batch, decision, extra, fixed)
             # where the forward's end is marked: a graph's replays re-record the event its capture made there
             mark = graphs.marks.setdefault(key, {}) if graphs is not None else {}
 
@@ -194,6 +193,16 @@ def train_step(parts: TrainParts, batches: Iterable[Batch], loss_norm: float, ep
     # optim_s is then the host's time from the end of the micro-batches to the update being issued.
     st.optim_s = time.perf_counter() - t0
     return st
+
+
+def graph_key(batch, decision, extra: dict, fixed: dict) -> tuple:
+    """The CUDA graph a micro-batch replays: its bucket, shapes, recompute decision, which tensors it feeds and the
+    model's non-tensor inputs, but of the MMDiT's text_span only (keep, masked, whether rows are known): a capture
+    runs the mask (models/mmdit.py), so the rows' lengths would only split one graph into a graph per pattern."""
+    fixed = {n: (tuple(v[:2]) + (v[2] is not None,) if n == "text_span" and v is not None and len(v) > 2 else v)
+             for n, v in fixed.items()}
+    return (batch.bucket, tuple(batch.latents.shape), tuple(batch.text.shape), str(decision), tuple(sorted(extra)),
+            tuple(sorted(fixed.items())))
 
 
 @torch.no_grad()

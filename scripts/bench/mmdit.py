@@ -3,10 +3,12 @@ fwd+bwd under bf16 autocast with fp32 master weights, 480p 33f latent (N 14040) 
 
     python scripts/bench/mmdit.py [--out DIR]      (GPU: results/mmdit_h200.md)
 
-Columns: ours@flash and ours@auto (model.attention_backend: auto is cuDNN on Hopper for a micro-batch whose text
-padding trims away, flash where a mask remains); diffusers@default (its native backend: torch's choice, flash) and
-diffusers@cudnn (set_attention_backend("_native_cudnn"); diffusers always passes a mask, so cuDNN gets one: a failure
-or a non-finite loss is recorded, not fatal).
+Columns: ours@flash and ours@auto (model.attention_backend: auto is cuDNN on Hopper; padded text whose valid tokens
+are a prefix runs as key lengths, without a mask: models/layers.py KeyLengths); diffusers@default (its native
+backend: torch's choice) and diffusers@cudnn (set_attention_backend("_native_cudnn"); diffusers always passes a mask,
+so cuDNN gets one: a failure or a non-finite loss is recorded, not fatal). The text lengths are the same at every
+repetition, so cuDNN's plan for each shape is built once, in the untimed steps: a run whose lengths change step by
+step also pays a plan build at each new length.
 
 A benchmark script, never a test: prints rows and writes bench_mmdit.json into --out (default runs/bench/mmdit).
 Each row: the median of 3 timed steps after 2 untimed ones, and the peak GiB over all five.
