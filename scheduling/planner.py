@@ -34,8 +34,8 @@ The loss's denominator (`StepPlan.loss_norm`, contracts §3): a windowed step's 
 step, so its loss divides by the window's real samples ÷ its steps (the window's mean a step, which every rank
 computes from the plan without communication) instead of the step's own count: every sample of a window then weighs
 the same, 1 / loss_norm, whichever of its steps it lands in, and the window's steps together weigh W, as W steps of
-the mean size would. For stream and sorted it is the step's own count (num_samples): the loss of a one-step plan
-is unchanged.
+the mean size would. For stream, sorted and reformed it is the step's own count (num_samples): the loss of a
+one-step plan is unchanged.
 Every rank runs the same number of slots; an empty (rank, slot) runs one sample of the cheapest bucket with loss
 weight 0 (a padding micro-batch). The epoch's last step may have fewer slots, never a hang.
 
