@@ -207,7 +207,8 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str, kept_val
 
     def plan_at(epoch: int, pos: int):
         return plan_step(corpus.table, cfg.train.seed, epoch, pos, ctx.world_size, schedule.strategy,
-                         micro_batches, batch_sizes, schedule.cost_fn, window=schedule.window, planner=schedule.planner)
+                         micro_batches, batch_sizes, schedule.cost_fn, window=schedule.window, planner=schedule.planner,
+                         m_mem=schedule.m_mem)
 
     # 9. the loop
     bar = None

@@ -18,8 +18,9 @@ class SchedulingConfig:
     m_comp: Optional[float] = None              # dual_constraint: bound on B·S^p
     p: Optional[float] = None                   # dual_constraint: exponent
     target_microbatch_ms: Optional[float] = None  # cost / balanced: predicted fwd+bwd ms per micro-batch
-    planner: Optional[str] = None               # stream | sorted | windowed; null: the rule's default (balanced:
-                                                # sorted, windowed when window > 1; the other rules: stream)
+    planner: Optional[str] = None               # stream | sorted | windowed | reformed (needs m_mem); null: the
+                                                # rule's default (balanced: sorted, windowed when window > 1; the
+                                                # other rules: stream)
     window: int = 1                             # steps planned together (planner windowed)
     calibration: Optional[str] = None           # JSON written by scripts/calibrate.py; `auto`: the trainer finds
                                                 # one for this model and device, or measures it on first use

@@ -1,7 +1,7 @@
 """The planner: which samples go to which rank and micro-batch, for every batch rule (docs/contracts.md §3).
 
     plan, next_pos = plan_step(samples, seed, epoch, pos, world_size, strategy, micro_batches, batch_sizes,
-                               cost_fn, window=1, planner=None)
+                               cost_fn, window=1, planner=None, m_mem=None)
 
 A pure function of sample metadata and the global sample position `pos` within the epoch: every rank computes the
 same plan without communication, and a resumed run — on the same or another world size — continues from the
@@ -23,6 +23,10 @@ each bucket's B, the planner assigns a step's micro-batches to (rank, slot). Any
                epoch's start — sorted and cut into groups of R together, which makes the groups tighter than one
                step's R·M allow; the groups are dealt to the window's steps in snake order (each step gets a
                cross-section of costs) and each step assigns its groups as `sorted` does
+    reformed   one step, stream's samples (the same R·M micro-batches' samples, the same next_pos), its
+               micro-batches RE-FORMED by the cost model: regrouped into one-bucket micro-batches of any
+               B ≤ ⌊m_mem / S⌋ and into a number of slots of its own (`reform`); m_mem (tokens a micro-batch, the
+               memory bound) is needed. The objective is stream's: every sample weight 1, loss_norm the step's count
 Default (planner None, `default_planner`): `balanced` is the cost rule planned `sorted` (`windowed` when window > 1);
 the other rules run `stream`, where a window is ignored.
 
@@ -30,8 +34,8 @@ The loss's denominator (`StepPlan.loss_norm`, contracts §3): a windowed step's 
 step, so its loss divides by the window's real samples ÷ its steps (the window's mean a step, which every rank
 computes from the plan without communication) instead of the step's own count: every sample of a window then weighs
 the same, 1 / loss_norm, whichever of its steps it lands in, and the window's steps together weigh W, as W steps of
-the mean size would. For stream and sorted it is the step's own count (num_samples): the loss of a one-step plan
-is unchanged.
+the mean size would. For stream, sorted and reformed it is the step's own count (num_samples): the loss of a
+one-step plan is unchanged.
 Every rank runs the same number of slots; an empty (rank, slot) runs one sample of the cheapest bucket with loss
 weight 0 (a padding micro-batch). The epoch's last step may have fewer slots, never a hang.
 
@@ -52,7 +56,7 @@ import numpy as np
 from scheduling.batching import STRATEGIES
 
 CostFn = Callable[[int, int], float]  # (B, S) -> predicted forward+backward ms
-PLANNERS = ("stream", "sorted", "windowed")
+PLANNERS = ("stream", "sorted", "windowed", "reformed")
 
 
 def default_planner(strategy: str, window: int = 1) -> str:
@@ -238,12 +242,14 @@ def _lpt(groups_KR: np.ndarray, pred: np.ndarray, world_size: int, pad_ms: float
 
 def plan_step(samples: SampleTable, seed: int, epoch: int, pos: int, world_size: int, strategy: str,
               micro_batches: int, batch_sizes: Sequence[int], cost_fn: CostFn,
-              window: int = 1, planner: Optional[str] = None) -> tuple[StepPlan, int]:
+              window: int = 1, planner: Optional[str] = None,
+              m_mem: Optional[float] = None) -> tuple[StepPlan, int]:
     """The plan of the step that starts at sample position `pos` of `epoch`; returns it and the next position.
 
     batch_sizes[b] is bucket b's B under the strategy (scheduling/batching.py); cost_fn(B, S) predicts ms;
-    window: steps planned together (planner windowed); planner: stream, sorted or windowed, None: the strategy's
-    default (see the module docstring).
+    window: steps planned together (planner windowed); planner: stream, sorted, windowed or reformed, None: the
+    strategy's default (see the module docstring); m_mem: the memory bound on B·S a re-formed micro-batch keeps
+    (planner reformed only).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"scheduling.strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -252,6 +258,10 @@ def plan_step(samples: SampleTable, seed: int, epoch: int, pos: int, world_size:
     if window < 1:
         raise ValueError(f"scheduling.window must be ≥ 1, got {window}")
     planner = resolve_planner(strategy, window, planner)
+    if planner == "reformed" and m_mem is None:
+        raise ValueError("scheduling.planner=reformed re-forms micro-batches up to the memory bound m_mem (tokens a "
+                         "micro-batch), which is not known here: set scheduling.m_mem, or scheduling.calibration "
+                         "with a memory model (or scheduling.mem_budget_gib)")
     n_buckets = int(samples.bucket.max()) + 1
     if len(batch_sizes) < n_buckets or min(batch_sizes[:n_buckets]) < 1:
         raise ValueError(f"batch_sizes must give every bucket a B ≥ 1, got {list(batch_sizes)}")
@@ -264,7 +274,7 @@ def plan_step(samples: SampleTable, seed: int, epoch: int, pos: int, world_size:
         found = _window_step(lay, samples, pos, R, M, window, cost_fn, pad)
         if found is not None:
             grid, next_pos, norm = found
-            return StepPlan(epoch, pos, next_pos, _fill(grid, pad), norm), next_pos
+            return StepPlan(epoch, pos, next_pos, pad_grid(grid, pad), norm), next_pos
         j0 = lay.position_to_index(pos)  # resumed from another world size: unwindowed up to the next window
         j1 = min(j0 + R * M, (j0 // (window * R * M) + 1) * window * R * M, len(lay))
     else:
@@ -276,11 +286,13 @@ def plan_step(samples: SampleTable, seed: int, epoch: int, pos: int, world_size:
         grid = [[None] * slots for _ in range(R)]
         for j, mb in enumerate(mbs):
             grid[j % R][j // R] = mb
+    elif planner == "reformed":
+        grid = reform(mbs, R, cost_fn, m_mem, pad.pred_ms)
     else:
         idx = deal_balanced(np.array([mb.pred_ms for mb in mbs]), R, slots, pad.pred_ms)
         grid = [[mbs[i] if i >= 0 else None for i in row] for row in idx]
     next_pos = int(lay.starts[j1])
-    return StepPlan(epoch, int(lay.starts[j0]), next_pos, _fill(grid, pad)), next_pos
+    return StepPlan(epoch, int(lay.starts[j0]), next_pos, pad_grid(grid, pad)), next_pos
 
 
 def _micro_batch(lay: _Layout, samples: SampleTable, j: int, cost_fn: CostFn) -> MicroBatch:
@@ -290,7 +302,8 @@ def _micro_batch(lay: _Layout, samples: SampleTable, j: int, cost_fn: CostFn) ->
                       float(cost_fn(len(rows), S)))
 
 
-def _fill(grid, pad: MicroBatch) -> tuple[tuple[MicroBatch, ...], ...]:
+def pad_grid(grid, pad: MicroBatch) -> tuple[tuple[MicroBatch, ...], ...]:
+    """The grid's empty (rank, slot)s (None) hold the padding micro-batch."""
     return tuple(tuple(mb if mb is not None else pad for mb in row) for row in grid)
 
 
@@ -325,6 +338,107 @@ def _window_step(lay: _Layout, samples: SampleTable, pos: int, R: int, M: int, W
             return [[mbs[i] if i >= 0 else None for i in row] for row in idx], base + offset + count, norm
         offset += count
     return None
+
+
+# ------------------------------------------------------------------------- re-forming a step's micro-batches
+@dataclass(frozen=True)
+class PerSample:
+    """Each bucket's cheapest per-sample time within the memory bound: e[S] = min_B t(B, S) / B over
+    1 ≤ B ≤ B_max[S] = ⌊m_mem / S⌋, t1[S] = t(1, S), w[S] = B_max[S] · e[S] (the most work one micro-batch
+    holds)."""
+    e: dict
+    t1: dict
+    w: dict
+    B_max: dict
+
+    @classmethod
+    def of(cls, t: CostFn, S_list: Sequence[int], m_mem: float) -> "PerSample":
+        e, t1, w, bmax = {}, {}, {}, {}
+        for S in S_list:
+            bmax[S] = max(1, int(m_mem // S))
+            e[S] = min(float(t(B, S)) / B for B in range(1, bmax[S] + 1))
+            t1[S], w[S] = float(t(1, S)), bmax[S] * e[S]
+        return cls(e, t1, w, bmax)
+
+
+def _greedy_slots(counts: dict, S_of: dict, R: int, t: CostFn, ps: PerSample, slots: int,
+          slack: float) -> list[list[tuple[int, int]]]:
+    """Slots of (bucket, B): slot j's cap is the longest single sample left or slack × the work left ÷ (R · slots
+    left); each rank takes the one-bucket micro-batch of largest t within the cap (ties: the longer S, coarse
+    samples first)."""
+    left, out = dict(counts), []
+    while any(left.values()):
+        live = [b for b, n in left.items() if n]
+        work = sum(left[b] * ps.e[S_of[b]] for b in live)
+        cap = max(max(t(1, S_of[b]) for b in live), slack * work / (R * max(1, slots - len(out))))
+        slot = []
+        for _ in range(R):
+            best = None
+            for b in live:
+                S = S_of[b]
+                B = min(left[b], ps.B_max[S])
+                while B > 1 and t(B, S) > cap:
+                    B -= 1
+                if left[b] and t(B, S) <= cap and (best is None or (t(B, S), S, b) > best[0]):
+                    best = ((t(B, S), S, b), b, B)
+            if best is None:
+                break
+            _, b, B = best
+            left[b] -= B
+            slot.append((b, B))
+        out.append(slot)
+    return out
+
+
+SLACKS = (1.0, 1.03, 1.06, 1.1, 1.2)
+
+
+def reform(mbs: Sequence[MicroBatch], R: int, cost_fn: CostFn, m_mem: float,
+           pad_ms: float) -> list[list[Optional[MicroBatch]]]:
+    """(R, K) grid (None: a padding micro-batch of pad_ms) holding the real samples of `mbs`, regrouped by bucket
+    into micro-batches of B ≤ max(1, ⌊m_mem / S⌋) and K slots of its own, that minimises the predicted step time
+    Σ_k max_r cost_fn(B_rk, S_rk): slot after slot each rank takes the one-bucket micro-batch of largest
+    predicted time within the slot's cap, the cap being the longest sample left or the work left spread over the
+    slots left (_greedy_slots), tried for a few slot counts and slacks; `sorted`'s placement of `mbs` as they are is a
+    candidate too, so a re-formed step is never predicted slower than sorted (nor than stream). Samples keep
+    their order within a bucket; the result is a deterministic function of its arguments."""
+    by_b: dict = {}
+    S_of: dict = {}
+    for mb in mbs:
+        for i, wt in zip(mb.ids, mb.weights):
+            if wt > 0:
+                by_b.setdefault(mb.bucket, []).append(i)
+                S_of[mb.bucket] = mb.S
+    if not by_b:
+        return [[None] for _ in range(R)]
+    memo: dict = {}
+
+    def t(B, S):
+        if (B, S) not in memo:
+            memo[(B, S)] = float(cost_fn(B, S))
+        return memo[(B, S)]
+
+    def step_ms(grid) -> float:
+        return sum(max(mb.pred_ms if mb is not None else pad_ms for mb in col) for col in zip(*grid))
+
+    ps = PerSample.of(t, sorted(set(S_of.values())), m_mem)
+    counts = {b: len(ids) for b, ids in by_b.items()}
+    low = max(1, math.ceil(sum(n * ps.e[S_of[b]] for b, n in counts.items()) / (R * max(ps.w.values()))))
+    real = [mb for mb in mbs if mb.num_real]
+    cands = []
+    if all(mb.B <= ps.B_max[mb.S] for mb in real):  # the table's micro-batches, sorted
+        idx = deal_balanced(np.array([mb.pred_ms for mb in real]), R, max(1, math.ceil(len(real) / R)), pad_ms)
+        cands.append([[real[i] if i >= 0 else None for i in row] for row in idx])
+    for fill in (_greedy_slots(counts, S_of, R, t, ps, k, s) for k in range(low, low + 4) for s in SLACKS):
+        taken = {b: 0 for b in by_b}
+        grid: list[list[Optional[MicroBatch]]] = [[None] * len(fill) for _ in range(R)]
+        for k, slot in enumerate(fill):
+            for r, (b, B) in enumerate(slot):
+                ids = by_b[b][taken[b]:taken[b] + B]
+                taken[b] += B
+                grid[r][k] = MicroBatch(b, tuple(ids), (1.0,) * B, S_of[b], t(B, S_of[b]))
+        cands.append(grid)
+    return min(cands, key=step_ms)  # the first of equals: the table's micro-batches where re-forming gains nothing
 
 
 def _padding(samples: SampleTable, cost_fn: CostFn) -> MicroBatch:

@@ -57,12 +57,17 @@ class Schedule:
     sources: dict = field(default_factory=dict)  # knob → where its value came from
     values: dict = field(default_factory=dict)   # knob → the value used (m_mem, m_tokens, m_comp, p, target ms)
     window: int = 1
-    planner: str = "stream"              # stream | sorted | windowed (scheduling/planner.py)
+    planner: str = "stream"              # stream | sorted | windowed | reformed (scheduling/planner.py)
     micro_batches: Optional[int] = None  # M chosen for scheduling.tokens_per_step (None: train.micro_batches)
     # model.checkpointing=auto: (B, S) → blocks to recompute, or (blocks, of them keeping attention) with
     # model.keep_attention
     recompute_blocks: Optional[Callable[[int, int], object]] = None
     notes: list = field(default_factory=list)    # warnings for the log (e.g. a bucket over the target ms)
+
+    @property
+    def m_mem(self) -> Optional[float]:
+        """The memory bound on B·S (tokens a micro-batch), None where the run does not know it."""
+        return self.values.get("m_mem")
 
     def table(self, tokens: Mapping[str, int]) -> str:
         rows = [f"{'bucket':<16}{'S':>8}{'B':>6}{'B·S':>10}{'pred ms':>10}"]
@@ -418,6 +423,11 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
                          "one sample per micro-batch")
     planner = resolve_planner(s, window, cfg.planner)
     src["planner"] = "config" if cfg.planner is not None else f"default for {s}"
+    if planner == "reformed" and m_mem is None:
+        raise ValueError("scheduling.planner=reformed re-forms each step's micro-batches up to the memory bound "
+                         "m_mem, which this run does not know: set scheduling.m_mem (tokens a micro-batch), or "
+                         "scheduling.calibration to a file with a memory model (scheduling.mem_budget_gib "
+                         "optional)")
     if window > 1:
         src.setdefault("window", "config")
         if planner != "windowed":

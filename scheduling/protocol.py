@@ -248,7 +248,7 @@ def best_at_g(inp: Inputs, mix: Mix, strategy: str, R: int, g: float, truth=None
 # Rows: the batch rules. balanced's rule is cost's (balanced = the cost rule planned sorted or windowed), so its
 # row is cost's. Columns: the planners; "best W" is the best of the windowed columns.
 MATRIX_RULES = ("equal_token", "dual_constraint", "cost")
-MATRIX_PLANNERS = (("stream", 1), ("sorted", 1), ("windowed", 2), ("windowed", 4), ("windowed", 8))
+MATRIX_PLANNERS = (("stream", 1), ("sorted", 1), ("reformed", 1), ("windowed", 2), ("windowed", 4), ("windowed", 8))
 PAPER = ("dual_constraint", "stream")  # the paper's system: the dual-constraint rule in stream order
 
 

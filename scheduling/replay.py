@@ -147,7 +147,7 @@ def evaluate(plans: Sequence[StepPlan], times: TimeSource = None,
 
 def plan_steps(table: SampleTable, seed: int, world_size: int, strategy: str, micro_batches: int,
                batch_sizes: Sequence[int], cost_fn: CostFn, steps: int, window: int = 1, epoch: int = 0,
-               pos: int = 0, planner: Optional[str] = None) -> list[StepPlan]:
+               pos: int = 0, planner: Optional[str] = None, m_mem: Optional[float] = None) -> list[StepPlan]:
     """`steps` consecutive plans from (epoch, pos), as training makes them: the epoch rolls over when its last
     entry has been planned (a caller that wants one epoch checks `plans[-1].epoch`)."""
     if steps < 1:
@@ -155,7 +155,7 @@ def plan_steps(table: SampleTable, seed: int, world_size: int, strategy: str, mi
     plans = []
     for _ in range(steps):
         plan, next_pos = plan_step(table, seed, epoch, pos, world_size, strategy, micro_batches, batch_sizes,
-                                   cost_fn, window=window, planner=planner)
+                                   cost_fn, window=window, planner=planner, m_mem=m_mem)
         plans.append(plan)
         epoch, pos = advance(epoch, next_pos, table)
     return plans

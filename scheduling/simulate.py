@@ -121,13 +121,16 @@ def tokens_per_step(mix: Mix, sizes: Sequence[int], M: int) -> float:
 
 
 def plan_run(cost_fn: Callable[[int, int], float], mix: Mix, strategy: str, sizes: Sequence[int], R: int, M: int,
-             steps: int, seed: int = 0, window: int = 1, planner: Optional[str] = None) -> list:
-    """The K = `steps` plans a simulated run makes: an epoch of the mix drawn from `seed`, planned from its start."""
+             steps: int, seed: int = 0, window: int = 1, planner: Optional[str] = None,
+             m_mem: Optional[float] = None) -> list:
+    """The K = `steps` plans a simulated run makes: an epoch of the mix drawn from `seed`, planned from its start
+    (m_mem: the memory bound, which planner=reformed needs)."""
     n = int(math.ceil(samples_per_step(mix, sizes, R, M) * steps * 1.1)) + R * M * max(sizes)
     table = mix.table(n, seed)
     plans, pos = [], 0
     for _ in range(steps):
-        plan, pos = plan_step(table, seed, 0, pos, R, strategy, M, sizes, cost_fn, window=window, planner=planner)
+        plan, pos = plan_step(table, seed, 0, pos, R, strategy, M, sizes, cost_fn, window=window, planner=planner,
+                              m_mem=m_mem)
         plans.append(plan)
         if pos >= len(table):
             raise AssertionError("the simulated epoch ran out: samples_per_step underestimates")
@@ -137,14 +140,15 @@ def plan_run(cost_fn: Callable[[int, int], float], mix: Mix, strategy: str, size
 def simulate(cost_fn: Callable[[int, int], float], mix: Mix, strategy: str, sizes: Sequence[int], R: int,
              M: int = 4, steps: int = 50, seed: int = 0, residuals: Optional[Sequence[float]] = None,
              optim_ms: float = 0.0, window: int = 1, setting: Optional[dict] = None,
-             cluster: Optional[Cluster] = None, planner: Optional[str] = None) -> SimResult:
+             cluster: Optional[Cluster] = None, planner: Optional[str] = None,
+             m_mem: Optional[float] = None) -> SimResult:
     """K = `steps` steps of the planner (which predicts with cost_fn) on the mix. Each micro-batch takes what
     `cluster` says (scheduling/truth.py: measured times, FSDP's collectives, slow ranks); without one, the old
-    mode: cost_fn's prediction × (1 + ε), ε bootstrapped from `residuals`. planner: stream, sorted or windowed
-    (None: the strategy's default, scheduling/planner.py)."""
+    mode: cost_fn's prediction × (1 + ε), ε bootstrapped from `residuals`. planner: stream, sorted, windowed or
+    reformed (None: the strategy's default, scheduling/planner.py); m_mem: the memory bound reformed needs."""
     planner = resolve_planner(strategy, window, planner)
     cluster = cluster or Cluster(ModelTruth(cost_fn, residuals))
-    plans = plan_run(cost_fn, mix, strategy, sizes, R, M, steps, seed, window, planner)
+    plans = plan_run(cost_fn, mix, strategy, sizes, R, M, steps, seed, window, planner, m_mem)
     rng = np.random.default_rng([seed, 17])
     run = summarize([StepTimes.of(plan, cluster.times(plan, rng), optim_ms) for plan in plans])
     tokens = np.array([plan.tokens for plan in plans], dtype=np.float64)
@@ -226,7 +230,8 @@ def sweep(cost_fn, mix: Mix, strategy: str, R: int, *, p: Optional[float], m_mem
         if tuple(sizes) in seen:
             return False
         seen.add(tuple(sizes))
-        runs.append(simulate(cost_fn, mix, strategy, sizes, R, M, steps, seed, residuals, optim_ms, window, setting))
+        runs.append(simulate(cost_fn, mix, strategy, sizes, R, M, steps, seed, residuals, optim_ms, window, setting,
+                             m_mem=m_mem))
         return True
 
     points = [r for r in (runs[-1] if run(g) else None for g in settings_for(strategy, mix, cost_fn, p, m_mem,
@@ -249,7 +254,7 @@ def sweep(cost_fn, mix: Mix, strategy: str, R: int, *, p: Optional[float], m_mem
         if sizes_for(strategy, mix, mid, cost_fn) == best.batch_sizes:
             setting = mid
     return simulate(cost_fn, mix, strategy, best.batch_sizes, R, M, steps, seed + 1, residuals, optim_ms, window,
-                    setting), runs
+                    setting, m_mem=m_mem), runs
 
 
 # ------------------------------------------------------------------------------------ a fixed global batch
@@ -301,7 +306,7 @@ def sweep_at_tokens(cost_fn, mix: Mix, strategy: str, R: int, g: float, *, p: Op
     cands = settings_at_tokens(strategy, mix, cost_fn, p, m_mem, g, M_max, per_M)
     if not cands:
         raise ValueError(f"no {strategy} setting holds {g:,.0f} tokens per rank per step within ±10 % (M ≤ {M_max})")
-    kw = dict(residuals=residuals, optim_ms=optim_ms, window=window, cluster=cluster, planner=planner)
+    kw = dict(residuals=residuals, optim_ms=optim_ms, window=window, cluster=cluster, planner=planner, m_mem=m_mem)
     runs = [simulate(cost_fn, mix, strategy, sizes, R, M, max(8, math.ceil(mbs / (R * M))), seed, setting=st, **kw)
             for st, sizes, M in cands]
     steady = [r for r in runs if tokens_cv is None or r.tokens_step_cv <= tokens_cv]

@@ -22,21 +22,20 @@ at its cheapest per-sample cost e_S = min_B t(B, S) / B; W = Σ e over the step'
                      (R − min(n*, R)) · (t(1, S*) − w_o), and every further slot holds that slot's missing work.
 Throughput bounds: Σ tokens / Σ_steps (bound + optim_ms / R) over the steps of a run.
 
-`reform_step` is a planner of that second kind (one step, its samples kept, micro-batches re-formed by the cost
-model): slot after slot, each rank takes the one-bucket micro-batch of largest predicted time within the slot's
-cap, the cap being the longest sample left or the work left spread over the slots left; tried for a few slot counts
-and slacks, the least predicted Σ_k max_r kept. It changes micro-batch sizes step by step, so its micro-batches run
-at (S, B) the batch table never uses (the truth interpolates them).
+`reform_step` applies a planner of that second kind to a planned step: scheduling.planner=reformed's `reform`
+(scheduling/planner.py: one step, its samples kept, micro-batches re-formed by the cost model; slot after slot,
+each rank takes the one-bucket micro-batch of largest predicted time within the slot's cap, tried for a few slot
+counts and slacks, the least predicted Σ_k max_r kept, sorted's placement of the table's micro-batches among the
+candidates). It changes micro-batch sizes step by step, so its micro-batches run at (S, B) the batch table never
+uses (the truth interpolates them).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from scheduling.planner import MicroBatch, StepPlan
+from scheduling.planner import MicroBatch, PerSample, StepPlan, pad_grid, reform
 
 TimeFn = Callable[[int, int], float]  # (B, S) → ms
 
@@ -55,26 +54,6 @@ def slot_optimum(costs: Sequence[float], R: int) -> float:
     module docstring's proof); sorted groups of R reach it."""
     c = np.sort(np.asarray(costs, dtype=np.float64))[::-1]
     return float(c[::R].sum())
-
-
-@dataclass(frozen=True)
-class PerSample:
-    """Each bucket's cheapest per-sample time within the memory bound: e[S] = min_B t(B, S) / B over
-    1 ≤ B ≤ B_max[S] = ⌊m_mem / S⌋, t1[S] = t(1, S), w[S] = B_max[S] · e[S] (the most work one micro-batch
-    holds)."""
-    e: dict
-    t1: dict
-    w: dict
-    B_max: dict
-
-    @classmethod
-    def of(cls, t: TimeFn, S_list: Sequence[int], m_mem: float) -> "PerSample":
-        e, t1, w, bmax = {}, {}, {}, {}
-        for S in S_list:
-            bmax[S] = max(1, int(m_mem // S))
-            e[S] = min(float(t(B, S)) / B for B in range(1, bmax[S] + 1))
-            t1[S], w[S] = float(t(1, S)), bmax[S] * e[S]
-        return cls(e, t1, w, bmax)
 
 
 def reform_bounds(counts: Mapping[int, int], R: int, ps: PerSample) -> tuple[float, float]:
@@ -102,74 +81,17 @@ def step_counts(plan: StepPlan) -> dict:
     return out
 
 
-# ---------------------------------------------------------------------------- a planner that re-forms a step
-def _fill(counts: dict, R: int, t: TimeFn, B_max: Mapping[int, int], e: Mapping[int, float], slots: int,
-          slack: float) -> list[list[tuple[int, int]]]:
-    """Slots of (S, B): slot j's cap is the longest single sample left or slack × the work left ÷ (R · slots left);
-    each rank takes the micro-batch of largest t within the cap (ties: the longer S, coarse samples first)."""
-    left, out = dict(counts), []
-    while any(left.values()):
-        live = [S for S, n in left.items() if n]
-        work = sum(left[S] * e[S] for S in live)
-        cap = max(max(t(1, S) for S in live), slack * work / (R * max(1, slots - len(out))))
-        slot = []
-        for _ in range(R):
-            best = None
-            for S in live:
-                B = min(left[S], B_max[S])
-                while B > 1 and t(B, S) > cap:
-                    B -= 1
-                if left[S] and t(B, S) <= cap and (best is None or (t(B, S), S) > best[0]):
-                    best = ((t(B, S), S), S, B)
-            if best is None:
-                break
-            _, S, B = best
-            left[S] -= B
-            slot.append((S, B))
-        out.append(slot)
-    return out
-
-
-SLACKS = (1.0, 1.03, 1.06, 1.1, 1.2)
-
-
 def reform_step(plan: StepPlan, cost_fn: TimeFn, m_mem: float) -> StepPlan:
-    """The step's real samples re-formed into one-bucket micro-batches and slots (module docstring) by the cost
-    model's prediction; the same samples, its own number of slots, an empty (rank, slot) padded as the planner pads
-    (one sample of the step's shortest bucket, loss weight 0)."""
-    R = plan.world_size
-    by_S: dict = {}
-    bucket_of: dict = {}
-    for rank in plan.ranks:
-        for mb in rank:
-            for i, wt in zip(mb.ids, mb.weights):
-                if wt > 0:
-                    by_S.setdefault(mb.S, []).append(i)
-                    bucket_of[mb.S] = mb.bucket
-    if not by_S:
+    """The step's real samples re-formed by the planner's `reform` (scheduling/planner.py: planner=reformed), an
+    empty (rank, slot) padded with one sample of the step's shortest bucket, loss weight 0: the same samples, the
+    same next_pos."""
+    mbs = [mb for rank in plan.ranks for mb in rank if mb.num_real]
+    if not mbs:
         return plan
-    memo: dict = {}
-
-    def t(B, S):
-        if (B, S) not in memo:
-            memo[(B, S)] = float(cost_fn(B, S))
-        return memo[(B, S)]
-
-    ps = PerSample.of(t, sorted(by_S), m_mem)
-    counts = {S: len(ids) for S, ids in by_S.items()}
-    low = max(1, math.ceil(sum(n * ps.e[S] for S, n in counts.items()) / (R * max(ps.w.values()))))
-    cands = [_fill(counts, R, t, ps.B_max, ps.e, k, s) for k in range(low, low + 4) for s in SLACKS]
-    best = min(cands, key=lambda sl: sum(max(t(B, S) for S, B in slot) for slot in sl))
-    taken = {S: 0 for S in by_S}
-    S0 = min(by_S)
-    pad = MicroBatch(bucket_of[S0], (by_S[S0][0],), (0.0,), S0, t(1, S0))
-    grid = [[pad] * len(best) for _ in range(R)]
-    for k, slot in enumerate(best):
-        for r, (S, B) in enumerate(slot):
-            ids = by_S[S][taken[S]:taken[S] + B]
-            taken[S] += B
-            grid[r][k] = MicroBatch(bucket_of[S], tuple(ids), (1.0,) * B, S, t(B, S))
-    return StepPlan(plan.epoch, plan.pos, plan.next_pos, tuple(tuple(row) for row in grid), plan.window_norm)
+    short = min(mbs, key=lambda mb: mb.S)
+    pad = MicroBatch(short.bucket, short.ids[:1], (0.0,), short.S, float(cost_fn(1, short.S)))
+    grid = reform(mbs, plan.world_size, cost_fn, m_mem, pad.pred_ms)
+    return StepPlan(plan.epoch, plan.pos, plan.next_pos, pad_grid(grid, pad), plan.window_norm)
 
 
 # ------------------------------------------------------------------------------------- a run's bound table

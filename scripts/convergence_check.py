@@ -3,10 +3,15 @@
     python scripts/convergence_check.py --out runs/convergence                 (3 seeds × 4 arms of the tiny default)
     python scripts/convergence_check.py --out runs/convergence --plan          (time one short run, print the estimate)
     python scripts/convergence_check.py --out runs/convergence --report results/convergence_cpu
+    python scripts/convergence_check.py --out runs/conv_reformed --arms reformed --steps 800 \
+        --reference results/convergence_cpu.csv                                  (one arm against stored stream runs)
 
 Every arm trains the tiny default (`python train.py`, the equal_token rule on the synthetic corpus) with the same
 rule, M, steps and learning-rate schedule; only the planner differs: stream, sorted (W = 1), windowed W = 4 and
-W = 8. One process, so R = 1: sorted then holds each step's very samples in another order (a control: its curve
+W = 8, and reformed (stream's samples re-formed into other micro-batches: it runs with the tiny CPU calibration,
+whose chosen m_mem = 960 tokens (8·S_max) is the bound it re-forms within and whose cost model, with its
+per-micro-batch term, merges a step's micro-batches of one bucket; the batch table stays m_tokens = 240's). One
+process, so R = 1: sorted then holds each step's very samples in another order (a control: its curve
 must match stream's up to float rounding), while a window deals a window's micro-batches to its steps in snake
 order, so a step's samples — and their count — change. The loss of a windowed step divides by the window's mean
 real samples a step (training/step.py), so every sample of a window weighs the same.
@@ -42,7 +47,9 @@ sys.path.insert(0, ROOT)  # the repo root
 from training.cli import run_main  # noqa: E402
 from training.compare import read_rows  # noqa: E402
 
-ARMS = {"stream": ("stream", 1), "sorted": ("sorted", 1), "W=4": ("windowed", 4), "W=8": ("windowed", 8)}
+ARMS = {"stream": ("stream", 1), "sorted": ("sorted", 1), "W=4": ("windowed", 4), "W=8": ("windowed", 8),
+        "reformed": ("reformed", 1)}
+ARM_EXTRA = {"reformed": ("scheduling.calibration=results/calibration_cpu_tiny.json",)}  # its m_mem (docstring)
 SETTLED_FROM = 0.25  # the rule compares validations after this fraction of the run
 
 
@@ -58,12 +65,16 @@ def parse_args(argv):
     ap.add_argument("--arms", default=",".join(ARMS), help=f"of {', '.join(ARMS)}")
     ap.add_argument("--plan", action="store_true", help="time a 40- and an 80-step run, print the estimate, stop")
     ap.add_argument("--extra", default="", help="more train.py overrides for every arm, space-separated")
+    ap.add_argument("--reference", default=None, help="an earlier report's CSV: stream's curves are read from it "
+                    "(its runs at the same --steps, --val-every and seeds) instead of run; --arms then omits stream")
     args = ap.parse_args(argv)
     if args.val_every % 8 or args.steps % args.val_every:
         ap.error("--val-every must be a multiple of 8 and divide --steps: the arms must share their x values")
     unknown = set(args.arms.split(",")) - set(ARMS)
     if unknown:
         ap.error(f"unknown arms {sorted(unknown)}: choose from {', '.join(ARMS)}")
+    if args.reference and "stream" in args.arms.split(","):
+        ap.error("--reference reads stream's curves: drop stream from --arms")
     return args
 
 
@@ -72,7 +83,8 @@ def overrides(args, arm: str, seed: int, steps: int, run_dir: str) -> list[str]:
     return [f"name=conv-{arm.replace('=', '')}-s{seed}", f"run_dir={run_dir}", f"data.cache_dir={os.path.join(args.out, 'cache')}",
             f"train.seed={seed}", f"train.steps={steps}", f"train.val_every={args.val_every}", "train.log_every=8",
             "train.progress=false", "logging.wandb=disabled", "checkpoint.every=0", "checkpoint.at_end=false",
-            f"scheduling.planner={planner}", f"scheduling.window={window}", *args.extra.split()]
+            f"scheduling.planner={planner}", f"scheduling.window={window}", *ARM_EXTRA.get(arm, ()),
+            *args.extra.split()]
 
 
 def train(args, arm: str, seed: int, steps: int, run_dir: str) -> float:
@@ -150,6 +162,19 @@ def plot(curves: dict, arms: list[str], path: str) -> None:
     plt.close(fig)
 
 
+def reference_curves(path: str, seeds: list) -> dict:
+    """{seed: [(step, samples_seen, val/loss)]} of stream order's runs in an earlier report's CSV."""
+    out: dict = {}
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            if r["arm"] == "stream" and int(r["seed"]) in seeds:
+                out.setdefault(int(r["seed"]), []).append((int(r["step"]), int(r["samples_seen"]),
+                                                           float(r["val_loss"])))
+    if sorted(out) != sorted(seeds):
+        raise SystemExit(f"{path} holds stream runs of seeds {sorted(out)}, not {sorted(seeds)}")
+    return out
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     arms, seeds = args.arms.split(","), [int(s) for s in args.seeds.split(",")]
@@ -163,6 +188,8 @@ def main(argv=None) -> None:
         return
     t0 = time.perf_counter()
     curves: dict = {arm: {} for arm in arms}
+    if args.reference:
+        curves["stream"] = reference_curves(args.reference, seeds)
     times: dict = {}
     for seed in seeds:  # seed-major: a run cut short still leaves every arm of the first seeds
         for arm in arms:
@@ -190,7 +217,7 @@ def main(argv=None) -> None:
             "verdict": verdict}
     with open(prefix + ".json", "w") as f:
         json.dump(meta, f, indent=1)
-    plot(curves, arms, prefix + ".png")
+    plot(curves, (["stream"] if args.reference else []) + arms, prefix + ".png")
     lines = ["| planner | val/loss at the end: seeds' mean [min, max] | mean after 25 % | − stream, same seed: "
              "after 25 % (at the end, per seed) | largest gap to stream's mean, in stream's spreads | mean inside "
              "stream's spread | may be a default |", "|---|---|---|---|---|---|---|"]

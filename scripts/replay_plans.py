@@ -90,7 +90,7 @@ def parse_args(argv):
     p.add_argument("--factor", type=float, default=None,
                    help="each strategy's knob as the simulator's sweep factor (module docstring)")
     p.add_argument("--window", type=int, default=None, help="scheduling.window (with --planner windowed; default 1)")
-    p.add_argument("--planner", default=None, choices=("stream", "sorted", "windowed"),
+    p.add_argument("--planner", default=None, choices=("stream", "sorted", "windowed", "reformed"),
                    help="scheduling.planner for every entry without its own (default: the rule's)")
     p.add_argument("--calibration", default=None, help="calibration file (default: scheduling.calibration)")
     p.add_argument("--mix", default=None, help="bucket mix as name:share,... (shares of samples)")

@@ -15,7 +15,7 @@ written into --out (a folder; nothing under results/ unless named); --write-chos
 in the calibration file, which training reads for scheduling.tokens_per_step.
 
 The report leads with the matrix (scheduling/protocol.py run_matrix): every batch rule under every planner (stream,
-sorted, windowed W = 2, 4, 8), each cell best-tuned inside the same g (--matrix-g) and memory bound, as tokens/s ÷
+sorted, reformed, windowed W = 2, 4, 8; --planners picks some), each cell best-tuned inside the same g (--matrix-g) and memory bound, as tokens/s ÷
 the paper's system (dual_constraint in stream order), and what of the best cell's gain is the planner's and what
 the batch rule's. It is written to simulation_matrix.csv too.
 """
@@ -85,6 +85,9 @@ def parse_args(argv):
     ap.add_argument("--matrix-g", default="2,3.66", help="g ÷ S_max values of the batch rule × planner matrix "
                     "(--quick: 2)")
     ap.add_argument("--matrix-only", action="store_true", help="the matrix alone, not the strategy comparison")
+    ap.add_argument("--planners", default=None, help="the matrix's columns, e.g. stream,sorted,reformed,W=8 "
+                    "(default: all of " + ",".join(planner_label(p, w) for p, w in MATRIX_PLANNERS) + "; stream "
+                    "is always run: the paper's system is a stream cell)")
     ap.add_argument("--no-matrix", action="store_true", help="the strategy comparison alone")
     ap.add_argument("--w1-bound", action="store_true", help="alone: at each R and --matrix-g, the bounds on any "
                     "planner that keeps each step's samples (no window), on each rule's best sorted table, beside "
@@ -109,6 +112,18 @@ def parse_args(argv):
 COMPARISON_S = {"quick": 30.0, "full": 45.0}
 UNCONSTRAINED_S = 20.0
 MATRIX_ROW_S = {"quick": 35.0, "full": 70.0}
+
+
+def matrix_planners(spec) -> tuple:
+    """The (planner, window) columns --planners names (None: every column of MATRIX_PLANNERS); stream always."""
+    if spec is None:
+        return MATRIX_PLANNERS
+    by_label = {planner_label(p, w): (p, w) for p, w in MATRIX_PLANNERS}
+    want = ["stream"] + [c.strip() for c in spec.split(",") if c.strip() and c.strip() != "stream"]
+    bad = [c for c in want if c not in by_label]
+    if bad:
+        raise SystemExit(f"--planners: unknown column(s) {bad}; choose from {list(by_label)}")
+    return tuple(by_label[c] for c in want)
 
 
 def estimate_s(n_comparisons: int, n_ranks: int, args, n_matrix_rows: int = 0) -> float:
@@ -359,7 +374,8 @@ def main(argv=None) -> None:
         print("\n".join(w1_report(rows)))
         print(f"wrote {path} ({time.perf_counter() - t0:.0f} s)")
         return
-    matrix = {} if args.no_matrix else run_matrix(inp, mix, ranks, matrix_gs, **kw)
+    matrix = {} if args.no_matrix else run_matrix(inp, mix, ranks, matrix_gs, planners=matrix_planners(args.planners),
+                                                  **kw)
     res = None if args.matrix_only else run_fixed_batch(inp, mix, ranks, gs, model_truth=not args.no_model_truth,
                                                         **kw)
     lines = header(inp, cal, args.calibration, mix, ranks, time.perf_counter() - t0)

@@ -432,13 +432,16 @@ def test_the_fixed_batch_protocol_and_the_matrix_on_a_small_cluster_and_what_the
                          "tokens_per_step": r.setting["tokens_per_step"]}
     # the matrix: every rule under every planner, the best window, cells shared through the cache
     cache = {}
-    m = run_matrix(inp, SMALL, ranks=(4,), g_factors=(2.0,), planners=(("stream", 1), ("windowed", 2),
-                                                                        ("windowed", 4)), cache=cache,
-                   log=lambda s: None, **kw)
-    assert set(m) == {(4, 2.0, rule, col) for rule in MATRIX_RULES for col in ("stream", "W=2", "W=4", "best W")}
-    assert len(cache) == 9
+    m = run_matrix(inp, SMALL, ranks=(4,), g_factors=(2.0,), planners=(("stream", 1), ("reformed", 1),
+                                                                        ("windowed", 2), ("windowed", 4)),
+                   cache=cache, log=lambda s: None, **kw)
+    assert set(m) == {(4, 2.0, rule, col) for rule in MATRIX_RULES
+                      for col in ("stream", "reformed", "W=2", "W=4", "best W")}
+    assert len(cache) == 12
     for rule in MATRIX_RULES:
         assert m[(4, 2.0, rule, "stream")].planner == "stream" and m[(4, 2.0, rule, "stream")].window == 1
+        assert m[(4, 2.0, rule, "reformed")].planner == "reformed" and m[(4, 2.0, rule, "reformed")].window == 1
+        assert m[(4, 2.0, rule, "reformed")].tokens_per_s > m[(4, 2.0, rule, "stream")].tokens_per_s
         assert m[(4, 2.0, rule, "W=2")].planner == "windowed" and m[(4, 2.0, rule, "W=2")].window == 2
         assert m[(4, 2.0, rule, "W=4")].window == 4
         assert m[(4, 2.0, rule, "best W")] is max((m[(4, 2.0, rule, c)] for c in ("W=2", "W=4")),

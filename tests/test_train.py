@@ -276,6 +276,47 @@ def test_multirun_gives_every_job_its_own_folder_and_one_wandb_group(tmp_path, c
     assert rows[-1]["step"] == 4 and rows[-1]["train/lr"] == pytest.approx(rows[3]["train/lr"] * 4 / 3, rel=1e-9)
 
 
+def test_reformed_trains_streams_samples_on_the_plans_plan_step_returns(tmp_path, cache, monkeypatch):
+    """scheduling.planner=reformed on the tiny default, M = 6 on one rank (a step holds several micro-batches of a
+    bucket, which re-forming merges up to the calibration's m_mem = 960 tokens): each step runs rank 0's
+    micro-batches of the plan plan_step returns, slot by slot, and trains stream's samples, so samples_seen,
+    tokens_seen and train/loss (t and noise are keyed by sample) match the stream run's to float rounding, in
+    fewer micro-batches of B outside the batch table (15, 10, 5, 2)."""
+    import train
+
+    monkeypatch.chdir(ROOT)
+    made, plan_step = {}, train.plan_step
+
+    def recording(*args, **kw):
+        plan, nxt = plan_step(*args, **kw)
+        made[(args[2], args[3])] = (args, kw, plan)  # (epoch, pos)
+        return plan, nxt
+
+    monkeypatch.setattr(train, "plan_step", recording)
+    common = ("train.steps=3", "train.val_every=3", "train.micro_batches=6",
+              "scheduling.calibration=results/calibration_cpu_tiny.json")
+    run_training(tiny_overrides(str(tmp_path / "stream"), cache, *common, "scheduling.planner=stream"))
+    made.clear()
+    run_training(tiny_overrides(str(tmp_path / "reformed"), cache, *common, "scheduling.planner=reformed"))
+    a = [r for r in read_metrics(str(tmp_path / "stream")) if r["step"] > 0]
+    b = [r for r in read_metrics(str(tmp_path / "reformed")) if r["step"] > 0]
+    assert len(a) == len(b) == 3
+    epoch, pos, merged = 0, 0, 0
+    for ra, rb in zip(a, b):
+        args, kw, plan = made[(epoch, pos)]
+        assert (kw["planner"], kw["m_mem"]) == ("reformed", 960) and plan_step(*args, **kw)[0] == plan
+        assert rb["batch/B"] == [mb.B for mb in plan.ranks[0]] and rb["batch/S"] == [mb.S for mb in plan.ranks[0]]
+        assert all(B * S <= 960 for B, S in zip(rb["batch/B"], rb["batch/S"]))
+        assert (rb["samples_seen"], rb["tokens_seen"]) == (ra["samples_seen"], ra["tokens_seen"])
+        assert rb["train/loss"] == pytest.approx(ra["train/loss"], rel=1e-5)
+        assert sum(B * S for B, S in zip(rb["batch/B"], rb["batch/S"])) == \
+            sum(B * S for B, S in zip(ra["batch/B"], ra["batch/S"]))
+        merged += len(rb["batch/B"]) < len(ra["batch/B"]) and not set(rb["batch/B"]) <= {15, 10, 5, 2}
+        epoch, pos = plan.epoch, plan.next_pos
+    assert merged >= 2
+    assert rb["val/loss"] == pytest.approx(ra["val/loss"], rel=1e-4)
+
+
 @pytest.mark.parametrize("preset", ["wan21_8gpu", "wan21_16gpu", "hunyuan_video", "wan21_1p3b_lora"])
 def test_gpu_presets_run_the_balanced_planner_on_a_calibration_of_their_own(preset):
     from tests.helpers import compose_config

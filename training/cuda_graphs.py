@@ -23,6 +23,8 @@ How it stays exact:
   next used) and is captured first in a fresh pool.
 - Autocast's weight-cast cache must be off inside a capture (`autocast(cache_enabled=False)`); the caller's
   autocast factory takes care of it.
+- scheduling.planner=reformed makes (bucket, B) vary from step to step (B up to the memory bound, not the batch
+  table's): each new key costs one eager run and one capture, and a new largest key a recapture of the others.
 - A capture that fails (a host sync inside `fn`, an op that cannot be captured) leaves that key eager for the rest
   of the run, with one log line; so do keys over `max_tokens` tokens, where kernels outlast the host anyway.
 

@@ -508,7 +508,7 @@ def replay(args: ReplayOptions, command: str) -> dict:
             + R * M * max(sizes)
         table_ = mix.table(n, seed)
         plans = plan_steps(table_, seed, R, sched.strategy, M, sizes, sched.cost_fn, args.warmup + args.steps,
-                           window=sched.window, planner=sched.planner)
+                           window=sched.window, planner=sched.planner, m_mem=sched.m_mem)
         predicted = evaluate(plans[args.warmup:], None, optim_pred)
         device_s = sum(p.pred_ms().sum() for p in plans) / 1e3 / scale
         todo.append(dict(e=e, sizes=sizes, sched=sched, M=M, n=n, plans=plans, predicted=predicted,
