@@ -142,3 +142,53 @@ def test_compare_runs_reports_both_runs(two_rank_run, tmp_path):
     assert s["memory/peak_gib"] == max(r["memory/peak_gib"] for r in rows if "memory/peak_gib" in r)
     md = compare([run_dir, str(base / "one")], ["two", "one"], str(tmp_path))
     assert md.count("\n| ") == 2 and os.path.getsize(tmp_path / "compare.png") > 10_000
+
+
+# the tiny default re-formed on two ranks: a 64-sample corpus rolls over into epoch 1 within the 4 steps, M = 4
+# (8 micro-batches a step) leaves the re-forming planner room (tests/test_planner_axis.py), the tiny CPU calibration
+# gives m_mem = 960 tokens a micro-batch, and every step's busy time per slot is gathered across ranks
+REFORMED = ("train.steps=4", "train.val_every=4", "train.micro_batches=4", "data.synthetic.num_samples=64",
+            "scheduling.calibration=results/calibration_cpu_tiny.json", "metrics.busy_every=1")
+TABLE_B = {16: 15, 24: 10, 48: 5, 120: 2}  # equal_token's B per S at m_tokens = 240 (the tiny default's table)
+
+
+def test_reformed_on_two_ranks_trains_streams_samples_in_micro_batches_and_slots_of_its_own(tmp_path):
+    """scheduling.planner=reformed on two gloo ranks under FSDP2: every rank computes the same plan and trains its
+    own row of it, slot by slot, in steps whose slot count (sorted keeps stream's micro-batches and their count) and
+    micro-batch sizes re-forming changed, one with a padding micro-batch; the samples are stream's, so train/loss
+    equals the stream run's step by step (t and noise are keyed by sample)."""
+    runs = {}
+    for planner in ("stream", "reformed"):
+        out = tmp_path / planner
+        out.mkdir()
+        torchrun("tests/train_worker.py", str(out),
+                 *tiny_overrides(str(tmp_path / f"run_{planner}"), str(tmp_path / "cache"), *REFORMED,
+                                 f"scheduling.planner={planner}"), timeout=120)
+        runs[planner] = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for ranks in runs.values():
+        assert len(ranks[0]["plans"]) == 4 and ranks[0]["plans"] == ranks[1]["plans"]  # no communication, one plan
+        assert [r.get("train/loss") for r in ranks[0]["rows"]] == [r.get("train/loss") for r in ranks[1]["rows"]]
+        for rank, rec in enumerate(ranks):
+            for plan, st in zip(rec["plans"], rec["trained"], strict=True):
+                assert (st["B"], st["S"]) == ([mb["B"] for mb in plan[rank]], [mb["S"] for mb in plan[rank]])
+
+    def real_ids(plan):
+        return sorted(i for row in plan for mb in row for i, w in zip(mb["ids"], mb["weights"]) if w > 0)
+
+    stream, reformed = runs["stream"][0], runs["reformed"][0]
+    slots_changed = resized = padded = 0
+    for a, b in zip(stream["plans"], reformed["plans"], strict=True):
+        assert real_ids(b) == real_ids(a)
+        assert all(mb["B"] * mb["S"] <= 960 for row in b for mb in row)  # the calibration's m_mem
+        slots_changed += len(b[0]) != len(a[0])
+        resized += any(mb["B"] > TABLE_B[mb["S"]] for row in b for mb in row)  # merged beyond the batch table
+        padded += any(not any(mb["weights"]) for row in b for mb in row)
+    assert slots_changed >= 1 and resized >= 2 and padded >= 1, (slots_changed, resized, padded)
+    rows_a, rows_b = ({r["step"]: r for r in run["rows"]} for run in (stream, reformed))
+    assert sorted(rows_b) == list(range(5))
+    for s in range(1, 5):
+        assert rows_b[s]["samples_seen"] == rows_a[s]["samples_seen"]
+        assert rows_b[s]["train/loss"] == pytest.approx(rows_a[s]["train/loss"], rel=1e-5)
+        assert 0 <= rows_b[s]["balance/idle_fraction"] < 1
+    assert rows_b[2]["epoch"] == 0 and rows_b[3]["epoch"] == 1
+    assert rows_b[4]["val/loss"] == pytest.approx(rows_a[4]["val/loss"], rel=1e-5)
