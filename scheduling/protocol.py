@@ -17,6 +17,10 @@ cost's) under each planner (columns: stream, sorted, windowed W ∈ {2, 4, 8}), 
 knob and M inside the same g (steady reading) and memory bound. The paper's system is dual_constraint in stream
 order; `matrix_shares` splits the best cell's gain over it into the planner's part and the batch rule's.
 
+Which (S, B) a cell runs (`cell_points`, on `cell_plans`: the plans of a cell's final run): every distinct
+micro-batch with its share of the cell's micro-batch time and whether the truth measured it; `points_to_measure`
+picks the fewest unmeasured ones that bring the measured share to a target, `scan_time_s` what timing them costs.
+
 Unconstrained (the earlier protocol, kept for comparison): M = 4 and each knob swept without a batch constraint
 (`run_unconstrained`); every cost-aware strategy then grows its micro-batches to the memory bound and they
 equalise (results/simulation_notes.md).
@@ -335,6 +339,88 @@ def run_w1_bounds(inp: Inputs, mix: Mix, ranks: Sequence[int] = (8,), g_factors:
                     f"{row['reform']:>9,.0f}  bounds {row['rank_bound']:>9,.0f} {row['reform_slot_bound']:>9,.0f} "
                     f"tok/s  ({time.perf_counter() - t0:.1f} s)")
     return out
+
+
+# ------------------------------------------------------------- which (S, B) a cell runs, and which to measure
+@dataclass(frozen=True)
+class CellPoint:
+    """One distinct micro-batch of a cell's plans: how often it runs, the truth's mean ms at the full depth, its
+    share of the plans' micro-batch time (count · ms ÷ Σ count · ms, as Cluster.measured_share counts) and whether
+    the truth measured it (else it interpolates it)."""
+    bucket: str
+    S: int
+    B: int
+    count: int
+    ms: float
+    share: float
+    measured: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.bucket}:{self.B}"  # as calibrate.points names a micro-batch
+
+
+def cell_points(plans, truth, names: Sequence[str]) -> list[CellPoint]:
+    """Every distinct (bucket, B) of `plans` (padding micro-batches included, as the simulator times them), the
+    largest share of micro-batch time first; names: the bucket names by the plans' bucket index."""
+    count: dict = {}
+    for plan in plans:
+        for rank in plan.ranks:
+            for mb in rank:
+                count[(mb.bucket, mb.S, mb.B)] = count.get((mb.bucket, mb.S, mb.B), 0) + 1
+    ms = {k: float(truth.mean(k[2], k[1])) for k in count}
+    total = sum(n * ms[k] for k, n in count.items())
+    out = [CellPoint(names[b], int(S), int(B), n, ms[(b, S, B)], n * ms[(b, S, B)] / total,
+                     bool(truth.is_measured(B, S))) for (b, S, B), n in count.items()]
+    return sorted(out, key=lambda p: (-p.share, p.S, p.B))
+
+
+def share_measured(points: Sequence[CellPoint], also: Sequence[CellPoint] = ()) -> float:
+    """The share of micro-batch time at measured (S, B) once `also` is measured too (shares as priced now)."""
+    extra = {(p.S, p.B) for p in also}
+    return sum(p.share for p in points if p.measured or (p.S, p.B) in extra)
+
+
+def points_to_measure(points: Sequence[CellPoint], target: float = 0.95) -> list[CellPoint]:
+    """The fewest unmeasured points whose measurement brings the measured share to ≥ target: the unmeasured ones
+    in falling share until it is reached (no k points add more share than the k largest, so the first prefix that
+    reaches the target is a fewest set). Empty where the share already reaches it."""
+    if not 0.0 < target <= 1.0:
+        raise ValueError(f"the measured-share target must lie in (0, 1], got {target}")
+    have, chosen = share_measured(points), []
+    for p in sorted((p for p in points if not p.measured), key=lambda p: -p.share):
+        if have >= target - 1e-12:
+            break
+        chosen.append(p)
+        have += p.share
+    return chosen
+
+
+# Seconds scripts/calibrate.py adds to each point's runs (inputs, syncs, the peak's reset): the 14B truth scan on
+# the H200 (results/simulation_h200/truth_h200_14b_points.log) took 134 s for 11 points whose 44 runs took 126 s.
+SCAN_POINT_OVERHEAD_S = 0.7
+
+
+def scan_time_s(points: Sequence[CellPoint], cost_fn: Callable[[int, int], float], blocks: int, layers: int,
+                runs: int = 4) -> float:
+    """Device seconds scripts/calibrate.py +calibrate.points takes to time `points` on a k-block slice, each `runs`
+    times (warm-up + repeats): Σ runs · cost_fn(B, S) · k / layers + SCAN_POINT_OVERHEAD_S a point, with cost_fn
+    the full depth's ms (a calibration's cost model). The part outside the blocks (5–30 ms a micro-batch on the
+    14B) is left out; builds and plain steps are the caller's."""
+    return sum(runs * float(cost_fn(p.B, p.S)) * blocks / layers / 1e3 + SCAN_POINT_OVERHEAD_S for p in points)
+
+
+def cell_plans(inp: Inputs, mix: Mix, rule: str, planner: str, R: int, g: float, seed: int = 0, mbs: int = 4096,
+               mbs_final: int = 16384, per_M: int = 6, cache: Optional[dict] = None) -> tuple[SimResult, list]:
+    """A matrix cell (best_cell: the rule under the planner, best-tuned inside g at R) and the very plans its final
+    run simulates (seed + 1, mbs_final micro-batches: plan_run is deterministic)."""
+    cell = best_cell(inp, mix, rule, R, g, planner, seed=seed, mbs=mbs, mbs_final=mbs_final, per_M=per_M,
+                     tokens_cv=TOKENS_CV, cache=cache)
+    at = inp.at(R)
+    steps = max(8, math.ceil(mbs_final / (R * cell.M)))
+    plans = plan_run(at.cost.predict, mix, rule, cell.batch_sizes, R, cell.M, steps, seed + 1, planner=cell.planner,
+                     m_mem=at.m_mem_at(R))
+    return cell, plans
 
 
 def run_fixed_batch(inp: Inputs, mix: Mix, ranks: Sequence[int] = (8, 64), g_factors: Sequence[float] = G_FACTORS,

@@ -5,6 +5,8 @@
     python scripts/simulate_cluster.py --calibration FILE --unconstrained  (also the earlier M = 4 protocol)
     python scripts/simulate_cluster.py --calibration FILE --matrix-only    (the batch rule × planner matrix alone)
     python scripts/simulate_cluster.py --calibration FILE --w1-bound       (what any one-step planner can reach)
+    python scripts/simulate_cluster.py --calibration FILE --truth-points T --ranks 8 --matrix-g 2 --mbs 2048 \
+        --points-for dual_constraint:reformed,cost:reformed     (the (S, B) those cells run; which to measure next)
 
 The protocol (scheduling/protocol.py): every strategy holds the same expected real tokens per rank per optimizer
 step, g = {1, 2, 3.66, 8} · S_max (±10 %), best-tuned inside it over its knob and M (balanced also over the
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import json
 import os
 import sys
 import time
@@ -32,9 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from scheduling.calibrate import HBM_FRACTION, Calibration  # noqa: E402
 from scheduling.protocol import (MATRIX_PLANNERS, MATRIX_RULES, PAPER, STRATEGIES,  # noqa: E402
-                                 describe_setting, extra_truth_points, inputs_from, matrix_shares, planner_label,
-                                 record_chosen, record_chosen_at_g, run_fixed_batch, run_matrix, run_unconstrained,
-                                 run_w1_bounds)
+                                 cell_plans, cell_points, describe_setting, extra_truth_points, inputs_from,
+                                 matrix_shares, planner_label, points_to_measure, record_chosen, record_chosen_at_g,
+                                 run_fixed_batch, run_matrix, run_unconstrained, run_w1_bounds, scan_time_s,
+                                 share_measured)
 from scheduling.simulate import DEFAULT_MIX, G_FACTORS, KNOB, Mix  # noqa: E402
 from training.cli import run_main  # noqa: E402
 
@@ -92,7 +96,18 @@ def parse_args(argv):
     ap.add_argument("--w1-bound", action="store_true", help="alone: at each R and --matrix-g, the bounds on any "
                     "planner that keeps each step's samples (no window), on each rule's best sorted table, beside "
                     "stream, sorted and a planner that re-forms the step's micro-batches (scheduling/step_bound.py)")
+    ap.add_argument("--points-for", default=None, metavar="RULE:PLANNER,...", help="alone: at each R and --matrix-g, "
+                    "every distinct (bucket, B) these matrix cells' final runs plan (seed + 1, as the matrix), each "
+                    "with its share of the cell's micro-batch time and whether the truth measured it; the fewest "
+                    "unmeasured ones that bring each cell to --points-target measured, as calibrate.points, and the "
+                    "device time scripts/h200_truth.sh part t takes to time them")
+    ap.add_argument("--points-target", type=float, default=0.95, help="with --points-for: the measured share each "
+                    "cell should reach (default 0.95)")
     args = ap.parse_args(argv)
+    if args.points_for and (args.w1_bound or args.matrix_only or args.no_matrix or args.write_chosen
+                            or args.unconstrained):
+        ap.error("--points-for writes its tables alone: drop --w1-bound, --matrix-only, --no-matrix, --write-chosen "
+                 "and --unconstrained")
     if args.mbs is None:
         args.mbs = 2048 if args.quick else 4096
     if args.w1_bound and (args.matrix_only or args.no_matrix or args.write_chosen or args.unconstrained):
@@ -335,6 +350,83 @@ def w1_report(rows: dict) -> list[str]:
     return lines
 
 
+# scripts/h200_truth.sh part t: a k-block slice of the model, then again at a second depth; each point a warm-up and
+# 3 timed repeats
+PART_T_BLOCKS = (4, 2)
+PART_T_RUNS = 1 + 3
+
+
+def parse_cells(spec: str) -> list[tuple[str, str]]:
+    """RULE:PLANNER,... → [(rule, planner)] of the matrix's rules and one-step or windowed planners."""
+    cells = []
+    for c in (c.strip() for c in spec.split(",") if c.strip()):
+        rule, _, planner = c.partition(":")
+        if rule not in MATRIX_RULES or planner not in ("stream", "sorted", "reformed"):
+            raise SystemExit(f"--points-for: {c!r} is not RULE:PLANNER with RULE one of {list(MATRIX_RULES)} and "
+                             "PLANNER one of stream, sorted, reformed")
+        cells.append((rule, planner))
+    return cells
+
+
+def points_for(inp, mix: Mix, cells, ranks, gs, target: float, layers: int, kw: dict) -> tuple[list[str], dict]:
+    """The --points-for report (markdown lines) and its record: per (R, g) each cell's distinct micro-batches, each
+    cell's fewest points to measure (protocol.points_to_measure), their union in falling share (the order part t
+    times them, so that a time budget drops the least), and the device time to time it at PART_T_BLOCKS."""
+    lines = ["## Which (S, B) the cells run, and which to measure", "",
+             f"Each cell's final run (seed + 1, as the matrix simulates it): every distinct micro-batch, its share of "
+             f"the plans' micro-batch time on the truth's mean times, and whether the truth measured it. Chosen: "
+             f"the fewest unmeasured points that bring the cell to ≥ {100 * target:.0f} % measured.", ""]
+    record: dict = {"target": target, "at": []}
+    for R in ranks:
+        at = inp.at(R)
+        for gf in gs:
+            by_cell, chosen = {}, {}
+            for rule, planner in cells:
+                cell, plans = cell_plans(inp, mix, rule, planner, R, gf * mix.S_max, **kw)
+                pts = cell_points(plans, at.truth, mix.names)
+                by_cell[(rule, planner)] = (cell, plans, pts)
+                chosen[(rule, planner)] = points_to_measure(pts, target)
+            union: dict = {}
+            for pts in chosen.values():
+                for p in pts:
+                    if (p.S, p.B) not in union or p.share > union[(p.S, p.B)].share:
+                        union[(p.S, p.B)] = p
+            union_pts = sorted(union.values(), key=lambda p: -p.share)
+            spec = "[" + ",".join(p.name for p in union_pts) + "]"
+            times = {k: scan_time_s(union_pts, at.cost.predict, k, layers, PART_T_RUNS) for k in PART_T_BLOCKS}
+            lines += [f"### R = {R}, g = {gf:g}·S_max", ""]
+            rec_cells = []
+            for (rule, planner), (cell, plans, pts) in by_cell.items():
+                mine = {(p.S, p.B) for p in chosen[(rule, planner)]}
+                lines += [f"**{rule} × {planner}** (table {' '.join(map(str, cell.batch_sizes))}, M = {cell.M}; "
+                          f"{len(plans)} steps, {len(pts)} distinct micro-batches): "
+                          f"{100 * share_measured(pts):.1f} % of its micro-batch time measured now, "
+                          f"{100 * share_measured(pts, chosen[(rule, planner)]):.1f} % with its "
+                          f"{len(mine)} chosen, {100 * share_measured(pts, union_pts):.1f} % with the union's "
+                          f"{len(union_pts)}.", "",
+                          "| bucket | S | B | micro-batches | truth ms | share of time | measured | chosen |",
+                          "|---|---|---|---|---|---|---|---|"]
+                lines += [f"| {p.bucket} | {p.S} | {p.B} | {p.count} | {p.ms:,.0f} | {100 * p.share:.2f} % | "
+                          f"{'yes' if p.measured else 'no'} | {'**yes**' if (p.S, p.B) in mine else ''} |"
+                          for p in pts]
+                lines.append("")
+                rec_cells.append({"rule": rule, "planner": planner, "batch_sizes": list(cell.batch_sizes),
+                                  "M": cell.M, "steps": len(plans), "tokens_per_s": cell.tokens_per_s,
+                                  "measured_share": share_measured(pts),
+                                  "measured_share_with_chosen": share_measured(pts, chosen[(rule, planner)]),
+                                  "measured_share_with_union": share_measured(pts, union_pts),
+                                  "chosen": [p.name for p in chosen[(rule, planner)]],
+                                  "points": [dict(vars(p)) for p in pts]})
+            lines += [f"**To measure** ({len(union_pts)} points, the largest share first): `POINTS='{spec}'`. "
+                      f"Device time by the planner's cost model ({PART_T_RUNS} runs a point: a warm-up and "
+                      f"{PART_T_RUNS - 1} repeats): " + ", ".join(f"{times[k]:.0f} s at {k} blocks"
+                                                                  for k in PART_T_BLOCKS)
+                      + " (builds, the plain step and the start of a call come on top).", ""]
+            record["at"].append({"R": R, "g_factor": gf, "cells": rec_cells, "points": spec,
+                                 "scan_s": {str(k): v for k, v in times.items()}})
+    return lines, record
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     cal = Calibration.load(args.calibration)
@@ -354,7 +446,7 @@ def main(argv=None) -> None:
     matrix_gs = [2.0] if args.quick else [float(g) for g in args.matrix_g.split(",")]
     n_runs = 0 if args.matrix_only else len(ranks) * len(gs) * (3 if not args.no_model_truth else 2)
     n_rows = 0 if args.no_matrix else len(ranks) * len(matrix_gs) * len(MATRIX_RULES)
-    if args.w1_bound:
+    if args.w1_bound or args.points_for:
         n_runs, n_rows = 0, 0  # its cells are two a rule (stream, sorted): about 15 s an (R, g) at --mbs 2048
     print(f"input {args.calibration} ({cal.data.get('source')}); mode {mode}; {n_runs} comparisons of four "
           f"strategies and {n_rows} matrix rows at {args.mbs} micro-batches a candidate: estimated run time about "
@@ -364,6 +456,20 @@ def main(argv=None) -> None:
     per_M = args.per_m or (3 if args.quick else 6)
     kw = dict(seed=args.seed, mbs=args.mbs, mbs_final=4 * args.mbs, per_M=per_M, slow_ranks=slow,
               cache={})  # the matrix's cells serve the strategy comparison's steady reading
+    if args.points_for:
+        kw.pop("slow_ranks")
+        layers = int((cal.data.get("model") or {}).get("num_layers") or 1)
+        body, record = points_for(inp, mix, parse_cells(args.points_for), ranks, matrix_gs, args.points_target,
+                                  layers, kw)
+        lines = header(inp, cal, args.calibration, mix, ranks, time.perf_counter() - t0) + body
+        path = os.path.join(args.out, "points_for.md")
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        with open(os.path.join(args.out, "points_for.json"), "w") as f:
+            json.dump(record, f, indent=1)
+        print("\n".join(body))
+        print(f"wrote {path}, points_for.json ({time.perf_counter() - t0:.0f} s)")
+        return
     if args.w1_bound:
         kw.pop("slow_ranks")
         rows = run_w1_bounds(inp, mix, ranks, matrix_gs, **kw)
