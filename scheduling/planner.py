@@ -80,6 +80,15 @@ def check_planner(planner: str, window: int) -> None:
                          "set scheduling.planner=windowed, or scheduling.window=1")
 
 
+def check_m_mem(planner: str, m_mem: Optional[float]) -> None:
+    """reformed re-forms micro-batches up to the memory bound: refused where it is unknown."""
+    if planner == "reformed" and m_mem is None:
+        raise ValueError("scheduling.planner=reformed re-forms each step's micro-batches up to the memory bound "
+                         "m_mem, which this run does not know: set scheduling.m_mem (tokens a micro-batch), or "
+                         "scheduling.calibration to a file with a memory model (scheduling.mem_budget_gib "
+                         "optional)")
+
+
 def resolve_planner(strategy: str, window: int, planner: Optional[str] = None) -> str:
     """The planner a step runs: the one given, else the rule's default. Only `windowed` reads the window (the config
     refuses a window beside an explicit stream or sorted: check_planner)."""
@@ -258,10 +267,7 @@ def plan_step(samples: SampleTable, seed: int, epoch: int, pos: int, world_size:
     if window < 1:
         raise ValueError(f"scheduling.window must be ≥ 1, got {window}")
     planner = resolve_planner(strategy, window, planner)
-    if planner == "reformed" and m_mem is None:
-        raise ValueError("scheduling.planner=reformed re-forms micro-batches up to the memory bound m_mem (tokens a "
-                         "micro-batch), which is not known here: set scheduling.m_mem, or scheduling.calibration "
-                         "with a memory model (or scheduling.mem_budget_gib)")
+    check_m_mem(planner, m_mem)
     n_buckets = int(samples.bucket.max()) + 1
     if len(batch_sizes) < n_buckets or min(batch_sizes[:n_buckets]) < 1:
         raise ValueError(f"batch_sizes must give every bucket a B ≥ 1, got {list(batch_sizes)}")
@@ -362,7 +368,7 @@ class PerSample:
 
 
 def _greedy_slots(counts: dict, S_of: dict, R: int, t: CostFn, ps: PerSample, slots: int,
-          slack: float) -> list[list[tuple[int, int]]]:
+                  slack: float) -> list[list[tuple[int, int]]]:
     """Slots of (bucket, B): slot j's cap is the longest single sample left or slack × the work left ÷ (R · slots
     left); each rank takes the one-bucket micro-batch of largest t within the cap (ties: the longer S, coarse
     samples first)."""

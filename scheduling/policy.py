@@ -28,7 +28,7 @@ from scheduling.batching import _check_fits, batch_sizes
 from scheduling.calibrate import HBM_FRACTION, Calibration
 from scheduling.config import SchedulingConfig
 from scheduling.fsdp_memory import FSDPMemoryModel
-from scheduling.planner import resolve_planner
+from scheduling.planner import check_m_mem, resolve_planner
 from scheduling.efficiency import model_flops
 
 # the knobs that, all set in the config, let a strategy run without its calibration file
@@ -423,11 +423,7 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
                          "one sample per micro-batch")
     planner = resolve_planner(s, window, cfg.planner)
     src["planner"] = "config" if cfg.planner is not None else f"default for {s}"
-    if planner == "reformed" and m_mem is None:
-        raise ValueError("scheduling.planner=reformed re-forms each step's micro-batches up to the memory bound "
-                         "m_mem, which this run does not know: set scheduling.m_mem (tokens a micro-batch), or "
-                         "scheduling.calibration to a file with a memory model (scheduling.mem_budget_gib "
-                         "optional)")
+    check_m_mem(planner, m_mem)
     if window > 1:
         src.setdefault("window", "config")
         if planner != "windowed":

@@ -38,8 +38,8 @@ from typing import Callable, Mapping, Optional, Sequence
 from scheduling.calibrate import HBM_FRACTION, Calibration
 from scheduling.fsdp_memory import FSDPMemoryModel
 from scheduling.planner import resolve_planner
-from scheduling.simulate import (G_FACTORS, KNOB, TOKENS_CV, Mix, SimResult, plan_run, simulate, sizes_for, sweep,
-                                 sweep_at_tokens)
+from scheduling.simulate import (G_FACTORS, KNOB, TOKENS_CV, Mix, SimResult, plan_run, run_steps, simulate, sizes_for,
+                                 sweep, sweep_at_tokens)
 from scheduling.step_bound import run_bounds
 from scheduling.truth import Cluster, CommModel, MeasuredTruth, ModelTruth, PolicyTruth
 
@@ -328,9 +328,7 @@ def run_w1_bounds(inp: Inputs, mix: Mix, ranks: Sequence[int] = (8,), g_factors:
             cells |= {rule: best_cell(inp, mix, rule, R, gf * mix.S_max, "sorted", **kw) for rule in MATRIX_RULES}
             for name, cell in cells.items():
                 t0 = time.perf_counter()
-                steps = max(8, math.ceil(mbs_final / (R * cell.M)))
-                plans = plan_run(at.cost.predict, mix, cell.strategy, cell.batch_sizes, R, cell.M, steps, seed + 1,
-                                 planner="stream")
+                plans = final_plans(inp, mix, cell, R, seed, mbs_final, planner="stream")
                 row = run_bounds(plans, cluster, at.optim_ms, at.m_mem_at(R), at.cost.predict, seed + 1)
                 out[(R, gf, name)] = dict(row, M=cell.M, batch_sizes=list(cell.batch_sizes),
                                           sorted_drawn=None if name == "paper" else cell.tokens_per_s,
@@ -416,11 +414,15 @@ def cell_plans(inp: Inputs, mix: Mix, rule: str, planner: str, R: int, g: float,
     run simulates (seed + 1, mbs_final micro-batches: plan_run is deterministic)."""
     cell = best_cell(inp, mix, rule, R, g, planner, seed=seed, mbs=mbs, mbs_final=mbs_final, per_M=per_M,
                      tokens_cv=TOKENS_CV, cache=cache)
+    return cell, final_plans(inp, mix, cell, R, seed, mbs_final, cell.planner)
+
+
+def final_plans(inp: Inputs, mix: Mix, cell: SimResult, R: int, seed: int, mbs_final: int, planner: str) -> list:
+    """The plans a cell's final run makes (sweep_at_tokens: seed + 1, run_steps(mbs_final)), under `planner` —
+    the cell's own, or another on the same steps' samples (plan_run is deterministic)."""
     at = inp.at(R)
-    steps = max(8, math.ceil(mbs_final / (R * cell.M)))
-    plans = plan_run(at.cost.predict, mix, rule, cell.batch_sizes, R, cell.M, steps, seed + 1, planner=cell.planner,
-                     m_mem=at.m_mem_at(R))
-    return cell, plans
+    return plan_run(at.cost.predict, mix, cell.strategy, cell.batch_sizes, R, cell.M,
+                    run_steps(mbs_final, R, cell.M), seed + 1, planner=planner, m_mem=at.m_mem_at(R))
 
 
 def run_fixed_batch(inp: Inputs, mix: Mix, ranks: Sequence[int] = (8, 64), g_factors: Sequence[float] = G_FACTORS,

@@ -120,6 +120,11 @@ def tokens_per_step(mix: Mix, sizes: Sequence[int], M: int) -> float:
     return M * mix.mean_tokens / float(sum(s / B for s, B in zip(mix.share, sizes)))
 
 
+def run_steps(mbs: int, R: int, M: int) -> int:
+    """Steps of a fixed-batch run of `mbs` micro-batches at R ranks × M (sweep_at_tokens; at least 8)."""
+    return max(8, math.ceil(mbs / (R * M)))
+
+
 def plan_run(cost_fn: Callable[[int, int], float], mix: Mix, strategy: str, sizes: Sequence[int], R: int, M: int,
              steps: int, seed: int = 0, window: int = 1, planner: Optional[str] = None,
              m_mem: Optional[float] = None) -> list:
@@ -307,12 +312,12 @@ def sweep_at_tokens(cost_fn, mix: Mix, strategy: str, R: int, g: float, *, p: Op
     if not cands:
         raise ValueError(f"no {strategy} setting holds {g:,.0f} tokens per rank per step within ±10 % (M ≤ {M_max})")
     kw = dict(residuals=residuals, optim_ms=optim_ms, window=window, cluster=cluster, planner=planner, m_mem=m_mem)
-    runs = [simulate(cost_fn, mix, strategy, sizes, R, M, max(8, math.ceil(mbs / (R * M))), seed, setting=st, **kw)
+    runs = [simulate(cost_fn, mix, strategy, sizes, R, M, run_steps(mbs, R, M), seed, setting=st, **kw)
             for st, sizes, M in cands]
     steady = [r for r in runs if tokens_cv is None or r.tokens_step_cv <= tokens_cv]
     best = max(steady, key=lambda r: r.tokens_per_s) if steady else min(runs, key=lambda r: r.tokens_step_cv)
-    final = simulate(cost_fn, mix, strategy, best.batch_sizes, R, best.M, max(8, math.ceil(mbs_final / (R * best.M))),
-                     seed + 1, setting=best.setting, **kw)
+    final = simulate(cost_fn, mix, strategy, best.batch_sizes, R, best.M, run_steps(mbs_final, R, best.M), seed + 1,
+                     setting=best.setting, **kw)
     return final, runs
 
 

@@ -104,15 +104,15 @@ def parse_args(argv):
     ap.add_argument("--points-target", type=float, default=0.95, help="with --points-for: the measured share each "
                     "cell should reach (default 0.95)")
     args = ap.parse_args(argv)
-    if args.points_for and (args.w1_bound or args.matrix_only or args.no_matrix or args.write_chosen
-                            or args.unconstrained):
-        ap.error("--points-for writes its tables alone: drop --w1-bound, --matrix-only, --no-matrix, --write-chosen "
-                 "and --unconstrained")
+    others = {"--points-for": args.points_for, "--w1-bound": args.w1_bound, "--matrix-only": args.matrix_only,
+              "--no-matrix": args.no_matrix, "--write-chosen": args.write_chosen,
+              "--unconstrained": args.unconstrained}
+    for alone in ("--points-for", "--w1-bound"):  # each writes its own tables, nothing else
+        clash = [k for k, v in others.items() if v and k != alone]
+        if others[alone] and clash:
+            ap.error(f"{alone} writes its tables alone: drop {', '.join(clash)}")
     if args.mbs is None:
         args.mbs = 2048 if args.quick else 4096
-    if args.w1_bound and (args.matrix_only or args.no_matrix or args.write_chosen or args.unconstrained):
-        ap.error("--w1-bound writes its table alone: drop --matrix-only, --no-matrix, --write-chosen and "
-                 "--unconstrained")
     if args.matrix_only and (args.no_matrix or args.write_chosen or args.unconstrained):
         ap.error("--matrix-only writes the matrix alone: drop --no-matrix, --write-chosen and --unconstrained")
     return args
@@ -357,7 +357,7 @@ PART_T_RUNS = 1 + 3
 
 
 def parse_cells(spec: str) -> list[tuple[str, str]]:
-    """RULE:PLANNER,... → [(rule, planner)] of the matrix's rules and one-step or windowed planners."""
+    """RULE:PLANNER,... → [(rule, planner)] of the matrix's rules and its one-step planners."""
     cells = []
     for c in (c.strip() for c in spec.split(",") if c.strip()):
         rule, _, planner = c.partition(":")
@@ -446,11 +446,14 @@ def main(argv=None) -> None:
     matrix_gs = [2.0] if args.quick else [float(g) for g in args.matrix_g.split(",")]
     n_runs = 0 if args.matrix_only else len(ranks) * len(gs) * (3 if not args.no_model_truth else 2)
     n_rows = 0 if args.no_matrix else len(ranks) * len(matrix_gs) * len(MATRIX_RULES)
-    if args.w1_bound or args.points_for:
-        n_runs, n_rows = 0, 0  # its cells are two a rule (stream, sorted): about 15 s an (R, g) at --mbs 2048
-    print(f"input {args.calibration} ({cal.data.get('source')}); mode {mode}; {n_runs} comparisons of four "
-          f"strategies and {n_rows} matrix rows at {args.mbs} micro-batches a candidate: estimated run time about "
-          f"{estimate_s(n_runs, len(ranks), args, n_rows):.0f} s on 2 CPU cores", flush=True)
+    if args.w1_bound or args.points_for:  # a few cells an (R, g): about 15–40 s each at --mbs 2048
+        print(f"input {args.calibration} ({cal.data.get('source')}); mode {mode}; "
+              f"{'--w1-bound' if args.w1_bound else '--points-for'} at {args.mbs} micro-batches a candidate",
+              flush=True)
+    else:
+        print(f"input {args.calibration} ({cal.data.get('source')}); mode {mode}; {n_runs} comparisons of four "
+              f"strategies and {n_rows} matrix rows at {args.mbs} micro-batches a candidate: estimated run time "
+              f"about {estimate_s(n_runs, len(ranks), args, n_rows):.0f} s on 2 CPU cores", flush=True)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     per_M = args.per_m or (3 if args.quick else 6)
@@ -472,12 +475,12 @@ def main(argv=None) -> None:
         return
     if args.w1_bound:
         kw.pop("slow_ranks")
-        rows = run_w1_bounds(inp, mix, ranks, matrix_gs, **kw)
-        lines = header(inp, cal, args.calibration, mix, ranks, time.perf_counter() - t0) + w1_report(rows)
+        body = w1_report(run_w1_bounds(inp, mix, ranks, matrix_gs, **kw))
+        lines = header(inp, cal, args.calibration, mix, ranks, time.perf_counter() - t0) + body
         path = os.path.join(args.out, "w1_bound.md")
         with open(path, "w") as f:
             f.write("\n".join(lines) + "\n")
-        print("\n".join(w1_report(rows)))
+        print("\n".join(body))
         print(f"wrote {path} ({time.perf_counter() - t0:.0f} s)")
         return
     matrix = {} if args.no_matrix else run_matrix(inp, mix, ranks, matrix_gs, planners=matrix_planners(args.planners),
