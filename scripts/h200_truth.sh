@@ -31,8 +31,8 @@
 #             8 5 2 1) from 66.8 % to 95.7 %: the fewest that reach 95 %, the largest share first (so a budget drops
 #             the least), from `python scripts/simulate_cluster.py --calibration results/calibration_h200_14b.json
 #             --truth-points results/simulation_h200/truth_h200_14b_points.json --bandwidth 350 --ranks 8
-#             --matrix-g 2 --mbs 2048 --points-for dual_constraint:reformed,cost:reformed` (results/
-#             reformed_next_gpu.md); then the 720p clip (v720_81f:1: 53 % of both cells' time, measured before at
+#             --matrix-g 2 --mbs 2048 --points-for dual_constraint:reformed,cost:reformed` (docs/
+#             gpu_next.md); then the 720p clip (v720_81f:1: 53 % of both cells' time, measured before at
 #             4 blocks only, the headline file's second depth having run out of budget first), so that its part
 #             outside the blocks separates too and it gets 3 more repeats. Time by the committed 14B calibration: ≈ 120 s at 4 blocks and ≈ 65 s at 2 (4 runs a
 #             point, the benchmark's own 0.7 s a point included; the same estimate gives 136 s and 54 s for the
