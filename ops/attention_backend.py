@@ -13,13 +13,11 @@ Inside torch.compile the choice is not probed, so a compiled model's fallback go
 
 cuDNN's backward is handed its output's gradient laid out as the output (GradLikeOutput). The MMDiT's single-stream
 block concatenates the attention's output with its MLP's before one projection, so the gradient reaching SDPA is a
-slice of a wider tensor: its rows lie 5·D apart where the output's lie D apart. Under cuDNN (torch 2.11, bf16, H200)
-that model's patch-embedding gradient once came out 134 % off fp32 math while its output matched; flash, efficient
-and math were within bf16 rounding. A cuDNN that read dO with O's strides (an assumption torch's own check dropped
-from cuDNN 9.5.1 on) would do that — a hypothesis, not shown: with the copy the model's GPU test passes under
-cuDNN, and the isolated check of raw SDPA on such a gradient has yet to run as it should (results/attention_h200.md,
-"The MMDiT at HunyuanVideo width on cuDNN"). The copy, where the layouts differ (the single-stream blocks only),
-costs one pass over the gradient.
+slice of a wider tensor: its rows lie 5·D apart where the output's lie D apart. torch 2.11's cuDNN backward reads
+such a dO wrong: on the H200 (2026-12-02) raw SDPA's dq, dk and dv came out 139-142 % off fp32 math, against
+0.4 % through sdpa() (tests/test_attention_backend.py, results/attention_h200.md, "The MMDiT at HunyuanVideo width
+on cuDNN"), which explains the MMDiT's patch-embedding gradient 134 % off before the copy. The copy, where the
+layouts differ (the single-stream blocks only), costs one pass over the gradient.
 A call that passes `cudnn=False` leaves cuDNN out. A call with a boolean mask leaves it out unless
 MASKED_CUDNN: a key-padding mask through cuDNN was within 0.3 % of fp32 math (results/attention_h200.md), but torch
 2.11's cuDNN backward is reported to return NaN dq under a mask at lengths ≡ 64 (mod 128), and the MMDiT runs

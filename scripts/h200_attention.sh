@@ -16,7 +16,10 @@
 #   w  a 10-block full-width slice of Wan 14B at 720p 81 frames: MFU, ours against diffusers@cudnn (~4 min)
 #   d  which kernel torch's default SDPA choice is at Wan's shapes (the baseline's backend; seconds)
 #   c  the 1.3B calibrated with the policies model.checkpointing=auto, keep_attention=auto choose among (none,
-#      full, keep), under the preset's execution (cuDNN, CUDA graphs where they serve) (~7 min)
+#      full, keep), under the preset's execution (cuDNN, CUDA graphs where they serve); REPS timed steps a point
+#      (default 1; 2 took 188 s of scan) (~3.5 min)
+#   g  the held-out check of that calibration: five micro-batches (four scan shapes and i480 B = 10, which no scan
+#      timed) under full and keep, eager and then every one captured in a CUDA graph, 3 repeats each (~2.5 min)
 # Results land in $OUT (default ./h200_attention_out); copy them to results/. Needs .whl/ (bash scripts/make_wheels.sh).
 set -uo pipefail
 source scripts/h200_env.sh h200_attention_out
@@ -41,9 +44,17 @@ fi
 if [[ $PART == *c* ]]; then
   timeout ${CAL_S:-300} python3 scripts/calibrate.py conf=wan21_1p3b model.checkpointing=auto model.keep_attention=auto \
     "+calibrate.buckets=[i480,v480_17f,v480_33f,v480_81f,v720_49f,v720_81f]" +calibrate.max_points=8 \
-    +calibrate.top_tokens=${TOP:-40000} +calibrate.repeats=1 +calibrate.time_budget_s=${BUDGET_S:-100} \
+    +calibrate.top_tokens=${TOP:-40000} +calibrate.repeats=${REPS:-1} +calibrate.time_budget_s=${BUDGET_S:-100} \
     +calibrate.out="$OUT/calibration_h200_policies.json" 2>&1 \
     | tee "$OUT/calibrate.log" | grep -vE '^\s*$' | cut -c1-300 | tail -25
+fi
+if [[ $PART == *g* ]]; then
+  for g in eager graphs; do
+    if [ $g = eager ]; then X=(train.cuda_graphs=off); else X=(train.cuda_graphs=auto train.graph_max_tokens=40000); fi
+    echo "== $g"; timeout 150 python3 scripts/calibrate.py conf=wan21_1p3b model.checkpointing=full "${X[@]}" \
+      "+calibrate.points=[v480_33f:1,v480_33f:2,v480_17f:1,v480_17f:5,i480:10]" +calibrate.warmup=1 \
+      +calibrate.repeats=3 +calibrate.out="$OUT/held_out_policies_$g.json" 2>&1 | grep -E "S=|Error|error" | cut -c1-200
+  done
 fi
 if [[ $PART == *r* ]]; then  # train.py, this commit against the previous main unpacked in ./prev, same batches;
   # PROF_STEP=N: that step of this commit's run traced (its device time by kernel kind and the GPU's idle time:
