@@ -20,7 +20,8 @@
 #      REPLAY_SET=reformed replays scripts/replay_settings_14b_reformed.json instead: the best one-step cell
 #      (dual_constraint × reformed, 98 41 15 7 4 2 1, M = 2) first, then the paper's system (stream), on the same 2-block
 #      slice, K = 8; planned with the committed 14B calibration (the simulator's planner) unless CAL14T says otherwise,
-#      priced by the headline's measured points unless TRUTH14 does. Time: ≈ 214 s of micro-batches and 25 distinct
+#      priced by the headline's and the re-formed cells' measured points, merged (TRUTH14: files, space-separated).
+#      Time: ≈ 214 s of micro-batches and 25 distinct
 #      ones (≈ 20 s) for reformed, the stream plan as measured before (263 s), ≈ 9 min in all; the stream entry runs
 #      second so that a timeout costs the plan replayed before (results/replay_h200.md), not the new one.
 # POINTS_SET names the list part t times (POINTS="[bucket:B,...]" times any other, e.g. the W = 8 cells' four left
@@ -31,9 +32,9 @@
 #             8 5 2 1) from 66.8 % to 95.7 %: the fewest that reach 95 %, the largest share first (so a budget drops
 #             the least), from `python scripts/simulate_cluster.py --calibration results/calibration_h200_14b.json
 #             --truth-points results/simulation_h200/truth_h200_14b_points.json --bandwidth 350 --ranks 8
-#             --matrix-g 2 --mbs 2048 --points-for dual_constraint:reformed,cost:reformed` (docs/
-#             gpu_next.md); then the 720p clip (v720_81f:1: 53 % of both cells' time, measured before at
-#             4 blocks only, the headline file's second depth having run out of budget first), so that its part
+#             --matrix-g 2 --mbs 2048 --points-for dual_constraint:reformed,cost:reformed` (results/
+#             simulation_h200.md, first section); then the 720p clip (v720_81f:1: 53 % of both cells' time,
+#             measured before at 4 blocks only, the headline file's second depth having run out of budget first), so that its part
 #             outside the blocks separates too and it gets 3 more repeats. Time by the committed 14B calibration: ≈ 120 s at 4 blocks and ≈ 65 s at 2 (4 runs a
 #             point, the benchmark's own 0.7 s a point included; the same estimate gives 136 s and 54 s for the
 #             headline run's measured 134 s and 50 s), + ≈ 2 min of start, wheels, builds and plain steps: ≈ 5 min.
@@ -62,13 +63,13 @@ if [[ $PART == *r* ]]; then
     headline) CAL=${CAL14T:-results/simulation_h200/truth_h200_14b_points.json}; TRUTH=${TRUTH14:-$CAL}
               R_NAME=wan14b_2blocks_long_R8; R_SETTINGS=scripts/replay_settings_14b_headline.json; R_LOG=replay_long.log ;;
     reformed) CAL=${CAL14T:-results/calibration_h200_14b.json}
-              TRUTH=${TRUTH14:-results/simulation_h200/truth_h200_14b_points.json}
+              TRUTH=${TRUTH14:-results/simulation_h200/truth_h200_14b_points.json results/simulation_h200/truth_h200_14b_reformed_points.json}
               R_NAME=wan14b_2blocks_reformed_R8; R_SETTINGS=scripts/replay_settings_14b_reformed.json
               R_LOG=replay_reformed.log ;;
     *) echo "REPLAY_SET=$REPLAY_SET: choose headline or reformed" >&2; exit 2 ;;
   esac
   timeout "${T_R:-560}" python3 scripts/replay_plans.py --out "$OUT" --name "$R_NAME" \
     --settings "$R_SETTINGS" --steps 8 --warmup 0 --blocks 2 --calibration "$CAL" \
-    --truth "$TRUTH" conf=wan21_8gpu launch.num_processes=1 model.checkpointing=full 2>&1 \
+    $(printf -- '--truth %s ' $TRUTH) conf=wan21_8gpu launch.num_processes=1 model.checkpointing=full 2>&1 \
     | tee "$OUT/$R_LOG" | grep -vE '^  step' | cut -c1-400
 fi

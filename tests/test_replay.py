@@ -269,3 +269,29 @@ def test_plan_steps_plans_one_step_at_a_time_unless_given_a_window():
     assert all(p.window_norm is None for p in plans)  # sorted, one step: no window's loss norm
     windowed = plan_steps(table, 0, 4, "balanced", 4, sizes, QUAD.predict, 4, window=2)
     assert all(p.window_norm is not None for p in windowed)
+
+
+def test_two_truth_files_price_as_their_points_merged_at_both_depths():
+    """--truth given twice (the 14B headline's points and the re-formed cell's): "full" holds every (S, B) either
+    file measured, with the repeats of both where both timed it (the 720p clip), and "as_run" the points timed at the
+    replay's depth (2 of 40 blocks) in either file, unscaled — read here from the files' JSON, not through
+    Calibration."""
+    from training.replay import truth_sources
+
+    files = [f"{ROOT}/results/simulation_h200/truth_h200_14b_points.json",
+             f"{ROOT}/results/simulation_h200/truth_h200_14b_reformed_points.json"]
+    got = truth_sources(files, "full", 2, 40, 5120)
+    alone = [truth_sources(f, "full", 2, 40, 5120) for f in files]
+    full_keys = set(alone[0]["full"][0].runs) | set(alone[1]["full"][0].runs)
+    assert set(got["full"][0].runs) == full_keys and len(full_keys) > max(len(a["full"][0].runs) for a in alone)
+    clip = (75600, 1)
+    assert got["full"][0].runs[clip] == alone[0]["full"][0].runs[clip] + alone[1]["full"][0].runs[clip]
+    assert got["full"][1] == alone[0]["full"][1]  # the optimizer step: the first file's
+    at_two = {}
+    for f in files:
+        rec = json.load(open(f))["modes"]["full"]
+        for p in rec["slice_memory"]["points"]["2"]:
+            if p.get("feasible", True) and p.get("ms"):
+                at_two.setdefault((p["S"], p["B"]), []).extend(p["ms_runs"])
+    assert got["as_run"][0].runs == at_two and clip in at_two and clip not in alone[0]["as_run"][0].runs
+    assert got["as_run"][0].mean(1, 75600) == pytest.approx(float(np.median(at_two[clip])))

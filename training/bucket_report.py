@@ -32,7 +32,7 @@ def print_buckets(cfg) -> None:
         if path is None:
             print(f"scheduling.calibration=auto: no file fits this model on {device} ({'; '.join(how) or 'none'}); "
                   "the run measures one on first use. Until then, the equal-token table at scheduling.m_tokens:")
-            sc = replace(sc, strategy="equal_token", calibration=None)
+            sc = replace(sc, strategy="equal_token", calibration=None, planner=None)  # reformed needs m_mem
         else:
             print(f"scheduling.calibration=auto: {path} ({how})")
             sc = replace(sc, calibration=path)

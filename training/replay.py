@@ -14,7 +14,7 @@ import math
 import os
 import platform
 import time
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
@@ -49,7 +49,7 @@ class ReplayOptions:
     window: Optional[int] = None
     planner: Optional[str] = None
     calibration: Optional[str] = None
-    truth: Optional[str] = None
+    truth: Optional[Union[str, list]] = None  # one calibration file or several (their points merged)
     mix: Optional[str] = None
     samples: Optional[int] = None
     seed: Optional[int] = None
@@ -143,29 +143,38 @@ def load_settings(args: ReplayOptions, cfg) -> tuple[list[dict], dict]:
     return entries, defaults
 
 
-def truth_sources(path: str, checkpointing: str, k: int, layers: int, model_dim: int) -> dict:
-    """The simulator's truth from a calibration file (--truth): "full" (its points at the whole model's depth, as
-    the simulator reads them: Calibration.measured_points) and, where it timed the replay's own depth k < layers
-    (a slice's main or second depth), "as_run" — its points at k blocks, unscaled, so that a slice's replay is
-    checked against measurement at the same depth without any extrapolation. Each: (truth, optimizer ms)."""
+def truth_sources(paths, checkpointing: str, k: int, layers: int, model_dim: int) -> dict:
+    """The simulator's truth from calibration files (--truth, one or several; their measured points merged as
+    simulate_cluster.py --truth-points merges them): "full" (their points at the whole model's depth, as the
+    simulator reads them: Calibration.measured_points) and, where a file timed the replay's own depth k < layers
+    (a slice's main or second depth), "as_run" — those files' points at k blocks, unscaled, so that a slice's replay
+    is checked against measurement at the same depth without any extrapolation. Each: (truth, optimizer ms), the
+    optimizer's from the first file that has it."""
     from scheduling.calibrate import Calibration
     from scheduling.truth import MeasuredTruth
 
-    cal = Calibration.load(path)
-    cal.check_model(model_dim, layers, "--truth")
-    mode = cal.mode_name(checkpointing)
-    out = {"full": (MeasuredTruth.from_points(cal.measured_points(mode)), cal.optim_ms(mode))}
-    if k < layers:
-        rec = cal.data["modes"][mode]
-        ext = cal.data.get("extrapolation") or {}
-        sl = rec.get("slice_memory") or {}
-        depth_points = {int(d): pts for d, pts in (sl.get("points") or {}).items()}
-        main = int(ext.get("blocks_timed") or layers)
-        depth_points[main] = rec["points"]
-        optim = {int(d): (v or {}).get("optim_ms") for d, v in (sl.get("plain_step") or {}).items()}
-        optim.setdefault(main, cal.optim_ms(mode) * main / layers)
-        if k in depth_points and any(p.get("feasible", True) and p.get("ms") for p in depth_points[k]):
-            out["as_run"] = (MeasuredTruth.from_points(depth_points[k]), float(optim.get(k) or 0.0))
+    full, run, optim_full, optim_run = [], [], None, None
+    for path in ([paths] if isinstance(paths, str) else list(paths)):
+        cal = Calibration.load(path)
+        cal.check_model(model_dim, layers, "--truth")
+        mode = cal.mode_name(checkpointing)
+        full += cal.measured_points(mode)
+        optim_full = cal.optim_ms(mode) if optim_full is None else optim_full
+        if k < layers:
+            rec = cal.data["modes"][mode]
+            ext = cal.data.get("extrapolation") or {}
+            sl = rec.get("slice_memory") or {}
+            depth_points = {int(d): pts for d, pts in (sl.get("points") or {}).items()}
+            main = int(ext.get("blocks_timed") or layers)
+            depth_points[main] = rec["points"]
+            optim = {int(d): (v or {}).get("optim_ms") for d, v in (sl.get("plain_step") or {}).items()}
+            optim.setdefault(main, cal.optim_ms(mode) * main / layers)
+            if k in depth_points and any(p.get("feasible", True) and p.get("ms") for p in depth_points[k]):
+                run += depth_points[k]
+                optim_run = float(optim.get(k) or 0.0) if optim_run is None else optim_run
+    out = {"full": (MeasuredTruth.from_points(full), optim_full)}
+    if run:
+        out["as_run"] = (MeasuredTruth.from_points(run), optim_run)
     return out
 
 
@@ -545,10 +554,11 @@ def replay(args: ReplayOptions, command: str) -> dict:
                         "mean over steps of CV over ranks of Σ_k t_rk (scheduling/replay.py)",
             "predicted_by": "the planner's pred_ms of the same plans and the calibration's optim_ms (the simulator "
                             "without noise)",
-            "truth": ({"file": args.truth, "depths": sorted(truth_at), "by": "each planned micro-batch at the "
-                      "calibration's measured median time of its (S, B), interpolated between measured points as "
-                      "the simulator's truth is (scheduling/truth.py MeasuredTruth), and the calibration's "
-                      "optimizer step at that depth ÷ R"}
+            "truth": ({"files": [args.truth] if isinstance(args.truth, str) else list(args.truth),
+                       "depths": sorted(truth_at), "by": "each planned micro-batch at the calibrations' measured "
+                       "median time of its (S, B) (their points merged), interpolated between measured points as "
+                       "the simulator's truth is (scheduling/truth.py MeasuredTruth), and the first calibration's "
+                       "optimizer step at that depth ÷ R"}
                       if args.truth else None)}
     os.makedirs(args.out, exist_ok=True)
     json_path, md_path = os.path.join(args.out, f"{args.name}.json"), os.path.join(args.out, f"{args.name}.md")
