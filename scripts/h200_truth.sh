@@ -20,7 +20,8 @@
 #      REPLAY_SET=reformed replays scripts/replay_settings_14b_reformed.json instead: the best one-step cell
 #      (dual_constraint × reformed, 98 41 15 7 4 2 1, M = 2) first, then the paper's system (stream), on the same 2-block
 #      slice, K = 8; planned with the committed 14B calibration (the simulator's planner) unless CAL14T says otherwise,
-#      priced by the headline's and the re-formed cells' measured points, merged (TRUTH14: files, space-separated).
+#      priced as the simulation's truth is: the calibration's points, the headline's and the re-formed cells', merged
+#      (TRUTH14: files, space-separated).
 #      Time: ≈ 214 s of micro-batches and 25 distinct
 #      ones (≈ 20 s) for reformed, the stream plan as measured before (263 s), ≈ 9 min in all; the stream entry runs
 #      second so that a timeout costs the plan replayed before (results/replay_h200.md), not the new one.
@@ -63,7 +64,7 @@ if [[ $PART == *r* ]]; then
     headline) CAL=${CAL14T:-results/simulation_h200/truth_h200_14b_points.json}; TRUTH=${TRUTH14:-$CAL}
               R_NAME=wan14b_2blocks_long_R8; R_SETTINGS=scripts/replay_settings_14b_headline.json; R_LOG=replay_long.log ;;
     reformed) CAL=${CAL14T:-results/calibration_h200_14b.json}
-              TRUTH=${TRUTH14:-results/simulation_h200/truth_h200_14b_points.json results/simulation_h200/truth_h200_14b_reformed_points.json}
+              TRUTH=${TRUTH14:-$CAL results/simulation_h200/truth_h200_14b_points.json results/simulation_h200/truth_h200_14b_reformed_points.json}
               R_NAME=wan14b_2blocks_reformed_R8; R_SETTINGS=scripts/replay_settings_14b_reformed.json
               R_LOG=replay_reformed.log ;;
     *) echo "REPLAY_SET=$REPLAY_SET: choose headline or reformed" >&2; exit 2 ;;

@@ -102,8 +102,9 @@ def parse_args(argv):
     p.add_argument("--peak-tflops", type=float, default=None, help="for MFU (default: metrics.peak_tflops)")
     p.add_argument("--truth", action="append", default=None, metavar="CAL",
                    help="a calibration file whose measured points price the same plans as the simulator's truth does "
-                   "(at the full depth, and at the replay's own depth where it timed it); repeat it to merge several, "
-                   "as simulate_cluster.py --truth-points does")
+                   "(at the full depth, and at the replay's own depth where it timed it); repeat it to merge several: "
+                   "the simulator's truth is its --calibration's points and its --truth-points files', so name "
+                   "those, the calibration first (its optimizer step)")
     p.add_argument("--dry-run", action="store_true", help="plan and predict only; no model")
     return p.parse_intermixed_args(argv)
 

@@ -295,3 +295,5 @@ def test_two_truth_files_price_as_their_points_merged_at_both_depths():
                 at_two.setdefault((p["S"], p["B"]), []).extend(p["ms_runs"])
     assert got["as_run"][0].runs == at_two and clip in at_two and clip not in alone[0]["as_run"][0].runs
     assert got["as_run"][0].mean(1, 75600) == pytest.approx(float(np.median(at_two[clip])))
+    twice = truth_sources(files + files[:1], "full", 2, 40, 5120)  # a file named twice counts once
+    assert twice["full"][0].runs == got["full"][0].runs and twice["as_run"][0].runs == got["as_run"][0].runs

@@ -325,6 +325,19 @@ def test_gpu_presets_run_the_balanced_planner_on_a_calibration_of_their_own(pres
     assert (cfg.scheduling.strategy, cfg.scheduling.calibration, cfg.launch.device) == ("balanced", "auto", "cuda")
     base = compose_config([f"conf={preset}", "scheduling=equal_token"])  # the paper's baseline, one word away
     assert base.scheduling.strategy == "equal_token" and base.scheduling.m_tokens == cfg.scheduling.m_tokens
+    assert base.scheduling.planner is None  # its own default, stream: the multi-GPU presets' reformed leaves with
+    # their group (balanced_reformed), and so does the paper's system
+    assert compose_config([f"conf={preset}", "scheduling=dual_constraint"]).scheduling.planner is None
+    assert cfg.scheduling.planner == ("reformed" if preset.startswith("wan21_") and "gpu" in preset else None)
+
+
+def test_reformed_without_a_memory_bound_is_refused_before_any_process_starts():
+    from tests.helpers import compose_config
+
+    asked = ["conf=wan21_8gpu", "scheduling=equal_token", "scheduling.planner=reformed", "scheduling.calibration=null"]
+    with pytest.raises(ValueError, match="planner=reformed re-forms .* set scheduling.m_mem"):
+        compose_config(asked)  # the config's own check, as train.py loads it
+    assert compose_config(asked + ["scheduling.m_mem=160000"]).scheduling.planner == "reformed"
 
 
 def test_the_one_gpu_preset_runs_equal_token_batches_at_a_fixed_batch_and_balanced_is_one_word_away():

@@ -149,12 +149,13 @@ def truth_sources(paths, checkpointing: str, k: int, layers: int, model_dim: int
     simulator reads them: Calibration.measured_points) and, where a file timed the replay's own depth k < layers
     (a slice's main or second depth), "as_run" — those files' points at k blocks, unscaled, so that a slice's replay
     is checked against measurement at the same depth without any extrapolation. Each: (truth, optimizer ms), the
-    optimizer's from the first file that has it."""
+    optimizer's from the first file that has it. The simulator's truth is its --calibration's points plus its
+    --truth-points files': name the same files here, the calibration first (its optimizer step), to price the same."""
     from scheduling.calibrate import Calibration
     from scheduling.truth import MeasuredTruth
 
     full, run, optim_full, optim_run = [], [], None, None
-    for path in ([paths] if isinstance(paths, str) else list(paths)):
+    for path in dict.fromkeys([paths] if isinstance(paths, str) else paths):  # a file named twice counts once
         cal = Calibration.load(path)
         cal.check_model(model_dim, layers, "--truth")
         mode = cal.mode_name(checkpointing)
@@ -171,10 +172,10 @@ def truth_sources(paths, checkpointing: str, k: int, layers: int, model_dim: int
             optim.setdefault(main, cal.optim_ms(mode) * main / layers)
             if k in depth_points and any(p.get("feasible", True) and p.get("ms") for p in depth_points[k]):
                 run += depth_points[k]
-                optim_run = float(optim.get(k) or 0.0) if optim_run is None else optim_run
+                optim_run = optim_run if optim_run is not None else optim.get(k)
     out = {"full": (MeasuredTruth.from_points(full), optim_full)}
     if run:
-        out["as_run"] = (MeasuredTruth.from_points(run), optim_run)
+        out["as_run"] = (MeasuredTruth.from_points(run), float(optim_run or 0.0))
     return out
 
 
