@@ -103,6 +103,7 @@ def scan(step_fn: Callable[[str, int], StepResult], tokens: Mapping[str, int], *
          repeats: int = 2, agree: Optional[Callable[[bool], bool]] = None, time_budget_s: Optional[float] = None,
          probe_cap: bool = True, agree_min: Optional[Callable[[int], int]] = None,
          fixed_points: Optional[Sequence[tuple[str, int]]] = None,
+         held_bytes: Optional[Callable[[], float]] = None,
          log: Callable[[str], None] = lambda s: None) -> list[Point]:
     """Time step_fn over buckets (name → S) and B upward; returns every point tried, timed or not.
 
@@ -115,12 +116,20 @@ def scan(step_fn: Callable[[str, int], StepResult], tokens: Mapping[str, int], *
     binds, far above the ladder's top. It checks the model's extrapolation (the final fit includes it); on
     out-of-memory it is retried at PROBE_SHRINK of that B, up to PROBE_TRIES times. Each rank fits its own peaks, so
     the ranks take the smallest of their B (`agree_min(B) -> min over ranks`, an all-reduce); every rank calls agree()
-    and agree_min() the same number of times whatever its own fit says."""
+    and agree_min() the same number of times whatever its own fit says.
+
+    held_bytes: memory held beside the step that its peaks do not count (the CUDA graphs' shared pool of the
+    micro-batches captured so far, training/cuda_graphs.py), read before each check: every memory check of the
+    ladder and the probe leaves that much of mem_budget_bytes aside, as training's bound does (graph_pool_bytes)."""
     if max_points < 1 or repeats < 1 or warmup < 0:
         raise ValueError(f"max_points and repeats must be ≥ 1 and warmup ≥ 0, got {max_points}, {repeats}, {warmup}")
     agree = agree or (lambda ok: ok)
     agree_min = agree_min or (lambda v: v)
     top_tokens = top_tokens or 2 * max(tokens.values())
+
+    def budget() -> Optional[float]:  # what the step may peak at now
+        return None if mem_budget_bytes is None else mem_budget_bytes - (held_bytes() if held_bytes else 0.0)
+
     probe = probe_cap and mem_budget_bytes is not None and max_points >= 3
     quotas = _quotas(tokens, max_points)
     high = set()  # buckets whose single point is their ladder's top, not B = 1
@@ -173,19 +182,23 @@ def scan(step_fn: Callable[[str, int], StepResult], tokens: Mapping[str, int], *
             elif B * S >= infeasible_tokens:
                 why = f"B·S = {B * S} ≥ {infeasible_tokens:g}, already infeasible"
             elif mem_budget_bytes is not None:
-                mem = _memory_fit(timed)
-                if mem is not None and mem.predict(B, S) > mem_budget_bytes:
+                mem, room = _memory_fit(timed), budget()
+                if mem is not None and mem.predict(B, S) > room:
                     why = (f"memory model predicts {mem.predict(B, S) / 2**30:.1f} GiB > budget "
-                           f"{mem_budget_bytes / 2**30:.1f} GiB")
+                           f"{room / 2**30:.1f} GiB" + _held(mem_budget_bytes, room))
             p = attempt(name, S, B, why)
             if p is None or not p.feasible:
                 if p is not None:
                     infeasible_tokens = min(infeasible_tokens, B * S)
                 break
     if probe:
-        _probe_cap(points, tokens, mem_budget_bytes, max_points, infeasible_tokens, over_budget, attempt, agree_min,
-                   log)
+        _probe_cap(points, tokens, budget, max_points, infeasible_tokens, over_budget, attempt, agree_min, log,
+                   mem_budget_bytes)
     return points
+
+
+def _held(full: float, room: float) -> str:
+    return f" ({(full - room) / 2**30:.1f} GiB held beside the step)" if full - room > 0 else ""
 
 
 def run_point(step_fn: Callable[[str, int], StepResult], name: str, B: int, warmup: int,
@@ -214,7 +227,8 @@ PROBE_SHRINK = 0.85  # the cap probe's next B after an out-of-memory
 PROBE_TRIES = 3
 
 
-def _probe_cap(points, tokens, budget, max_points, infeasible_tokens, over_budget, attempt, agree_min, log) -> None:
+def _probe_cap(points, tokens, budget_now, max_points, infeasible_tokens, over_budget, attempt, agree_min, log,
+               full_budget) -> None:
     name = min(tokens, key=lambda n: (tokens[n], n))
     S = int(tokens[name])
     done = max([p.B for p in points if p.feasible and p.bucket == name], default=0)  # the same on every rank
@@ -222,6 +236,7 @@ def _probe_cap(points, tokens, budget, max_points, infeasible_tokens, over_budge
     why = ("no memory model with a per-token cost fits the points" if mem is None or mem.c1 <= 0
            else f"cap of {max_points} timed points reached" if sum(p.feasible for p in points) >= max_points
            else "time budget spent" if over_budget() else "")
+    budget = budget_now()
     B = 0 if why else mem.max_batch(S, budget)
     if math.isfinite(infeasible_tokens):  # never at or above a B·S that already ran out of memory
         B = min(B, int((infeasible_tokens - 1) // S))
@@ -231,7 +246,7 @@ def _probe_cap(points, tokens, budget, max_points, infeasible_tokens, over_budge
             why = f"B={B} is not above the B={done} already timed"
         if not why:
             log(f"cap probe: {name} S={S} B={B}, memory model (so far) predicts {mem.predict(B, S) / 2**30:.1f} GiB "
-                f"of the {budget / 2**30:.1f} GiB budget")
+                f"of the {budget / 2**30:.1f} GiB budget" + _held(full_budget, budget))
         p = attempt(name, S, B, "cap probe: " + why if why else "")
         if p is None or p.feasible:
             return

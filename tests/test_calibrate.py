@@ -105,6 +105,37 @@ def test_the_last_point_probes_the_memory_bound_of_the_shortest_bucket():
     assert fit_mode(pts)["memory_model"]["c1"] == pytest.approx(C1, rel=1e-6)
 
 
+def test_memory_held_beside_the_step_comes_off_every_check_of_the_scan():
+    """held_bytes (the CUDA graphs' pool, which the step's peaks do not count) is read before each memory check:
+    here a pool that grows by one fixed amount with every point run. Where the device holds budget in all, the
+    probe without it asks for a B that runs out of memory beside the pool; with it, the probe's B fits beside the
+    pool as it was when the probe ran, first time, and the log says how much was held."""
+    pool_step = C1 * 20_000  # each point run adds this much to the pool
+    budget = C0 + C1 * 200_000
+    for aware in (False, True):
+        ran, logged = [], []
+
+        def step_fn(bucket, B):
+            S = TOKENS[bucket]
+            peak = C0 + C1 * B * S
+            if peak + pool_step * len(ran) > budget:  # the device: the step beside the pool so far
+                raise Infeasible("CUDA out of memory (fake)")
+            ran.append((bucket, B))
+            return StepResult(2.0 + 1e-3 * B * S, 1.0, peak)
+
+        held = (lambda: pool_step * len(ran)) if aware else None
+        pts = scan(step_fn, TOKENS, max_points=7, top_tokens=32_000, mem_budget_bytes=budget, warmup=0, repeats=1,
+                   held_bytes=held, log=logged.append)
+        probes = [p for p in pts if p.bucket == "img" and p.B > 32]
+        if not aware:
+            assert not probes[0].feasible  # the model's B ignores the pool: out of memory
+            continue
+        assert probes[0].feasible and len(probes) == 1
+        room = budget - pool_step * (len(ran) - 1)  # the pool when the probe was asked, before it ran
+        assert C0 + C1 * probes[0].B * 1000 <= room < C0 + C1 * (probes[0].B + 1) * 1000
+        assert any("GiB held beside the step" in line for line in logged if line.startswith("cap probe"))
+
+
 def test_the_probe_is_skipped_cleanly_and_never_retries_a_size_that_ran_out():
     """All points at the optimizer floor (no per-token cost to fit): the probe is skipped, the scan's points kept.
     A B·S already out of memory on the ladder caps the probe below it."""
@@ -647,9 +678,9 @@ def test_the_cap_probe_is_skipped_only_where_its_own_bucket_already_ran_that_b()
     for done, want_why in ((2, ""), (10, "cap probe: B=10 is not above the B=10 already timed")):
         calls = []
         points = [pt("img", 1000, 1), pt("img", 1000, done), pt("clip", 16000, 1), pt("clip", 16000, 50)]
-        _probe_cap(points, tokens, budget, 12, math.inf, lambda: False,
+        _probe_cap(points, tokens, lambda: budget, 12, math.inf, lambda: False,
                    lambda name, S, B, why: calls.append((name, S, B, why)) or pt(name, S, B), lambda v: v,
-                   lambda s: None)
+                   lambda s: None, budget)
         assert calls == [("img", 1000, 10, want_why)]
 
 

@@ -319,7 +319,7 @@ def calibrate_config(cfg, opts: CalibrateOptions | dict | None = None, command: 
                           agree=agree, agree_min=agree_min, time_budget_s=opts.time_budget_s,
                           # a k-block model's bound is not the model's, unless it is an FSDP slice's (docstring)
                           probe_cap=opts.probe_cap and (k == layers or R is not None), fixed_points=fixed,
-                          log=say)
+                          held_bytes=(lambda: graphs.pool_bytes) if graphs is not None else None, log=say)
         records[mode] = fit_mode(points, scale=layers / k, memory_valid=(k == layers and not R),
                                  min_tokens=opts.fit_min_tokens, L=cfg.model.text_len,
                                  joint=cfg.model.name == "mmdit",  # MMDiT's joint attention: (S + L)²
