@@ -18,6 +18,10 @@
 #   c  the 1.3B calibrated with the policies model.checkpointing=auto, keep_attention=auto choose among (none,
 #      full, keep), under the preset's execution (cuDNN, CUDA graphs where they serve); REPS timed steps a point
 #      (default 1; 2 took 188 s of scan) (~3.5 min)
+#   s  the small micro-batches (1×1560, 4×1560, 1×7800: step.py's shapes 5-7) against diffusers at its best, its
+#      blocks compiled included, with no recompute beside (~3 min; not run yet)
+#   C  the 14B slice (4 of 40 blocks, FSDP's memory over 8 ranks) calibrated under the three policies, two timed
+#      steps a point (CAL14_S, default 420 s; not run yet)
 #   g  the held-out check of that calibration: five micro-batches (four scan shapes and i480 B = 10, which no scan
 #      timed) under full and keep, eager and then every one captured in a CUDA graph, 3 repeats each (~2.5 min)
 # Results land in $OUT (default ./h200_attention_out); copy them to results/. Needs .whl/ (bash scripts/make_wheels.sh).
@@ -47,6 +51,18 @@ if [[ $PART == *c* ]]; then
     +calibrate.top_tokens=${TOP:-40000} +calibrate.repeats=${REPS:-1} +calibrate.time_budget_s=${BUDGET_S:-100} \
     +calibrate.out="$OUT/calibration_h200_policies.json" 2>&1 \
     | tee "$OUT/calibrate.log" | grep -vE '^\s*$' | cut -c1-300 | tail -25
+fi
+if [[ $PART == *s* ]]; then
+  timeout ${T_S:-240} python3 scripts/bench/step.py --out "$OUT/s" --shapes 5,6,7 --fast-backend _native_cudnn --reps 3 \
+    --gc-off --longest '' --impls "${IMPLS_S:-diffusers@fast,diffusers@compile,ours@glue,ours@policy,ours@none}" \
+    2>&1 | tee "$OUT/bench_s.log" | grep -E "^\||Error|error" | cut -c1-400 | tail -12
+fi
+if [[ $PART == *C* ]]; then
+  timeout ${CAL14_S:-420} python3 scripts/calibrate.py conf=wan21_8gpu launch.num_processes=1 train.cuda_graphs=off \
+    model.checkpointing=auto model.keep_attention=auto +calibrate.blocks=4 +calibrate.memory_blocks=2 \
+    +calibrate.fsdp_ranks=8 +calibrate.repeats=2 +calibrate.time_budget_s=${BUDGET14_S:-90} \
+    +calibrate.memory_time_budget_s=${BUDGET14_2_S:-45} +calibrate.out="$OUT/calibration_h200_14b_policies.json" 2>&1 \
+    | tee "$OUT/calibrate_14b.log" | grep -vE '^\s*$' | cut -c1-300 | tail -30
 fi
 if [[ $PART == *g* ]]; then
   for g in eager graphs; do

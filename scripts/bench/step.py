@@ -60,7 +60,8 @@ WAN_1P3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim
 WAN_14B = dict(WAN_1P3B, num_attention_heads=40, ffn_dim=13824, num_layers=40)
 TINY = dict(WAN_1P3B, num_attention_heads=2, attention_head_dim=16, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2)
 # (B, latent frames, latent H, latent W): S = F·H/2·W/2 → 1560, 7800, 14040, 32760, 75600
-SHAPES = ((16, 1, 60, 104), (4, 5, 60, 104), (2, 9, 60, 104), (1, 21, 60, 104), (1, 21, 90, 160))
+SHAPES = ((16, 1, 60, 104), (4, 5, 60, 104), (2, 9, 60, 104), (1, 21, 60, 104), (1, 21, 90, 160),
+          (1, 1, 60, 104), (4, 1, 60, 104), (1, 5, 60, 104))  # + the small micro-batches: 1×1560, 4×1560, 1×7800
 TINY_SHAPES = ((4, 1, 8, 8), (2, 3, 8, 8), (1, 5, 8, 12))
 SDPA = {"native": None, "_native_flash": "FLASH_ATTENTION", "_native_efficient": "EFFICIENT_ATTENTION",
         "_native_cudnn": "CUDNN_ATTENTION", "_native_math": "MATH"}
