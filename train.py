@@ -24,7 +24,7 @@ from data.buckets import bucket_table
 from data.loader import Loader, corpus_changed, merge_bad_states, open_corpus
 from models.build import build_parallel_model
 from models.flow_matching import FlowMatching
-from models.layers import MMDIT_CUDNN, describe_attention
+from models.layers import cudnn_allowed, describe_attention
 from models.lora import has_lora, save_lora
 from models.parallelize import FSDPOptions, checkpoint_policy
 from scheduling.planner import advance, plan_step
@@ -109,8 +109,7 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str, kept_val
     # 4. the model, sharded with FSDP2 over several processes (models/parallelize.py)
     model = build_parallel_model(cfg.model, ctx.rank, ctx.world_size, ctx.device, FSDPOptions(**fsdp_options_from_env()))
     if ctx.is_main:
-        log.info(describe_attention(cfg.model.attention_backend, ctx.device,
-                                    cudnn=cfg.model.name != "mmdit" or MMDIT_CUDNN))
+        log.info(describe_attention(cfg.model.attention_backend, ctx.device, cudnn=cudnn_allowed(cfg.model.name)))
 
     # 5. the schedule: batch size per bucket, cost model, M (scheduling.tokens_per_step), recompute per micro-batch;
     # micro-batches replayed as CUDA graphs keep a pool that larger ones' memory budget leaves room for

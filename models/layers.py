@@ -179,6 +179,11 @@ class SiLUFeedForward(FeedForward):
 MMDIT_CUDNN = True  # the MMDiT's attention may run cuDNN (ops/attention_backend.py GradLikeOutput: why it once failed)
 
 
+def cudnn_allowed(model_name: str) -> bool:
+    """Whether a model's attention may run cuDNN: the trainer's log and a calibration's record say what it runs."""
+    return model_name != "mmdit" or MMDIT_CUDNN
+
+
 class KeyLengths(tuple):
     """A key-padding mask given as lengths: sample i's queries see its first n_i keys and none after. Attention runs
     one maskless call per run of equal lengths, so cuDNN or flash serves it where a boolean mask would take the

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ops.attention_backend as ab
 from models.config import ModelConfig
-from models.layers import MMDIT_CUDNN, apply_attention_backend
+from models.layers import apply_attention_backend, cudnn_allowed
 from models.mmdit import MMDiT
 from models.wan import WanTransformer
 from tests.op_helpers import gpu, rel_err
@@ -183,7 +183,7 @@ def test_every_backend_matches_the_math_backend_in_fp32(case, backend):
     assert not bad, bad
     q = torch.randn(2, 2, 240, 128, device=dev, dtype=torch.bfloat16)
     mmdit = case.startswith("mmdit")
-    assert ab.kernel_for(backend, q, q, q, None, cudnn=not mmdit or MMDIT_CUDNN) == backend
+    assert ab.kernel_for(backend, q, q, q, None, cudnn=cudnn_allowed("mmdit" if mmdit else "wan")) == backend
     # a boolean mask (the refiner's; the joint attention runs padded text as key lengths) takes efficient
     assert ab.kernel_for(backend, q, q, q, torch.ones(2, 1, 1, 240, dtype=torch.bool, device=dev)) == "efficient"
 

@@ -284,10 +284,10 @@ def _check_cross_fields(cfg: TrainConfig) -> None:
     if sc.strategy == "dual_constraint" and sc.calibration is None and None in (sc.m_mem, sc.m_comp, sc.p):
         raise ValueError("scheduling.dual_constraint needs scheduling.m_mem, scheduling.m_comp and scheduling.p "
                          "(or scheduling.calibration to fit them)")
-    if sc.planner == "reformed" and sc.calibration is None and sc.m_mem is None:  # before any process starts
-        raise ValueError("scheduling.planner=reformed re-forms each step's micro-batches up to the memory bound "
-                         "m_mem: set scheduling.m_mem (tokens a micro-batch) or scheduling.calibration (a file "
-                         "with a memory model, or auto), or choose another scheduling.planner")
+    if sc.calibration is None:  # no file to take m_mem from: planner=reformed refused before any process starts
+        from scheduling.planner import check_m_mem
+
+        check_m_mem(sc.planner, sc.m_mem)
     if sc.strategy in ("cost", "balanced") and sc.calibration is None:
         raise ValueError(f"scheduling.strategy={sc.strategy} predicts step times from a cost model: set "
                          "scheduling.calibration (scripts/calibrate.py writes one)")

@@ -46,7 +46,7 @@ import torch
 from data.buckets import bucket_table
 from models.build import build_model
 from models.flow_matching import FlowMatching
-from models.layers import MMDIT_CUDNN, attention_kernel
+from models.layers import attention_kernel, cudnn_allowed
 from models.parallelize import parallelize
 from scheduling.calibrate import (HBM_FRACTION, Calibration, Infeasible, Point, StepResult, fit_mode, launch_point,
                                   new_calibration, refit, run_point, scan, timed_point)
@@ -433,7 +433,7 @@ def execution(cfg, device: torch.device, world_size: int) -> dict:
     whole GPU's; a file without the key was measured on whole GPUs)."""
     m = cfg.model
     off = graphs_off_because(cfg.train.cuda_graphs, device, world_size, graph_blockers(m))
-    return {"attention": attention_kernel(m.attention_backend, device, cudnn=m.name != "mmdit" or MMDIT_CUDNN),
+    return {"attention": attention_kernel(m.attention_backend, device, cudnn=cudnn_allowed(m.name)),
             "fused_ops": m.fused_ops, "cuda_graphs": not off, "precision": m.precision, "compile": m.compile,
             "shared_gpu": cfg.launch.debug_share_gpu}  # ranks sharing a GPU: contended, half the memory
 
