@@ -281,7 +281,7 @@ def test_two_truth_files_price_as_their_points_merged_at_both_depths():
     files = [f"{ROOT}/results/simulation_h200/truth_h200_14b_points.json",
              f"{ROOT}/results/simulation_h200/truth_h200_14b_reformed_points.json"]
     got = truth_sources(files, "full", 2, 40, 5120)
-    alone = [truth_sources(f, "full", 2, 40, 5120) for f in files]
+    alone = [truth_sources([f], "full", 2, 40, 5120) for f in files]
     full_keys = set(alone[0]["full"][0].runs) | set(alone[1]["full"][0].runs)
     assert set(got["full"][0].runs) == full_keys and len(full_keys) > max(len(a["full"][0].runs) for a in alone)
     clip = (75600, 1)

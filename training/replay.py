@@ -143,7 +143,7 @@ def load_settings(args: ReplayOptions, cfg) -> tuple[list[dict], dict]:
     return entries, defaults
 
 
-def truth_sources(paths, checkpointing: str, k: int, layers: int, model_dim: int) -> dict:
+def truth_sources(paths: list, checkpointing: str, k: int, layers: int, model_dim: int) -> dict:
     """The simulator's truth from calibration files (--truth, one or several; their measured points merged as
     simulate_cluster.py --truth-points merges them): "full" (their points at the whole model's depth, as the
     simulator reads them: Calibration.measured_points) and, where a file timed the replay's own depth k < layers
@@ -155,7 +155,7 @@ def truth_sources(paths, checkpointing: str, k: int, layers: int, model_dim: int
     from scheduling.truth import MeasuredTruth
 
     full, run, optim_full, optim_run = [], [], None, None
-    for path in dict.fromkeys([paths] if isinstance(paths, str) else paths):  # a file named twice counts once
+    for path in dict.fromkeys(paths):  # a file named twice counts once
         cal = Calibration.load(path)
         cal.check_model(model_dim, layers, "--truth")
         mode = cal.mode_name(checkpointing)
@@ -530,7 +530,8 @@ def replay(args: ReplayOptions, command: str) -> dict:
         for note in sched.notes:
             log(f"  note: {note}")
 
-    truth_at = truth_sources(args.truth, cfg.model.checkpointing, k, layers, cfg.model.dim) if args.truth else {}
+    truth_files = [args.truth] if isinstance(args.truth, str) else list(args.truth or [])
+    truth_at = truth_sources(truth_files, cfg.model.checkpointing, k, layers, cfg.model.dim) if truth_files else {}
     for t in todo:
         t["truth"] = {depth: evaluate(t["plans"][args.warmup:], lambda mb, tr=tr: tr.mean(mb.B, mb.S), om).row()
                       for depth, (tr, om) in truth_at.items()}
@@ -555,12 +556,12 @@ def replay(args: ReplayOptions, command: str) -> dict:
                         "mean over steps of CV over ranks of Σ_k t_rk (scheduling/replay.py)",
             "predicted_by": "the planner's pred_ms of the same plans and the calibration's optim_ms (the simulator "
                             "without noise)",
-            "truth": ({"files": [args.truth] if isinstance(args.truth, str) else list(args.truth),
+            "truth": ({"files": truth_files,
                        "depths": sorted(truth_at), "by": "each planned micro-batch at the calibrations' measured "
                        "median time of its (S, B) (their points merged), interpolated between measured points as "
                        "the simulator's truth is (scheduling/truth.py MeasuredTruth), and the first calibration's "
                        "optimizer step at that depth ÷ R"}
-                      if args.truth else None)}
+                      if truth_files else None)}
     os.makedirs(args.out, exist_ok=True)
     json_path, md_path = os.path.join(args.out, f"{args.name}.json"), os.path.join(args.out, f"{args.name}.md")
     results: list[dict] = []
