@@ -286,7 +286,8 @@ def test_two_truth_files_price_as_their_points_merged_at_both_depths():
     assert set(got["full"][0].runs) == full_keys and len(full_keys) > max(len(a["full"][0].runs) for a in alone)
     clip = (75600, 1)
     assert got["full"][0].runs[clip] == alone[0]["full"][0].runs[clip] + alone[1]["full"][0].runs[clip]
-    assert got["full"][1] == alone[0]["full"][1]  # the optimizer step: the first file's
+    assert got["full"][1] == alone[0]["full"][1] != alone[1]["full"][1]  # the optimizer step: the first file's,
+    assert got["as_run"][1] == alone[0]["as_run"][1] != alone[1]["as_run"][1]  # at either depth
     at_two = {}
     for f in files:
         rec = json.load(open(f))["modes"]["full"]
