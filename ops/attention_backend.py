@@ -14,10 +14,10 @@ Inside torch.compile the choice is not probed, so a compiled model's fallback go
 cuDNN's backward is handed its output's gradient laid out as the output (GradLikeOutput). The MMDiT's single-stream
 block concatenates the attention's output with its MLP's before one projection, so the gradient reaching SDPA is a
 slice of a wider tensor: its rows lie 5·D apart where the output's lie D apart. torch 2.11's cuDNN backward reads
-such a dO wrong: on the H200 (2026-12-02) raw SDPA's dq, dk and dv came out 139-142 % off fp32 math, against
-0.4 % through sdpa() (tests/test_attention_backend.py, results/attention_h200.md, "The MMDiT at HunyuanVideo width
-on cuDNN"), which explains the MMDiT's patch-embedding gradient 134 % off before the copy. The copy, where the
-layouts differ (the single-stream blocks only), costs one pass over the gradient.
+such a dO wrong: raw SDPA's dq, dk and dv land far from fp32 math, sdpa()'s within bf16 rounding
+(tests/test_attention_backend.py; the H200's numbers in results/attention_h200.md, "The MMDiT at HunyuanVideo width
+on cuDNN"), as the MMDiT's gradients did before the copy. The copy, where the layouts differ (the single-stream
+blocks only), costs one pass over the gradient.
 A call that passes `cudnn=False` leaves cuDNN out. A call with a boolean mask leaves it out unless
 MASKED_CUDNN: a key-padding mask through cuDNN was within 0.3 % of fp32 math (results/attention_h200.md), but torch
 2.11's cuDNN backward is reported to return NaN dq under a mask at lengths ≡ 64 (mod 128), and the MMDiT runs
