@@ -249,10 +249,20 @@ def test_keep_run_values_passes_over_keys_that_only_one_side_has():
     assert raw == {"optim": {"lr": 1e-3, "new": 1}, "train": {"steps": 10}}
 
 
-def test_saved_run_config_reads_the_named_or_the_newest_checkpoints_config_or_gives_none(tmp_path):
+def _manifest(ckpt) -> None:
+    """The manifest a save writes (checkpoint.write_manifest), of the folder's files as they are now."""
+    import hashlib
+    import json
+
+    files = {p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+             for p in sorted(ckpt.iterdir()) if p.name != "manifest.json"}
+    (ckpt / "manifest.json").write_text(json.dumps({"files": files}))
+
+
+def test_saved_run_config_reads_the_named_or_the_newest_intact_checkpoints_config_or_gives_none(tmp_path):
     """The config a resumed run continues: the named checkpoint's config.yaml; for auto the newest complete
-    checkpoint's (by step, not by name); None where there is no checkpoint, no config.yaml, or one that is not a
-    mapping or not YAML."""
+    checkpoint's (by step, not by name) whose config.yaml and meta.json match its manifest, as resume=auto skips a
+    damaged one; None where there is no such checkpoint, or its config.yaml is not a mapping or not YAML."""
     from training.resume import saved_run_config
 
     run = tmp_path / "run"
@@ -262,13 +272,21 @@ def test_saved_run_config_reads_the_named_or_the_newest_checkpoints_config_or_gi
         (ckpt / "config.yaml").write_text(f"train:\n  steps: {step}\n")
         if step != 30:
             (ckpt / "meta.json").write_text("{}")  # step_30 has none: not complete, not listed
+        _manifest(ckpt)
     assert saved_run_config("auto", str(run)) == {"train": {"steps": 10}}
     assert saved_run_config(str(run / "step_2"), str(tmp_path / "elsewhere")) == {"train": {"steps": 2}}
     assert saved_run_config("auto", str(tmp_path / "empty")) is None
-    (run / "step_10" / "config.yaml").write_text("- a list\n")
+    # the newest one damaged: its config is not the run's (resume=auto loads step_2), whatever it says
+    (run / "step_10" / "config.yaml").write_text("train:\n  steps: 99\n")
+    assert saved_run_config("auto", str(run)) == {"train": {"steps": 2}}
+    os.remove(run / "step_2" / "manifest.json")  # no manifest: nothing says its files are whole
+    assert saved_run_config("auto", str(run)) == {"train": {"steps": 1}}
+    (run / "step_1" / "meta.json").write_text('{"step": 5}')
     assert saved_run_config("auto", str(run)) is None
-    (run / "step_10" / "config.yaml").write_text("a: [\n")
-    assert saved_run_config("auto", str(run)) is None
+    for text in ("- a list\n", "a: [\n"):  # intact, yet no mapping: None, and the resume says why
+        (run / "step_10" / "config.yaml").write_text(text)
+        _manifest(run / "step_10")
+        assert saved_run_config("auto", str(run)) is None
     os.remove(run / "step_10" / "config.yaml")
     assert saved_run_config("auto", str(run)) is None
     assert saved_run_config(str(run / "step_1"), str(run)) == {"train": {"steps": 1}}

@@ -207,6 +207,16 @@ def _check_files(path: str, files: dict, names: list[str]) -> Optional[str]:
     return None
 
 
+def files_match_manifest(path: str, names: tuple[str, ...]) -> bool:
+    """Whether `names` of checkpoint `path` are listed in its manifest and match it (size and SHA-256): one process,
+    no collective, only these files read — for the small files read before the run starts (its config.yaml)."""
+    try:
+        files = json.loads(read_text(path, MANIFEST))["files"]
+        return all(n in files for n in names) and _check_files(path, files, list(names)) is None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
 def verify_checkpoint(path: str, ctx: DistContext) -> Optional[str]:
     """None when `path` is a complete checkpoint whose files match their manifest, else what is wrong (the same
     answer on every rank). A checkpoint without its manifest is damaged: nothing else says its files are whole."""

@@ -58,7 +58,8 @@ from typing import Callable, NamedTuple, Optional
 
 import yaml
 
-from training.checkpoint import CheckpointError, NotLoaded, list_checkpoints, verify_checkpoint
+from training.checkpoint import (CheckpointError, NotLoaded, files_match_manifest, list_checkpoints,
+                                 verify_checkpoint)
 from models.config import MODEL_CONFIGS
 from training.run_configs import flatten
 from training.run_folder import read_text
@@ -212,16 +213,18 @@ def check_config(ckpt: str, now, force: bool, is_main: bool) -> None:
 
 
 def saved_run_config(resume: str, run_dir: str) -> Optional[dict]:
-    """The config the run to resume was trained with: the named checkpoint's config.yaml, or for `auto` the newest
-    checkpoint's in run_dir; None where there is none or it does not read (the resume itself then says why)."""
-    path = resume
+    """The config the run to resume was trained with: the named checkpoint's config.yaml, or for `auto` that of the
+    newest checkpoint whose config.yaml and meta.json match its manifest — a newest one damaged or cut short is
+    skipped here as resume=auto skips it, so its values are not kept over those of the one loaded. None where there
+    is none or it does not read (the resume itself then says why)."""
+    paths = [resume]
     if resume == "auto":
-        found = list_checkpoints(run_dir)
-        if not found:
-            return None
-        path = found[-1][1]
+        paths = [p for _, p in reversed(list_checkpoints(run_dir))
+                 if files_match_manifest(p, ("meta.json", "config.yaml"))]
+    if not paths:
+        return None
     try:
-        saved = yaml.safe_load(read_text(path, "config.yaml"))
+        saved = yaml.safe_load(read_text(paths[0], "config.yaml"))
     except (OSError, ValueError, yaml.YAMLError, UnicodeDecodeError):
         return None
     return saved if isinstance(saved, dict) else None
