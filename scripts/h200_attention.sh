@@ -24,6 +24,8 @@
 #      steps a point (CAL14_S, default 420 s; not run yet)
 #   g  the held-out check of that calibration: five micro-batches (four scan shapes and i480 B = 10, which no scan
 #      timed) under full and keep, eager and then every one captured in a CUDA graph, 3 repeats each (~2.5 min)
+#   v  the MMDiT at HunyuanVideo width with text lengths that change every step (VARY steps, default 24), ours
+#      against diffusers, then ours@auto again under TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (~3 min; not run yet)
 # Results land in $OUT (default ./h200_attention_out); copy them to results/. Needs .whl/ (bash scripts/make_wheels.sh).
 set -uo pipefail
 source scripts/h200_env.sh h200_attention_out
@@ -119,6 +121,12 @@ if [[ $PART == *n* ]]; then
 fi
 if [[ $PART == *m* ]]; then
   timeout ${T_M:-150} python3 scripts/bench/mmdit.py --out "$OUT/m" 2>&1 | tee "$OUT/mmdit.log" | grep -E "impl|Error" | tail -12
+fi
+if [[ $PART == *v* ]]; then
+  timeout ${T_V:-180} python3 scripts/bench/mmdit.py --out "$OUT/v" --vary-text "${VARY:-24}" 2>&1 \
+    | tee "$OUT/mmdit_vary.log" | grep -E "impl|Error" | cut -c1-400 | tail -8
+  TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 timeout ${T_V2:-90} python3 scripts/bench/mmdit.py --out "$OUT/v" \
+    --vary-text "${VARY:-24}" --impls ours@auto 2>&1 | tee "$OUT/mmdit_vary_avoid.log" | grep -E "impl|Error" | tail -4
 fi
 if [[ $PART == *w* ]]; then
   timeout 300 python3 scripts/bench/step.py --model 14b --blocks "${K:-10}" --out "$OUT/w" --shapes 4 \

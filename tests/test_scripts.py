@@ -106,3 +106,24 @@ def test_the_hydra_entry_points_report_a_mistake_the_same_way(args, message):
     done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert message in done.stderr
+
+
+def test_mmdit_bench_with_varying_text_runs_both_passes_of_the_same_draws_on_a_cpu(tmp_path):
+    """The GPU question 'what does a new text length cost' as a dry run (--device cpu --tiny): each impl runs the
+    seeded draws twice, in order; the rows count the lengths new to the first pass, and a failing impl is a row."""
+    import json
+
+    out = run("scripts/bench/mmdit.py", "--vary-text", "5", "--device", "cpu", "--tiny", "--impls",
+              "ours@flash,diffusers@default,diffusers@cudnn", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads((tmp_path / "bench_mmdit_vary_text.json").read_text())
+    rows = {r["impl"]: r for r in got["rows"]}
+    assert set(rows) == {"ours@flash", "diffusers@default", "diffusers@cudnn"}
+    assert "error" in rows["diffusers@cudnn"]  # a CPU has no cuDNN attention: said, not fatal
+    draws = rows["ours@flash"]["lengths"]
+    assert len(draws) == 5 and all(16 <= r <= 256 for r in draws) and draws == rows["diffusers@default"]["lengths"]
+    for impl in ("ours@flash", "diffusers@default"):
+        r = rows[impl]
+        assert len(r["first_ms"]) == len(r["second_ms"]) == 5 and min(r["first_ms"] + r["second_ms"]) > 0
+        assert r["new_lengths"] == len({x for x in draws if x != 256})
+    assert got["meta"]["tiny"] is True and got["meta"]["TORCH_CUDNN_SDPA_AVOID_RECOMPILE"] is None
