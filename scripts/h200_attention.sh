@@ -10,8 +10,8 @@
 #      split of every shape (~3.5 min)
 #   p  ours@glue and ours@none with their device-time split at 2×14040, 1×32760, 1×75600 (SHAPES_P: step.py's
 #      shape indices), beside diffusers@cudnn: the ceiling table's measured parts (~3.5 min)
-#   n  a K-block (default 4) full-width slice of Wan 14B at 720p 81 frames with no recompute (ours@none), beside
-#      ours@glue, ours@keep and diffusers@cudnn (~2.5 min)
+#   n  a KN-block (default 4) full-width slice of Wan 14B at 720p 81 frames with no recompute (ours@none), beside
+#      ours@glue, ours@keep and diffusers@cudnn; REPS_N timed steps (default 1) (~2.5 min; KN=14 REPS_N=3: T_N=300)
 #   m  the MMDiT at HunyuanVideo width against diffusers' default and cuDNN backends (~1.5 min)
 #   w  a 10-block full-width slice of Wan 14B at 720p 81 frames: MFU, ours against diffusers@cudnn (~4 min)
 #   d  which kernel torch's default SDPA choice is at Wan's shapes (the baseline's backend; seconds)
@@ -116,7 +116,7 @@ if [[ $PART == *p* ]]; then
 fi
 if [[ $PART == *n* ]]; then
   timeout ${T_N:-180} python3 scripts/bench/step.py --model 14b --blocks "${KN:-4}" --out "$OUT/n" --shapes 4 \
-    --fast-backend _native_cudnn --reps 1 --gc-off --longest '' --impls diffusers@fast,ours@glue,ours@keep,ours@none \
+    --fast-backend _native_cudnn --reps "${REPS_N:-1}" --gc-off --longest '' --impls diffusers@fast,ours@glue,ours@keep,ours@none \
     2>&1 | tee "$OUT/bench_n.log" | grep -E "^\||Error|error|memory" | cut -c1-400 | tail -8
 fi
 if [[ $PART == *m* ]]; then
