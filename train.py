@@ -33,7 +33,7 @@ from training.busy import StepProfiler
 from training.checkpoint import CheckpointError, LoopState, load_checkpoint, save_checkpoint
 from training.cli import user_errors
 from training.config import TrainConfig, config_warnings, load_config
-from training.cuda_graphs import graph_blockers, graphs_for
+from training.cuda_graphs import graph_blockers, graphs_for, graphs_for_plan
 from training.dist import (check_devices, cpu_threads, fsdp_options_from_env, init_distributed, launcher,
                            maybe_launch, shutdown)
 from training.host_memory import check_host_memory
@@ -119,6 +119,7 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str, kept_val
     shares = dict(zip(corpus.bucket_names, np.bincount(corpus.table.bucket, minlength=len(corpus.bucket_names))))
     schedule = schedule_for(scfg, {n: b.tokens for n, b in buckets.items()}, shape, ctx.world_size, shares,
                             graph_tokens=graphs.max_tokens if graphs is not None else 0)
+    graphs = graphs_for_plan(graphs, schedule.graph_tokens, ctx.is_main)  # captures what the plan reserved for
     micro_batches = schedule.micro_batches or cfg.train.micro_batches
     batch_sizes = [schedule.batch_sizes[n] for n in corpus.bucket_names]
 

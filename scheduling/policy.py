@@ -63,6 +63,9 @@ class Schedule:
     # model.keep_attention
     recompute_blocks: Optional[Callable[[int, int], object]] = None
     notes: list = field(default_factory=list)    # warnings for the log (e.g. a bucket over the target ms)
+    # the largest micro-batch (tokens) the run captures as a CUDA graph: the graph_tokens asked for, or less where
+    # no planned micro-batch reaches it (resolve_schedule); the trainer captures none above it
+    graph_tokens: Optional[int] = None
 
     @property
     def m_mem(self) -> Optional[float]:
@@ -291,13 +294,43 @@ def _fsdp_source(memory, cal: Calibration, mode: str) -> str:
 def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: ModelShape,
                      proxy_tflops: float = 100.0, checkpointing: Optional[str] = None,
                      world_size: Optional[int] = None, keep_attention: bool | str = False,
-                     shares: Optional[Mapping[str, float]] = None, graph_tokens: Optional[int] = 0) -> Schedule:
+                     shares: Optional[Mapping[str, float]] = None, graph_tokens: Optional[int] = 0,
+                     narrow_graphs: bool = True) -> Schedule:
     """tokens: bucket name → S, in bucket order; checkpointing: model.checkpointing (picks the calibration's
     record); world_size: picks the simulator's choice made for the nearest cluster size; keep_attention: the
     model's knob of that name (checkpointing=auto then spends memory on kept self-attention outputs first);
     shares: bucket → share of the corpus' samples (scheduling.tokens_per_step needs them: fixed_batch);
     graph_tokens: micro-batches up to this many tokens replay as CUDA graphs (0: none), whose pool the memory
-    budget of every larger micro-batch leaves room for (graph_pool_bytes)."""
+    budget of every larger micro-batch leaves room for (graph_pool_bytes).
+
+    The pool is reserved only for micro-batches the plan holds: where every bucket's micro-batch is over
+    graph_tokens, none is captured and nothing is reserved (a bucket's short last micro-batch stays eager too);
+    else the limit is the largest planned micro-batch within it. Schedule.graph_tokens is that limit, which the
+    trainer captures up to. The schedule is resolved again at each narrower limit (the budget the reserve leaves
+    sets the batch sizes, which set the limit), until it holds. narrow_graphs=False keeps graph_tokens as the limit
+    (the simulator, whose swept batch sizes are not these: the reserve then bounds any capture up to it)."""
+    args = (cfg, tokens, shape, proxy_tflops, checkpointing, world_size, keep_attention, shares)
+    schedule = _resolve_schedule(*args, graph_tokens=graph_tokens)
+    limit = graph_tokens
+    while narrow_graphs and limit and schedule.values.get("graph_pool_gib"):
+        narrowed = max((b * S for n, S in tokens.items() if (b := schedule.batch_sizes[n]) * S <= limit), default=0)
+        if narrowed >= limit:
+            break
+        limit = narrowed
+        schedule = _resolve_schedule(*args, graph_tokens=limit)
+    if limit != graph_tokens:
+        schedule.values["graph_tokens"] = limit
+        schedule.sources["graph_tokens"] = (
+            f"no planned micro-batch within train.graph_max_tokens={graph_tokens:,}: none captured, no pool kept"
+            if not limit else f"the largest planned micro-batch within train.graph_max_tokens={graph_tokens:,}")
+    schedule.graph_tokens = limit
+    return schedule
+
+
+def _resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: ModelShape, proxy_tflops: float,
+                      checkpointing: Optional[str], world_size: Optional[int], keep_attention: bool | str,
+                      shares: Optional[Mapping[str, float]], graph_tokens: Optional[int]) -> Schedule:
+    """resolve_schedule at one capture limit."""
     S_max, S_min = max(tokens.values()), min(tokens.values())
     src: dict = {}
     val: dict = {}

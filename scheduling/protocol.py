@@ -189,7 +189,8 @@ def auto_inputs(cal: Calibration, mix: Mix, comm_bandwidth: Optional[float] = No
         graphs = graph_tokens if R == 1 else 0
         if graphs not in memo:
             s = resolve_schedule(SchedulingConfig(strategy="balanced", calibration=cal.path), tokens, shape,
-                                 checkpointing="auto", world_size=1, keep_attention="auto", graph_tokens=graphs)
+                                 checkpointing="auto", world_size=1, keep_attention="auto", graph_tokens=graphs,
+                                 narrow_graphs=False)  # the sweep's batch sizes are not balanced's: any capture
             note = (f"R {'= 1' if graphs else '> 1'}: {s.sources['cost']}; m_mem = {s.values['m_mem']:,} "
                     f"({s.sources['m_mem']})")
             memo[graphs] = Inputs(_Priced(s.cost_fn, "checkpointing=auto's blend of the measured policies' "

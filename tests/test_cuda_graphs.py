@@ -6,7 +6,7 @@ import torch
 
 from data.batch import collate
 from models.flow_matching import FlowMatching, ObjectiveConfig
-from training.cuda_graphs import FakeGraphs, MicroBatchGraphs, graphs_for
+from training.cuda_graphs import FakeGraphs, MicroBatchGraphs, graphs_for, graphs_for_plan
 from training.dist import DistContext
 from training.optim import EMA, OptimConfig, build_optimizer
 from training.step import TrainParts, autocast_for, train_step
@@ -126,6 +126,25 @@ def test_graphs_for_says_why_it_is_off(caplog):
     with pytest.raises(ValueError, match="offload"):
         graphs_for("on", torch.device("cuda", 0), 1, ["model.offload_checkpoints moves tensors to the host"], None)
     assert graphs_for("off", torch.device("cuda", 0), 1, [], None) is None
+
+
+def test_the_graphs_capture_only_up_to_what_the_plan_reserved_for(caplog):
+    """train.py narrows its graphs to Schedule.graph_tokens: the same graphs with the smaller cap, or none (eager)
+    where no planned micro-batch is within train.graph_max_tokens; one line says so; an unchanged cap is silent."""
+    dev = torch.device("cuda", 0)  # never touched: the constructor keeps the device only
+    with caplog.at_level("INFO"):
+        g = MicroBatchGraphs(dev, max_tokens=16384)
+        assert graphs_for_plan(g, 15600) is g and g.max_tokens == 15600
+        assert "up to 15,600 tokens are captured" in caplog.text and "graph_max_tokens=16,384" in caplog.text
+        caplog.clear()
+        assert graphs_for_plan(g, 15600) is g and not caplog.text
+        assert graphs_for_plan(MicroBatchGraphs(dev, max_tokens=16384), 0) is None
+        assert "off: every planned micro-batch is over train.graph_max_tokens=16,384" in caplog.text
+        caplog.clear()
+        assert graphs_for_plan(MicroBatchGraphs(dev, max_tokens=16384), 0, is_main=False) is None and not caplog.text
+    uncapped = MicroBatchGraphs(dev, max_tokens=None)
+    assert graphs_for_plan(uncapped, None) is uncapped and uncapped.max_tokens is None
+    assert graphs_for_plan(None, 0) is None
 
 
 @pytest.mark.gpu

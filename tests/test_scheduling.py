@@ -467,47 +467,59 @@ def test_micro_batches_beside_the_cuda_graphs_pool_leave_room_for_it():
     """train.graph_max_tokens: micro-batches up to it replay as CUDA graphs, whose shared pool (the largest
     capture's activations) stays allocated while a larger, eager micro-batch runs. That one's budget is the pool
     smaller; the captured ones keep the whole budget; without graphs, or with no cap (nothing runs beside the pool),
-    nothing is reserved. The 1.3B's measured three-policy calibration, at its 90 %-of-HBM budget."""
+    nothing is reserved. The pool is reserved only for micro-batches the plan holds: the capture limit narrows to
+    the largest planned micro-batch within graph_max_tokens, to 0 (no graphs, no pool) where every one is over it.
+    The 1.3B's measured three-policy calibration, at its 90 %-of-HBM budget."""
     import os
 
     from scheduling.policy import PartialRecompute, graph_pool_bytes, resolve_schedule
     from tests.helpers import ROOT
 
     path, tokens = os.path.join(ROOT, "results", "calibration_h200_policies.json"), dict(WAN_TOKENS)
-    cfg = SchedulingConfig("balanced", calibration=path)
-    plain = resolve_schedule(cfg, tokens, WAN13, checkpointing="auto", keep_attention="auto", world_size=1)
-    graphs = resolve_schedule(cfg, tokens, WAN13, checkpointing="auto", keep_attention="auto", world_size=1,
-                              graph_tokens=16384)
+    kw = dict(checkpointing="auto", keep_attention="auto", world_size=1)
+    cfg = SchedulingConfig("equal_token", calibration=path, m_tokens=16000)  # images and short clips under 16,384
+    plain = resolve_schedule(cfg, tokens, WAN13, **kw)
+    graphs = resolve_schedule(cfg, tokens, WAN13, **kw, graph_tokens=16384)
+    planned = {n: graphs.batch_sizes[n] * S for n, S in tokens.items()}
+    assert graphs.graph_tokens == max(t for t in planned.values() if t <= 16384) == 15600 < 16384
+    assert graphs.values["graph_tokens"] == 15600 and "largest planned" in graphs.sources["graph_tokens"]
     cal = Calibration.load(path)
     none = cal.memory_model("none", 1)
-    # the largest capture: no recompute fits, so the pool is none's activations at the largest B·S ≤ 16384
-    want = max(float(none.predict(16384 // S, S) - none.predict(0, S)) for S in tokens.values() if S <= 16384)
+    # the largest capture: no recompute fits, so the pool is none's activations at the largest B·S ≤ the limit
+    want = max(float(none.predict(15600 // S, S) - none.predict(0, S)) for S in tokens.values() if S <= 15600)
     assert graphs.values["graph_pool_gib"] * 2**30 == pytest.approx(want, rel=1e-9)
     assert "graph_pool_gib" not in plain.values and 15 < graphs.values["graph_pool_gib"] < 30
     assert graphs.values["m_mem"] < plain.values["m_mem"] and "less the graphs' pool" in graphs.sources["m_mem"]
     bounding = cal.memory_model(cal.mode_name("auto"), 1)  # the mode whose model bounds B·S
     assert graphs.values["m_mem"] == bounding.m_mem(0.9 * cal.hbm_bytes - want, min(tokens.values()))
+    # every planned micro-batch over 16,384 tokens (balanced's are): none is captured, nothing is reserved, the
+    # schedule is the one without graphs
+    bal = SchedulingConfig("balanced", calibration=path)
+    off, bal_plain = (resolve_schedule(bal, tokens, WAN13, **kw, graph_tokens=g) for g in (16384, 0))
+    assert min(off.batch_sizes[n] * S for n, S in tokens.items()) > 16384
+    assert off.graph_tokens == 0 and "graph_pool_gib" not in off.values and "none captured" in off.sources["graph_tokens"]
+    assert off.values["m_mem"] == bal_plain.values["m_mem"] and off.batch_sizes == bal_plain.batch_sizes
+    assert off.recompute_blocks(1, 75600) == bal_plain.recompute_blocks(1, 75600)
     # a smaller budget, of which the pool takes much: the bound shrinks by it, and every eager micro-batch fits
     # beside the pool even recomputing nothing less than every block
-    small = resolve_schedule(SchedulingConfig("balanced", calibration=path, mem_budget_gib=60.0), tokens, WAN13,
-                             checkpointing="auto", keep_attention="auto", world_size=1, graph_tokens=16384)
+    small = resolve_schedule(SchedulingConfig("equal_token", calibration=path, m_tokens=16000, mem_budget_gib=60.0),
+                             tokens, WAN13, **kw, graph_tokens=16384)
     pool = small.values["graph_pool_gib"] * 2**30
     assert small.values["m_mem"] == bounding.m_mem(60 * 2**30 - pool, min(tokens.values()))
     for name, S in tokens.items():
         B = small.batch_sizes[name]
-        if B * S > 16384:
+        if B * S > small.graph_tokens:
             assert float(cal.memory_model("full", 1).predict(B, S)) + pool <= 60 * 2**30, name
     # where the pool leaves no room for the longest bucket's one sample: refused, the knob named
     with pytest.raises(ValueError, match="lower train.graph_max_tokens"):
-        resolve_schedule(SchedulingConfig("balanced", calibration=path, mem_budget_gib=40.0), tokens, WAN13,
-                         checkpointing="auto", keep_attention="auto", world_size=1, graph_tokens=16384)
+        resolve_schedule(SchedulingConfig("equal_token", calibration=path, m_tokens=16000, mem_budget_gib=40.0),
+                         tokens, WAN13, **kw, graph_tokens=16384)
     # a long micro-batch recomputes more beside the pool, a captured one is decided as before
     assert graphs.recompute_blocks(2, 32760)[0] > plain.recompute_blocks(2, 32760)[0]
     assert graphs.recompute_blocks(10, 1560) == plain.recompute_blocks(10, 1560) == (0, 0)
     assert graph_pool_bytes(tokens, 0, none) == 0.0 and graph_pool_bytes(tokens, None, none) == 0.0
-    uncapped = resolve_schedule(cfg, tokens, WAN13, checkpointing="auto", keep_attention="auto", world_size=1,
-                                graph_tokens=None)
-    assert uncapped.values["m_mem"] == plain.values["m_mem"]
+    uncapped = resolve_schedule(cfg, tokens, WAN13, **kw, graph_tokens=None)
+    assert uncapped.values["m_mem"] == plain.values["m_mem"] and uncapped.graph_tokens is None
 
     class Line:  # peak = 10 + 2·B·S
         def predict(self, B, S):

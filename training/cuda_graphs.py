@@ -242,3 +242,21 @@ def graphs_for(mode: str, device: torch.device, world_size: int, reasons_off: li
     log.info("CUDA graphs on: micro-batches of up to %s tokens are captured per (bucket, B) after %d eager run",
              "any number of" if max_tokens is None else f"{max_tokens:,}", 1)
     return MicroBatchGraphs(device, warmup=1, max_tokens=max_tokens)
+
+
+def graphs_for_plan(graphs: Optional[MicroBatchGraphs], limit: Optional[int],
+                    is_main: bool = True) -> Optional[MicroBatchGraphs]:
+    """The graphs narrowed to the capture limit the schedule reserved memory for (scheduling/policy.py
+    Schedule.graph_tokens): the same graphs capturing up to `limit` tokens, or None (eager, gradients freed between
+    steps) where no planned micro-batch is within train.graph_max_tokens. One log line where it changes them."""
+    if graphs is None or limit == graphs.max_tokens:
+        return graphs
+    if is_main:
+        log.info("CUDA graphs: %s", f"micro-batches of up to {limit:,} tokens are captured, the largest the plan "
+                 f"holds within train.graph_max_tokens={graphs.max_tokens:,}" if limit else
+                 f"off: every planned micro-batch is over train.graph_max_tokens={graphs.max_tokens:,}")
+    if not limit:
+        return None
+    graphs.max_tokens = limit
+    return graphs
+
