@@ -109,13 +109,22 @@ class PartialRecompute:
     all_blocks: bool = False      # checkpointing=full: every block recomputes, only j is chosen
     graph_tokens: int = 0         # micro-batches of more tokens run eager beside the CUDA graphs' pool, which holds
     graph_reserve: float = 0.0    # this many bytes (graph_pool_bytes): their budget is that much smaller
+    # none's memory model beyond the tokens it was measured at (none_beyond) times none_scale ≥ 1: what the partial
+    # checks measured there (partial_check_scale)
+    none_scale: float = 1.0
+    none_beyond: float = math.inf
 
     def budget_at(self, B: int, S: int) -> float:
         return self.budget - self.graph_reserve if B * S > self.graph_tokens else self.budget
 
+    def none_peak(self, B: int, S: int) -> float:
+        """none's predicted peak bytes at (B, S), raised by none_scale beyond the tokens it was measured at."""
+        none = float(self.none_mem.predict(B, S))
+        return none * self.none_scale if B * S > self.none_beyond else none
+
     def peak(self, B: int, S: int, k: int, j: int) -> float:
         """Predicted peak bytes of (B, S) with k blocks recomputed, j of them keeping their attention."""
-        none, full = float(self.none_mem.predict(B, S)), float(self.full_mem.predict(B, S))
+        none, full = self.none_peak(B, S), float(self.full_mem.predict(B, S))
         return none - k / self.layers * (none - full) + j * (self.kept_bytes(B, S) if self.keep else 0.0)
 
     @property
@@ -126,9 +135,13 @@ class PartialRecompute:
     @property
     def none_tokens(self) -> int:
         """The largest B·S that runs without any recompute (in every bucket)."""
-        t = self.none_mem.m_mem(self.budget, self.S_min)
-        return t if t <= self.graph_tokens else max(self.graph_tokens,
-                                                    self.none_mem.m_mem(self.budget - self.graph_reserve, self.S_min))
+        def fits(budget: float) -> int:
+            t = self.none_mem.m_mem(budget, self.S_min)
+            return t if t <= self.none_beyond else max(int(self.none_beyond),
+                                                       self.none_mem.m_mem(budget / self.none_scale, self.S_min))
+
+        t = fits(self.budget)
+        return t if t <= self.graph_tokens else max(self.graph_tokens, fits(self.budget - self.graph_reserve))
 
     def blocks(self, B: int, S: int) -> int:
         return self.decide(B, S)[0]
@@ -145,7 +158,7 @@ class PartialRecompute:
         wherever that fits: k = ⌈(none(T) − budget) / ((none(T) − full(T))/L − kept)⌉; beyond, k = L and j as
         many as the budget leaves. Where keeping costs more than recomputing frees, k is the fewest without keeping
         and j what the memory left holds."""
-        none, full = float(self.none_mem.predict(B, S)), float(self.full_mem.predict(B, S))
+        none, full = self.none_peak(B, S), float(self.full_mem.predict(B, S))
         L, budget = self.layers, self.budget_at(B, S)
         kept = self.kept_bytes(B, S) if self.keep else 0.0
         if self.all_blocks:
@@ -190,13 +203,49 @@ def _partial_recompute(cfg: SchedulingConfig, cal: Calibration, shape: ModelShap
     if not (auto or keep_only) or full_mem is None or budget is None:
         return None
     measured_keep = "keep" in modes and cal.memory_model("keep") is not None
-    return PartialRecompute(
+    partial = PartialRecompute(
         shape.layers, budget, cal.memory_model("none", world_size) if auto else full_mem, full_mem,
         cal.cost_model("none") if auto else full_cost, full_cost, S_min=S_min,
         attention_bytes=kept_bytes_per_token(shape.dim) if keep_attention in (True, "auto") else 0.0,
         keep_mem=cal.memory_model("keep", world_size) if measured_keep else None,
         keep_cost=cal.cost_model("keep") if "keep" in modes else None,
         all_blocks=keep_only)
+    if auto and not isinstance(partial.none_mem, FSDPMemoryModel):
+        scale, beyond = partial_check_scale(cal, partial)
+        partial = dataclasses.replace(partial, none_scale=scale, none_beyond=beyond)
+    return partial
+
+
+def none_measured_tokens(cal: Calibration) -> float:
+    """The largest B·S at which the calibration measured the none policy's peak (its memory model's reach)."""
+    return max((float(p["B"]) * float(p["S"]) for p in cal.data["modes"]["none"]["points"]
+                if p.get("peak_bytes")), default=0.0)
+
+
+def partial_check_scale(cal: Calibration, partial: PartialRecompute) -> tuple[float, float]:
+    """(none_scale, none_beyond): where the calibration measured micro-batches beyond none's measured tokens under
+    the policy checkpointing=auto chose for them (its `partial_checks`: k blocks recomputed, j keeping attention,
+    the peak), none's peak at each such (B, S) solved from the linear rule of PartialRecompute's docstring,
+        none = (peak − k/L·full(T) − j·kept(T)) / (1 − k/L),
+    over none's prediction there; the largest ratio (at least 1: a check below the model never lowers it) applies
+    to every micro-batch beyond none_beyond, none's measured tokens. A check that ran out of memory counts the
+    device's memory as its peak (a lower bound). (1, ∞) without checks. A memory model is fitted where it was
+    measured; a long clip's none peak can only be measured this way (it does not fit whole)."""
+    def peak(c: dict) -> Optional[float]:  # a check that ran out of memory peaked above the device's memory
+        return c.get("peak_bytes") or (cal.hbm_bytes if c.get("fits") is False else None)
+
+    checks = [c for c in cal.data.get("partial_checks") or [] if peak(c) and c["k"] < partial.layers]
+    if not checks:
+        return 1.0, math.inf
+    beyond, L, scale = none_measured_tokens(cal), partial.layers, 1.0
+    for c in checks:
+        B, S, k, j = int(c["B"]), int(c["S"]), int(c["k"]), int(c["j"])
+        full = float(partial.full_mem.predict(B, S))
+        kept = partial.kept_bytes(B, S) if j else 0.0
+        none = (float(peak(c)) - k / L * full - j * kept) / (1 - k / L)
+        if B * S > beyond:
+            scale = max(scale, none / float(partial.none_mem.predict(B, S)))
+    return scale, beyond
 
 
 def _keep_source(partial: PartialRecompute) -> str:
@@ -204,6 +253,13 @@ def _keep_source(partial: PartialRecompute) -> str:
         return ""
     return ("; kept attention's memory and time measured (keep)" if partial.keep_mem is not None
             else "; kept attention's bytes computed, its time not credited (no keep policy measured)")
+
+
+def _check_source(partial: PartialRecompute) -> str:
+    if partial.none_scale == 1.0:
+        return ""
+    return (f"; none's memory × {partial.none_scale:.3f} beyond the {partial.none_beyond:,.0f} tokens it was "
+            "measured at (the calibration's partial checks)")
 
 
 def graph_pool_bytes(tokens: Mapping[str, int], graph_tokens: Optional[int], memory=None,
@@ -370,7 +426,7 @@ def _resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: M
                 src["cost"] = (f"calibration:auto(no recompute up to {partial.none_tokens} tokens, then as few "
                                f"of {shape.layers} blocks as {partial.budget / 2**30:.1f} GiB allows"
                                + ("" if not partial.keep else ", memory left keeping attention"
-                                  + _keep_source(partial)) + ")")
+                                  + _keep_source(partial)) + _check_source(partial) + ")")
 
     # m_mem: config > mem_budget_gib × memory model > chosen > memory model at 90 % of HBM
     if cfg.m_mem is not None:

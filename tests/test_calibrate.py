@@ -750,3 +750,58 @@ def test_the_two_depth_truth_takes_the_fixed_part_once_and_never_a_negative_one(
     assert got["a"] == pytest.approx(420.0)
     assert got["b"] == pytest.approx(200.0 * 40 / 18)  # fixed 200 − 18·(108/9) = −16 ms: flat
     assert got["c"] == pytest.approx(300.0 * 40 / 18)  # one depth only: flat
+
+
+def test_the_scan_measures_the_longest_clips_under_the_policys_own_choice_and_the_planner_reads_it(tmp_path):
+    """After the policies' fits, the scan runs the longest buckets whose one sample fits only with some blocks
+    recomputed, at the (k, j) checkpointing=auto chooses, and records their peaks beside the prediction
+    (partial_checks); one that runs out of memory is recorded as such and counts the device's memory as its peak.
+    The planner then raises none's model beyond its measured tokens by what the checks found. A fake step here (a
+    peak 6 % above the prediction, or out of memory); the 1.3B's three-policy file gives the models."""
+    import dataclasses
+    import os
+
+    from scheduling.policy import _partial_recompute, partial_check_scale
+    from tests.helpers import ROOT
+    from training.shape_benchmark import partial_checks
+
+    path = os.path.join(ROOT, "results", "calibration_h200_policies.json")
+    data = json.loads(open(path).read())
+    del data["partial_checks"]  # as the scan has it before its checks
+    fresh = tmp_path / "fresh.json"
+    fresh.write_text(json.dumps(data))
+    cal = Calibration.load(str(fresh))
+    pr = _partial_recompute(SchedulingConfig("equal_token", calibration=str(fresh), m_tokens=32760), cal,
+                            ModelShape(1, 30, 1536, 512), "auto", "auto", 1, cal.memory_model("full", 1),
+                            cal.cost_model("full"), 1560)
+    tokens = {"i480": 1560, "v480_81f": 32760, "v720_49f": 46800, "v720_81f": 75600}
+    ran, said = [], []
+
+    def step_for(kj):
+        def step(name, B):
+            ran.append((name, B, kj))
+            if name == "v720_49f":
+                raise Infeasible("CUDA out of memory")
+            return StepResult(1000.0 + len(ran), 5.0, 1.06 * pr.peak(B, tokens[name], *kj))
+        return step
+
+    rows = partial_checks(step_for, pr, tokens, warmup=1, repeats=2, log=said.append)
+    k, j = pr.decide(1, 75600)
+    assert 0 < k < 30 and pr.decide(1, 46800) == (0, 0)  # 46,800 fits whole here: no check there
+    assert [r["bucket"] for r in rows] == ["v720_81f"] and ran == [("v720_81f", 1, (k, j))] * 3
+    assert rows[0]["peak_bytes"] == pytest.approx(1.06 * pr.peak(1, 75600, k, j)) and rows[0]["ms_runs"] == [1002.0, 1003.0]
+    assert rows[0]["predicted_peak_bytes"] == pr.peak(1, 75600, k, j) and "partial check v720_81f" in said[0]
+    data["partial_checks"] = rows
+    fresh.write_text(json.dumps(data))
+    scale, beyond = partial_check_scale(Calibration.load(str(fresh)), pr)
+    assert beyond == 35 * 1560 and scale > 1.06  # the excess lies on none's share of the peak alone
+    # a smaller budget: 46,800 needs recompute too and its check runs out of memory: recorded, the device's memory
+    # counted as its peak, which raises none's model more
+    small = dataclasses.replace(pr, budget=60 * 2**30)
+    ran.clear()
+    rows = partial_checks(step_for, small, tokens, warmup=0, repeats=1, log=said.append, limit=2)
+    assert [r["bucket"] for r in rows] == ["v720_81f", "v720_49f"] and rows[1]["fits"] is False
+    assert "out of memory" in said[-1] and "peak_bytes" not in rows[1]
+    data["partial_checks"] = rows
+    fresh.write_text(json.dumps(data))
+    assert partial_check_scale(Calibration.load(str(fresh)), small)[0] > scale

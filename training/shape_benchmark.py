@@ -350,6 +350,12 @@ def calibrate_config(cfg, opts: CalibrateOptions | dict | None = None, command: 
         source="measured", device=device, date=datetime.date.today().isoformat(), command=command,
         hbm_bytes=hbm, extrapolation=ext, notes=notes, world_size=ctx.world_size)
     cal.data["execution"] = {**execution(cfg, ctx.device, ctx.world_size), "cuda_graphs": graphs is not None}
+    if cuda and not R and k == layers and {"none", "full"} <= set(modes) and budget:
+        pr = _policy_for(cfg, cal, model, budget, min(tokens.values()))
+        if pr is not None:
+            cal.data["partial_checks"] = partial_checks(
+                lambda kj: make_step_fn(model, objective, optimizer, table, cfg.model, ctx.device, autocast, kj,
+                                        graphs), pr, tokens, opts.warmup, opts.repeats, say)
     if not cuda:
         cal.data["chosen"] = {"m_mem": CPU_M_MEM_FACTOR * max(tokens.values()),
                               "why": f"CPU: no device memory to bound; m_mem = {CPU_M_MEM_FACTOR}·S_max"}
@@ -371,6 +377,49 @@ def calibrate_config(cfg, opts: CalibrateOptions | dict | None = None, command: 
             log(f"wrote {out} with the FSDP memory model ({time.perf_counter() - t_start:.0f} s)")
     ctx.barrier()
     return cal
+
+
+def _policy_for(cfg, cal: Calibration, model, budget: float, S_min: int):
+    """checkpointing=auto's PartialRecompute over this scan's fitted models at `budget` (None where it has none)."""
+    from scheduling.policy import ModelShape, _partial_recompute
+
+    m = cfg.model
+    sc = dataclasses.replace(cfg.scheduling, mem_budget_gib=budget / 2**30)
+    return _partial_recompute(sc, cal, ModelShape.of(m, model.num_matmul_params()), "auto", m.keep_attention, 1,
+                              cal.memory_model("full"), cal.cost_model("full"), S_min)
+
+
+def partial_checks(step_for, policy, tokens: dict, warmup: int, repeats: int, log, limit: int = 2) -> list[dict]:
+    """The longest buckets (at most `limit`) whose one sample fits only with some blocks recomputed, each run once
+    warm and `repeats` times under the policy's own choice (k blocks recomputed, j keeping attention): their peaks
+    beside the prediction. none's memory model is extrapolated there, since a clip that does not fit whole cannot be
+    measured whole; scheduling/policy.py partial_check_scale corrects it from these. step_for((k, j)) → step_fn."""
+    rows = []
+    for name in sorted(tokens, key=lambda n: -tokens[n]):
+        S = tokens[name]
+        k, j = policy.decide(1, S)
+        if not 0 < k < policy.layers:
+            continue
+        row = {"bucket": name, "S": S, "B": 1, "k": k, "j": j, "predicted_peak_bytes": policy.peak(1, S, k, j)}
+        step = step_for((k, j))
+        try:
+            for _ in range(warmup):
+                step(name, 1)
+            runs = [step(name, 1) for _ in range(repeats)]
+        except Infeasible as e:
+            row.update(fits=False, why=str(e)[:300])
+        else:
+            peaks = [r.peak_bytes for r in runs if r.peak_bytes is not None]
+            row.update(fits=True, ms=float(np.median([r.ms for r in runs])), ms_runs=[r.ms for r in runs],
+                       peak_bytes=max(peaks) if peaks else None)
+        rows.append(row)
+        gib = (lambda v: f"{v / 2**30:.1f} GiB" if v else "—")
+        log(f"partial check {name} S={S} B=1, {k} blocks recomputed ({j} keeping attention): "
+            + (f"peak {gib(row['peak_bytes'])}, {row['ms']:.0f} ms" if row["fits"] else "out of memory")
+            + f" (predicted {gib(row['predicted_peak_bytes'])})")
+        if len(rows) == limit:
+            break
+    return rows
 
 
 def _fsdp_options(cfg, opts, ctx, k: int, layers: int) -> tuple[int | None, int | None]:
