@@ -107,7 +107,9 @@ class RunKnobs:
         if self.checkpointing not in CHECKPOINTING:
             raise ValueError(f"model.checkpointing must be one of {CHECKPOINTING}, got {self.checkpointing!r}")
         if not (isinstance(self.keep_attention, bool) or self.keep_attention == "auto"):
-            raise ValueError(f"model.keep_attention must be true, false or auto, got {self.keep_attention!r}")
+            quoted = isinstance(self.keep_attention, str) and self.keep_attention.lower() in ("true", "false")
+            raise ValueError(f"model.keep_attention must be true, false or auto, got {self.keep_attention!r}"
+                             + (" (a string: write true or false without quotes)" if quoted else ""))
         if self.keep_attention is True and self.checkpointing == "none":
             raise ValueError("model.keep_attention=true keeps the attention outputs of recomputed blocks: set "
                              "model.checkpointing to full or auto (keep_attention=auto: as memory allows)")

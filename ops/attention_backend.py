@@ -20,8 +20,9 @@ on cuDNN"), as the MMDiT's gradients did before the copy. The copy, where the la
 blocks only), costs one pass over the gradient.
 A call that passes `cudnn=False` leaves cuDNN out. A call with a boolean mask leaves it out unless
 MASKED_CUDNN: a key-padding mask through cuDNN was within 0.3 % of fp32 math (results/attention_h200.md), but torch
-2.11's cuDNN backward is reported to return NaN dq under a mask at lengths ≡ 64 (mod 128), and the MMDiT runs
-its padded text without a mask (models/layers.py KeyLengths). Flash takes no mask either: a masked call runs the
+2.11's cuDNN backward is reported upstream to return NaN dq under a mask at lengths ≡ 64 (mod 128) (not reproduced
+here, at 344 and 14,160, which that report does not cover), and the MMDiT runs its padded text without a mask
+(models/layers.py KeyLengths). Flash takes no mask either: a masked call runs the
 memory-efficient kernel.
 
 The models hold the choice as a module attribute (`attention_backend` on every attention module, set by
@@ -43,7 +44,7 @@ ORDER = ("cudnn", "flash", "efficient", "math")
 _SDP = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 _CHOICE = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}  # torch._fused_sdp_choice's values (SDPBackend)
-MASKED_CUDNN = False  # cuDNN takes boolean masks (the module docstring)
+MASKED_CUDNN = False  # whether a boolean mask may go to cuDNN: not while the report below stands (module docstring)
 CUDNN_MIN_CAPABILITY = 9  # auto prefers cuDNN from Hopper on (measured: results/attention_h200.md)
 
 log = logging.getLogger(__name__)

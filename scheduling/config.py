@@ -42,5 +42,8 @@ class SchedulingConfig:
             raise ValueError(f"scheduling.benchmark_time_s must be > 0, got {self.benchmark_time_s}")
         if self.window < 1:
             raise ValueError(f"scheduling.window must be ≥ 1, got {self.window}")
+        if isinstance(self.calibration, str) and self.calibration.lower() == "auto" and self.calibration != "auto":
+            raise ValueError(f"scheduling.calibration={self.calibration!r}: write auto (lower case) to have the "
+                             "trainer find or measure one; any other value is a file's path")
         if self.planner is not None:
             check_planner(self.planner, self.window)

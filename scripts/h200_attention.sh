@@ -4,8 +4,8 @@
 #      gradient laid out unlike its output), the fused attention's kernels, Wan's parity with diffusers and the
 #      MMDiT's GPU test (~2 min)
 #   k  SDPA's kernels at Wan's shapes and the cuDNN key-mask check (scripts/bench/attention.py, ~1.5 min)
-#   a  the 1.3B step against diffusers at its best (cuDNN; with compiled blocks) at S = 32760, 14040, 75600, with the
-#      device-time profile at the first (~5 min)
+#   a  the 1.3B step against diffusers at cuDNN with gradient checkpointing at S = 32760, 14040, 75600, with the
+#      device-time profile at the first (~5 min); its blocks compiled only where IMPLS_A names diffusers@compile
 #   b  the same at 16×1560 and 4×7800, with diffusers' compiled blocks, no recompute (ours@none) and the device-time
 #      split of every shape (~3.5 min)
 #   p  ours@glue and ours@none with their device-time split at 2×14040, 1×32760, 1×75600 (SHAPES_P: step.py's

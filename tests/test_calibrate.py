@@ -754,11 +754,13 @@ def test_the_two_depth_truth_takes_the_fixed_part_once_and_never_a_negative_one(
 
 def test_the_scan_measures_the_longest_clips_under_the_policys_own_choice_and_the_planner_reads_it(tmp_path):
     """After the policies' fits, the scan runs the longest buckets whose one sample fits only with some blocks
-    recomputed, at the (k, j) checkpointing=auto chooses, and records their peaks beside the prediction
-    (partial_checks); one that runs out of memory is recorded as such and counts the device's memory as its peak.
-    The planner then raises none's model beyond its measured tokens by what the checks found. A fake step here (a
-    peak 6 % above the prediction, or out of memory); the 1.3B's three-policy file gives the models."""
+    recomputed, at the (k, j) checkpointing=auto chooses at the budget less the graphs' pool it holds, and records
+    their peaks beside the prediction (partial_checks). One that runs out of memory is tried again at a budget 10 %
+    smaller, so that what is recorded is a peak; where every try fails the row says so and the planner passes it
+    over. The planner then raises none's activations beyond its longest measured S by what the checks found. A fake
+    step here (a peak 6 % above the prediction, or out of memory); the 1.3B's three-policy file gives the models."""
     import dataclasses
+    import math
     import os
 
     from scheduling.policy import _partial_recompute, partial_check_scale
@@ -775,33 +777,42 @@ def test_the_scan_measures_the_longest_clips_under_the_policys_own_choice_and_th
                             ModelShape(1, 30, 1536, 512), "auto", "auto", 1, cal.memory_model("full", 1),
                             cal.cost_model("full"), 1560)
     tokens = {"i480": 1560, "v480_81f": 32760, "v720_49f": 46800, "v720_81f": 75600}
-    ran, said = [], []
+    ran, said, fail_below = [], [], {"v720_49f": 31, "v720_81f": 0}  # OOM while k < this
 
     def step_for(kj):
         def step(name, B):
             ran.append((name, B, kj))
-            if name == "v720_49f":
+            if kj[0] < fail_below[name]:
                 raise Infeasible("CUDA out of memory")
             return StepResult(1000.0 + len(ran), 5.0, 1.06 * pr.peak(B, tokens[name], *kj))
         return step
 
-    rows = partial_checks(step_for, pr, tokens, warmup=1, repeats=2, log=said.append)
-    k, j = pr.decide(1, 75600)
-    assert 0 < k < 30 and pr.decide(1, 46800) == (0, 0)  # 46,800 fits whole here: no check there
+    held = 4 * 2**30
+    rows = partial_checks(step_for, pr, tokens, warmup=1, repeats=2, log=said.append, held_bytes=held)
+    at = dataclasses.replace(pr, budget=pr.budget - held)
+    k, j = at.decide(1, 75600)
+    assert 0 < k < 30 and (k, j) != pr.decide(1, 75600) and pr.decide(1, 46800) == (0, 0)  # 46,800 fits whole
     assert [r["bucket"] for r in rows] == ["v720_81f"] and ran == [("v720_81f", 1, (k, j))] * 3
-    assert rows[0]["peak_bytes"] == pytest.approx(1.06 * pr.peak(1, 75600, k, j)) and rows[0]["ms_runs"] == [1002.0, 1003.0]
-    assert rows[0]["predicted_peak_bytes"] == pr.peak(1, 75600, k, j) and "partial check v720_81f" in said[0]
+    assert rows[0]["peak_bytes"] == pytest.approx(1.06 * at.peak(1, 75600, k, j))
+    assert rows[0]["ms_runs"] == [1002.0, 1003.0] and rows[0]["held_bytes"] == held
+    assert rows[0]["predicted_peak_bytes"] == at.peak(1, 75600, k, j) and "partial check v720_81f" in said[0]
     data["partial_checks"] = rows
     fresh.write_text(json.dumps(data))
     scale, beyond = partial_check_scale(Calibration.load(str(fresh)), pr)
-    assert beyond == 35 * 1560 and scale > 1.06  # the excess lies on none's share of the peak alone
-    # a smaller budget: 46,800 needs recompute too and its check runs out of memory: recorded, the device's memory
-    # counted as its peak, which raises none's model more
+    assert beyond == 14040 and scale > 1.06  # the excess lies on none's activations alone
+    # a smaller budget: 46,800 needs recompute too; out of memory at every k < 31 it is tried at budgets 10 % apart
+    # and recorded as out of memory, which the planner passes over; the clip, out of memory below k = 12, is
+    # measured at the first smaller budget whose choice fits
     small = dataclasses.replace(pr, budget=60 * 2**30)
+    fail_below["v720_81f"] = small.decide(1, 75600)[0] + 1
     ran.clear()
     rows = partial_checks(step_for, small, tokens, warmup=0, repeats=1, log=said.append, limit=2)
-    assert [r["bucket"] for r in rows] == ["v720_81f", "v720_49f"] and rows[1]["fits"] is False
-    assert "out of memory" in said[-1] and "peak_bytes" not in rows[1]
-    data["partial_checks"] = rows
+    assert [r["bucket"] for r in rows] == ["v720_81f", "v720_49f"]
+    clip, mid = rows
+    assert clip["fits"] and clip["k"] >= fail_below["v720_81f"] and clip["out_of_memory_at"]
+    assert clip["budget_bytes"] == pytest.approx(60 * 2**30 * 0.9 ** len(clip["out_of_memory_at"]))
+    assert mid["fits"] is False and len(mid["out_of_memory_at"]) == 4 and "peak_bytes" not in mid
+    assert "out of memory first at" in said[-1]
+    data["partial_checks"] = [mid]
     fresh.write_text(json.dumps(data))
-    assert partial_check_scale(Calibration.load(str(fresh)), small)[0] > scale
+    assert partial_check_scale(Calibration.load(str(fresh)), small) == (1.0, math.inf)

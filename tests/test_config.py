@@ -67,6 +67,17 @@ def test_bad_values_are_refused_naming_the_field(override, field):
         compose_config([override])
 
 
+@pytest.mark.parametrize("override, says", [
+    ("model.checkpointing=true", "read an unquoted true, false, on or off as a boolean: name one of none, full, auto"),
+    ("model.keep_attention='true'", "a string: write true or false without quotes"),
+    ("scheduling.calibration=Auto", "write auto \\(lower case\\)"),
+])
+def test_values_a_yaml_reading_turned_into_another_type_say_how_to_write_them(override, says):
+    """A boolean where a name is wanted, a quoted boolean, a capitalised auto: refused, saying what to write."""
+    with pytest.raises(ValueError, match=says):
+        compose_config(["conf=wan21_1p3b", override])
+
+
 @pytest.mark.slow
 def test_cfg_job_prints_the_composed_14b_config_on_cpu():
     out = subprocess.run([sys.executable, "train.py", "conf=wan21_8gpu", "--cfg", "job"], cwd=ROOT,

@@ -514,6 +514,13 @@ def test_micro_batches_beside_the_cuda_graphs_pool_leave_room_for_it():
     with pytest.raises(ValueError, match="lower train.graph_max_tokens"):
         resolve_schedule(SchedulingConfig("equal_token", calibration=path, m_tokens=16000, mem_budget_gib=40.0),
                          tokens, WAN13, **kw, graph_tokens=16384)
+    # balanced at 45 GiB: the pool at the whole limit would leave the longest clip no room, yet no planned
+    # micro-batch lies under the limit: planned without graphs; kept at the limit (the simulator's), refused
+    bal45 = SchedulingConfig("balanced", calibration=path, mem_budget_gib=45.0)
+    fit = resolve_schedule(bal45, tokens, WAN13, **kw, graph_tokens=16384)
+    assert fit.graph_tokens == 0 and "graph_pool_gib" not in fit.values and "none captured" in fit.sources["graph_tokens"]
+    with pytest.raises(ValueError, match="lower train.graph_max_tokens"):
+        resolve_schedule(bal45, tokens, WAN13, **kw, graph_tokens=16384, narrow_graphs=False)
     # a long micro-batch recomputes more beside the pool, a captured one is decided as before
     assert graphs.recompute_blocks(2, 32760)[0] > plain.recompute_blocks(2, 32760)[0]
     assert graphs.recompute_blocks(10, 1560) == plain.recompute_blocks(10, 1560) == (0, 0)
@@ -533,13 +540,16 @@ def test_micro_batches_beside_the_cuda_graphs_pool_leave_room_for_it():
 def test_partial_checks_raise_nones_memory_beyond_where_it_was_measured(tmp_path):
     """A 720p 81-frame clip does not fit without recompute, so none's memory model is extrapolated there; the
     calibration's partial checks (that clip under the recompute the policy chose) measure it. none's peak solved
-    from each check by the linear rule, over none's prediction, raises the model beyond none's measured tokens by
-    the largest ratio; never below 1; nothing without checks. The 1.3B's file holds two checks of 2026-12-02
-    (train.py's peaks at k = j = 1 and 9), whose solved none peaks agree within 1 %."""
+    from each check by the linear rule gives its activations (above B = 0) over the model's; the largest ratio
+    scales none's activations at every S longer than none's longest measured S; never below 1; nothing without
+    usable checks. The 1.3B's file holds two checks of 2026-12-02 (train.py's peaks at k = j = 1 and 9), whose
+    solved none peaks agree within 1 %."""
     import dataclasses
+    import json
+    import math
     import os
 
-    from scheduling.policy import _partial_recompute, none_measured_tokens, partial_check_scale
+    from scheduling.policy import _partial_recompute, none_measured_S, partial_check_scale
     from tests.helpers import ROOT
 
     path = os.path.join(ROOT, "results", "calibration_h200_policies.json")
@@ -547,37 +557,39 @@ def test_partial_checks_raise_nones_memory_beyond_where_it_was_measured(tmp_path
     args = (SchedulingConfig("equal_token", calibration=path, m_tokens=32760), cal, WAN13, "auto", "auto", 1,
             cal.memory_model("full", 1), cal.cost_model("full"), 1560)
     pr = _partial_recompute(*args)
-    assert none_measured_tokens(cal) == 35 * 1560 == pr.none_beyond  # i480 at B = 35: none's largest measured
-    solved = []
+    assert none_measured_S(cal) == 14040 == pr.none_beyond  # v480_33f: the longest S none's peak was measured at
+    solved, fixed = [], float(pr.none_mem.predict(0, 75600))
     for c in cal.data["partial_checks"]:
         full, kept = float(pr.full_mem.predict(1, 75600)), pr.kept_bytes(1, 75600)
         solved.append((c["peak_bytes"] - c["k"] / 30 * full - c["j"] * kept) / (1 - c["k"] / 30))
     assert abs(solved[0] - solved[1]) < 0.01 * solved[0]  # the linear rule holds across k
     model = float(pr.none_mem.predict(1, 75600))
-    assert pr.none_scale == pytest.approx(max(solved) / model, rel=1e-12) and 1.03 < pr.none_scale < 1.08
-    # each check's own peak, predicted now within 1 % (the model under-predicted both by 4-6 % before)
+    assert pr.none_scale == pytest.approx((max(solved) - fixed) / (model - fixed), rel=1e-12)
+    assert 1.05 < pr.none_scale < 1.09
+    # each check's own peak, predicted now within 1 % (the model under-predicted both by 3-6 % before)
     for c in cal.data["partial_checks"]:
         assert pr.peak(1, 75600, c["k"], c["j"]) == pytest.approx(c["peak_bytes"], rel=0.01)
-    # within none's measured tokens nothing changes; beyond, the decision fits the budget under the raised model
-    assert pr.none_peak(30, 1560) == float(pr.none_mem.predict(30, 1560))
+    # at a measured S nothing changes, however many samples; a longer S is raised, however few tokens
+    assert pr.none_peak(40, 1560) == float(pr.none_mem.predict(40, 1560))
+    assert pr.none_peak(1, 46800) > float(pr.none_mem.predict(1, 46800)) * 1.04
     k, j = pr.decide(1, 75600)
     assert pr.peak(1, 75600, k, j) <= pr.budget < pr.peak(1, 75600, k - 1, k - 1)
-    plain = dataclasses.replace(pr, none_scale=1.0, none_beyond=float("inf"))
-    assert k > plain.decide(1, 75600)[0] and pr.none_tokens < plain.none_tokens
+    plain = dataclasses.replace(pr, none_scale=1.0, none_beyond=math.inf)
+    assert k > plain.decide(1, 75600)[0] and pr.none_tokens <= plain.none_tokens
     for c in cal.data["partial_checks"]:  # the model without its checks: 3-6 % under what was measured
         assert 0.94 < plain.peak(1, 75600, c["k"], c["j"]) / c["peak_bytes"] < 0.97
-    assert "none's memory × 1.05" in resolve_schedule(args[0], dict(WAN_TOKENS), WAN13, checkpointing="auto",
-                                                      keep_attention="auto", world_size=1).sources["cost"]
-    # a check below the model never lowers it; a file without checks: (1, ∞)
+    assert "none's activations × 1.0" in resolve_schedule(args[0], dict(WAN_TOKENS), WAN13, checkpointing="auto",
+                                                          keep_attention="auto", world_size=1).sources["cost"]
+    # a check below the model never lowers it; rows that cannot be solved are passed over: out of memory, j > k,
+    # every block recomputed (k = L), at a measured S; a file without checks: (1, ∞)
     data = json.loads(open(path).read())
-    for c in data["partial_checks"]:
-        c["peak_bytes"] *= 0.8
-    low = tmp_path / "low.json"
-    low.write_text(json.dumps(data))
-    assert partial_check_scale(Calibration.load(str(low)), pr) == (1.0, 35 * 1560)
-    del data["partial_checks"]
-    low.write_text(json.dumps(data))
-    assert partial_check_scale(Calibration.load(str(low)), pr) == (1.0, float("inf"))
+    good = data["partial_checks"][0]
+    bad = [dict(good, peak_bytes=0.8 * good["peak_bytes"]), {**good, "fits": False, "peak_bytes": None},
+           dict(good, j=good["k"] + 1), dict(good, k=30, j=0), dict(good, S=7800, bucket="v480_17f")]
+    for rows in ([bad[0]], bad[1:], []):
+        data["partial_checks"] = rows
+        (tmp_path / "c.json").write_text(json.dumps(data))
+        assert partial_check_scale(Calibration.load(str(tmp_path / "c.json")), pr) == (1.0, math.inf), rows
 
 
 def test_a_fixed_batch_for_dual_constraint_tunes_m_comp_with_the_power_fits_p_or_keeps_a_configured_one(tmp_path):

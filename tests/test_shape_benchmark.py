@@ -38,6 +38,12 @@ def test_a_calibration_fits_only_its_model_device_mode_and_world():
     assert mismatch(_cal(model={"dim": 128}), cfg.model, cpu, 1) == "another model (dim 128)"
     assert "another model (num_layers 30, precision fp32)" == mismatch(
         _cal(model={"num_layers": 30, "precision": "fp32"}), cfg.model, cpu, 1)
+    # LoRA trains an adapter: another backward and optimizer than the full model's the files measured (a file
+    # without the key was measured without LoRA)
+    lora = compose_config(["+model.lora.rank=8"])
+    assert mismatch(_cal(), lora.model, cpu, 1) == "another model (LoRA rank 0 there, 8 here)"
+    assert mismatch(_cal(model={"lora_rank": 8}), lora.model, cpu, 1) is None
+    assert mismatch(_cal(model={"lora_rank": 8}), cfg.model, cpu, 1) == "another model (LoRA rank 8 there, 0 here)"
     full = compose_config(["model.checkpointing=full"])
     assert mismatch(_cal(), full.model, cpu, 1) == "checkpointing modes ['none'], not full"
     with_mem = _cal()

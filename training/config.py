@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from data.config import DataConfig
-from models.config import MODEL_CONFIGS, ModelConfig
+from models.config import CHECKPOINTING, MODEL_CONFIGS, ModelConfig
 from models.flow_matching import ObjectiveConfig
 from models.sampler import SampleConfig
 from scheduling.config import SchedulingConfig
@@ -198,7 +198,11 @@ def _coerce(tp, value, where: str):
         return _number(tp, value, where)
     if tp is str:
         if not isinstance(value, str):
-            raise ValueError(f"{where} must be a string, got {value!r}")
+            values = {"model.checkpointing": CHECKPOINTING}.get(where)
+            hint = (" (YAML and the command line read an unquoted true, false, on or off as a boolean: name "
+                    + (f"one of {', '.join(values)})" if values else "one of the key's values)")
+                    if isinstance(value, bool) else "")
+            raise ValueError(f"{where} must be a string, got {value!r}{hint}")
         return value
     if tp in (tuple, list, dict) or origin in (tuple, list, dict):
         want, args = origin or tp, typing.get_args(tp)

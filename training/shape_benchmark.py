@@ -345,17 +345,18 @@ def calibrate_config(cfg, opts: CalibrateOptions | dict | None = None, command: 
         records, model={"name": m.name, "dim": m.dim, "num_layers": m.attention_layers,
                         "num_attention_heads": m.num_attention_heads, "ffn_dim": m.ffn_dim,
                         "text_len": m.text_len, "precision": m.precision,
-                        "compile": m.compile, "adaln_backend": m.adaln_backend,
+                        "compile": m.compile, "adaln_backend": m.adaln_backend, "lora_rank": m.lora.rank,
                         "params": full_depth_params(cfg.model)},
         source="measured", device=device, date=datetime.date.today().isoformat(), command=command,
         hbm_bytes=hbm, extrapolation=ext, notes=notes, world_size=ctx.world_size)
     cal.data["execution"] = {**execution(cfg, ctx.device, ctx.world_size), "cuda_graphs": graphs is not None}
     if cuda and not R and k == layers and {"none", "full"} <= set(modes) and budget:
         pr = _policy_for(cfg, cal, model, budget, min(tokens.values()))
-        if pr is not None:
+        if pr is not None:  # as the trainer runs each micro-batch; the scan's graphs' pool held beside them
             cal.data["partial_checks"] = partial_checks(
                 lambda kj: make_step_fn(model, objective, optimizer, table, cfg.model, ctx.device, autocast, kj,
-                                        graphs), pr, tokens, opts.warmup, opts.repeats, say)
+                                        graphs), pr, tokens, opts.warmup, opts.repeats, say,
+                held_bytes=float(graphs.pool_bytes) if graphs is not None else 0.0)
     if not cuda:
         cal.data["chosen"] = {"m_mem": CPU_M_MEM_FACTOR * max(tokens.values()),
                               "why": f"CPU: no device memory to bound; m_mem = {CPU_M_MEM_FACTOR}·S_max"}
@@ -389,34 +390,48 @@ def _policy_for(cfg, cal: Calibration, model, budget: float, S_min: int):
                               cal.memory_model("full"), cal.cost_model("full"), S_min)
 
 
-def partial_checks(step_for, policy, tokens: dict, warmup: int, repeats: int, log, limit: int = 2) -> list[dict]:
+def partial_checks(step_for, policy, tokens: dict, warmup: int, repeats: int, log, limit: int = 2,
+                   held_bytes: float = 0.0, retries: int = 3) -> list[dict]:
     """The longest buckets (at most `limit`) whose one sample fits only with some blocks recomputed, each run once
     warm and `repeats` times under the policy's own choice (k blocks recomputed, j keeping attention): their peaks
     beside the prediction. none's memory model is extrapolated there, since a clip that does not fit whole cannot be
-    measured whole; scheduling/policy.py partial_check_scale corrects it from these. step_for((k, j)) → step_fn."""
+    measured whole; scheduling/policy.py partial_check_scale corrects it from these. step_for((k, j)) → step_fn.
+    held_bytes: what the CUDA graphs' pool of the scan holds beside the checks (their choice is made at the budget
+    less it). One that runs out of memory is tried again at a budget 10 % smaller, up to `retries` times, so that
+    what is recorded is a peak, never a guess; the row says each budget tried."""
     rows = []
     for name in sorted(tokens, key=lambda n: -tokens[n]):
         S = tokens[name]
-        k, j = policy.decide(1, S)
-        if not 0 < k < policy.layers:
+        if not 0 < policy.decide(1, S)[0] < policy.layers:
             continue
-        row = {"bucket": name, "S": S, "B": 1, "k": k, "j": j, "predicted_peak_bytes": policy.peak(1, S, k, j)}
-        step = step_for((k, j))
-        try:
-            for _ in range(warmup):
-                step(name, 1)
-            runs = [step(name, 1) for _ in range(repeats)]
-        except Infeasible as e:
-            row.update(fits=False, why=str(e)[:300])
-        else:
+        tried = []
+        for attempt in range(retries + 1):
+            pr = dataclasses.replace(policy, budget=(policy.budget - held_bytes) * 0.9 ** attempt)
+            k, j = pr.decide(1, S)
+            row = {"bucket": name, "S": S, "B": 1, "k": k, "j": j, "predicted_peak_bytes": pr.peak(1, S, k, j),
+                   "budget_bytes": pr.budget, "held_bytes": held_bytes}
+            step = step_for((k, j))
+            try:
+                for _ in range(warmup):
+                    step(name, 1)
+                runs = [step(name, 1) for _ in range(repeats)]
+            except Infeasible as e:
+                row.update(fits=False, why=str(e)[:300])
+                tried.append([k, j])
+                if k >= policy.layers:
+                    break
+                continue
             peaks = [r.peak_bytes for r in runs if r.peak_bytes is not None]
             row.update(fits=True, ms=float(np.median([r.ms for r in runs])), ms_runs=[r.ms for r in runs],
                        peak_bytes=max(peaks) if peaks else None)
+            break
+        row["out_of_memory_at"] = list(tried)  # the (k, j) of every try that ran out of memory
         rows.append(row)
         gib = (lambda v: f"{v / 2**30:.1f} GiB" if v else "—")
-        log(f"partial check {name} S={S} B=1, {k} blocks recomputed ({j} keeping attention): "
+        log(f"partial check {name} S={S} B=1, {row['k']} blocks recomputed ({row['j']} keeping attention): "
             + (f"peak {gib(row['peak_bytes'])}, {row['ms']:.0f} ms" if row["fits"] else "out of memory")
-            + f" (predicted {gib(row['predicted_peak_bytes'])})")
+            + f" (predicted {gib(row['predicted_peak_bytes'])}"
+            + (f"; out of memory first at (k, j) = {', '.join(map(str, map(tuple, tried)))}" if tried else "") + ")")
         if len(rows) == limit:
             break
     return rows
@@ -646,7 +661,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def mismatch(cal: Calibration, model_cfg, device: str, world_size: int, want: dict | None = None) -> str | None:
     """Why `cal` cannot price this run's micro-batches (None when it can): another model (name, width, depth, text
-    length, precision), another device (GPU name; any CPU for a CPU), a checkpointing policy the run may choose that
+    length, precision, LoRA rank: an adapter's backward and optimizer are not the full model's), another device (GPU name; any CPU for a CPU), a checkpointing policy the run may choose that
     it did not measure (policies_to_measure), memory measured on another number of processes without an FSDP model to
     rescale, or another execution (`want`, this run's `execution`: attention kernel, fused ops, CUDA graphs,
     precision, compile; a file that does not record one was measured before they were recorded)."""
@@ -654,6 +669,8 @@ def mismatch(cal: Calibration, model_cfg, device: str, world_size: int, want: di
     ours = {"name": model_cfg.name, "dim": model_cfg.dim, "num_layers": model_cfg.attention_layers,
             "text_len": model_cfg.text_len, "precision": model_cfg.precision}
     diff = [f"{k} {m[k]}" for k, v in ours.items() if m.get(k) is not None and m[k] != v]
+    if int(m.get("lora_rank") or 0) != model_cfg.lora.rank:  # a file without the key was measured without LoRA
+        diff.append(f"LoRA rank {int(m.get('lora_rank') or 0)} there, {model_cfg.lora.rank} here")
     if diff:
         return "another model (" + ", ".join(diff) + ")"
     theirs = str(cal.data.get("device") or "")
