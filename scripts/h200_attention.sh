@@ -24,6 +24,9 @@
 #      steps a point (CAL14_S, default 420 s; not run yet)
 #   g  the held-out check of that calibration: five micro-batches (four scan shapes and i480 B = 10, which no scan
 #      timed) under full and keep, eager and then every one captured in a CUDA graph, 3 repeats each (~2.5 min)
+#   r  train.py conf=wan21_1p3b, this commit (checkpointing=auto, keep_attention=auto) beside the previous main
+#      unpacked in ./prev, the same batches; EXPANDABLE=1 also runs this commit under
+#      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (~5 min; ~7.5 with EXPANDABLE)
 #   v  the MMDiT at HunyuanVideo width with text lengths that change every step (VARY steps, default 24), ours
 #      against diffusers, then ours@auto again under TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (~3 min; not run yet)
 # Results land in $OUT (default ./h200_attention_out); copy them to results/. Needs .whl/ (bash scripts/make_wheels.sh).
@@ -83,16 +86,25 @@ if [[ $PART == *r* ]]; then  # train.py, this commit against the previous main u
     model.keep_attention=auto scheduling.calibration="${CAL:-results/calibration_h200_policies.json}" \
     ${PROF_STEP:+metrics.profile_steps=[$PROF_STEP,$PROF_STEP]} 2>&1 | tee "$OUT/train_new.log" \
     | grep -E "attention:|scheduling:|perf|Error" | cut -c1-300 | tail -6
+  runs="new old"
+  if [ -n "${EXPANDABLE:-}" ]; then  # the same run under the allocator's expandable segments (fragmentation's remedy)
+    runs="new old exp"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout ${NEW_S:-150} python3 train.py "${common[@]}" name=exp \
+      run_dir="$OUT/exp" scheduling.tokens_per_step=null train.micro_batches=4 model.checkpointing=auto \
+      model.keep_attention=auto scheduling.calibration="${CAL:-results/calibration_h200_policies.json}" 2>&1 \
+      | tee "$OUT/train_exp.log" | grep -E "scheduling:|Error" | cut -c1-300 | tail -3
+  fi
   [ -d prev ] && (cd prev && timeout ${OLD_S:-120} python3 train.py "${common[@]}" name=old run_dir="$OUT/old" \
     scheduling.calibration=results/calibration_h200.json 2>&1 \
     | tee "$OUT/train_old.log" | grep -E "scheduling:|Error" | cut -c1-300 | tail -4)
-  for r in new old; do python3 -c "
+  for r in $runs; do [ -f "$OUT/$r/metrics.jsonl" ] && python3 -c "
 import json, statistics as st
 rows = [json.loads(l) for l in open('$OUT/$r/metrics.jsonl') if 'perf/mfu' in l]
 steady = [r for r in rows[3:] if r['step'] != int('${PROF_STEP:-0}')] or rows  # a profiled step is slowed
 print('$r', len(rows), 'steps; median after 3: mfu', round(st.median(r['perf/mfu'] for r in steady), 4),
       'tokens/s', round(st.median(r['perf/tokens_per_s'] for r in steady)), 'peak GiB',
-      max(r.get('memory/peak_gib', 0) for r in rows))" 2>&1 | tail -1; done
+      max(r.get('memory/peak_gib', 0) for r in rows), 'reserved GiB', max(r.get('memory/reserved_peak_gib', 0) for r in rows),
+      'alloc retries', max(r.get('memory/alloc_retries', 0) for r in rows))" 2>&1 | tail -1; done
 fi
 if [[ $PART == *k* ]]; then
   timeout 150 python3 scripts/bench/attention.py --out "$OUT" --reps 5 2>&1 | tee "$OUT/attention.log" \

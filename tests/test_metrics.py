@@ -112,3 +112,16 @@ def test_each_model_counts_its_training_flops_by_the_contract_formula():
     mmdit = MMDiT(**cfg.diffusers_kwargs())
     assert cfg.ffn_dim == 96 == mmdit.transformer_blocks[0].ff.net[0].proj.out_features
     assert cfg.pooled_dim == 8 and cfg.rope_max_seq_len is None
+
+
+def test_the_allocators_retries_and_reserved_peak_are_read_on_cuda_only(monkeypatch):
+    """memory/alloc_retries (cudaMalloc retries after freeing the cache: each synchronises the device) and
+    memory/reserved_peak_gib come from the CUDA allocator's counters; a CPU run has neither."""
+    import torch
+
+    from training.metrics import allocator_stats
+
+    assert allocator_stats(torch.device("cpu")) == {}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {"num_alloc_retries": 3, "num_ooms": 0})
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 6 * 2**30)
+    assert allocator_stats(torch.device("cuda", 0)) == {"memory/reserved_peak_gib": 6.0, "memory/alloc_retries": 3.0}

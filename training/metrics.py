@@ -234,6 +234,17 @@ def read_metrics(run_dir: str) -> list[dict]:
 TIMINGS = ("step_s", "data_wait_s", "fwd_s", "bwd_s", "optim_s")
 
 
+def allocator_stats(device: torch.device) -> dict:
+    """The CUDA caching allocator's signs of fragmentation, for the step's metrics ({} off CUDA): its peak reserved
+    memory, and how many times so far a cudaMalloc failed and it freed its cached blocks to retry — a retry
+    synchronises the device, which leaves the GPU idle until the host has launched work again."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"memory/reserved_peak_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+            "memory/alloc_retries": float(stats.get("num_alloc_retries", 0))}
+
+
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -284,6 +295,7 @@ class StepMetrics:
              "balance/step_time_cv": cv(self.step_ratios),
              "batch/S": st.S, "batch/B": st.B, "batch/bucket": st.buckets,
              "memory/peak_gib": ctx.all_reduce_max(peak_memory_gib(ctx.device))}
+        m.update({k: ctx.all_reduce_max(v) for k, v in allocator_stats(ctx.device).items()})
         for i, k in enumerate(TIMINGS):
             m[f"time/{k}"], m[f"time/{k}_max"] = float(gathered[0, i]), float(gathered[:, i].max())
         if busy is not None:
