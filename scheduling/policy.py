@@ -374,7 +374,8 @@ def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: Mo
 
     The pool is reserved only for micro-batches the plan holds: where every bucket's micro-batch is over
     graph_tokens, none is captured and nothing is reserved (a bucket's short last micro-batch stays eager too);
-    else the limit is the largest planned micro-batch within it. Schedule.graph_tokens is that limit, which the
+    else the limit is the largest planned micro-batch within it (of every bucket in the table, those the corpus
+    leaves empty included: an upper bound). Schedule.graph_tokens is that limit, which the
     trainer captures up to. The schedule is resolved again at each narrower limit (the budget the reserve leaves
     sets the batch sizes, which set the limit), until it holds. narrow_graphs=False keeps graph_tokens as the limit
     (the simulator, whose swept batch sizes are not these: the reserve then bounds any capture up to it)."""
