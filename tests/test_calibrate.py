@@ -616,6 +616,8 @@ def test_the_1p3b_preset_holds_its_fixed_batch_with_the_best_cell_for_one_gpu(mo
     assert abs(s.values["tokens_per_step"] - g) <= 0.1 * g
     # every micro-batch of the preset's table holds more than train.graph_max_tokens: none is captured, no pool kept
     assert s.graph_tokens == 0 and "graph_pool_gib" not in s.values and 600_000 < s.values["m_mem"]
+    k, j = s.recompute_blocks(1, 75600)  # the preset's keep_attention=auto reaches the policy: the clip keeps
+    assert 0 < j == k < 30 and "memory left keeping attention" in s.sources["cost"]
     bal = schedule_for(dataclasses.replace(cfg, scheduling=dataclasses.replace(cfg.scheduling, strategy="balanced")),
                        tokens, shape, 1, shares, graph_tokens=cfg.train.graph_max_tokens)
     assert bal.planner == "sorted" and abs(bal.values["tokens_per_step"] - g) <= 0.1 * g

@@ -530,3 +530,29 @@ def test_grid_points_that_repeat_a_batch_table_are_not_neighbours_of_the_best():
     best, runs = sweep(QUAD.predict, mix, "equal_token", 4, p=None, m_mem=1e5, steps=8, factors=(1.0, 2.0, 2.05, 2.1))
     assert [r.setting["m_tokens"] for r in runs[:2]] == [7000, 14000] and runs[1].tokens_per_s > runs[0].tokens_per_s
     assert max(r.setting["m_tokens"] for r in runs) > 14700  # refined above the repeats, towards 21,000
+
+
+def test_an_unswept_world_size_takes_the_nearest_swept_knob_below_under_its_own_memory_bound():
+    """run_unconstrained at R = 64 with sweeps at 8 and 16 only: R = 16's knob (the nearest below, not the smallest),
+    simulated under R = 64's own m_mem — the 14B's FSDP memory model shards the states over R, so the bound grows
+    with it (mutation testing found both rules untested: results/mutation.md)."""
+    import os
+
+    from scheduling.calibrate import Calibration
+    from scheduling.protocol import STRATEGIES, inputs_from, run_unconstrained
+    from tests.helpers import ROOT
+
+    cal = Calibration.load(os.path.join(ROOT, "results", "calibration_h200_14b.json"))
+    inp = inputs_from(cal, "full", SMALL)
+    assert inp.m_mem_at(8) < inp.m_mem_at(16) < inp.m_mem_at(64)  # FSDP: the states shard over R
+    res = run_unconstrained(cal, "full", SMALL, ranks=[8, 16, 64], sweep_ranks=[8, 16], M=2, mbs=32,
+                            log=lambda s: None)
+    best = res["best"]
+    differs = 0
+    for s in STRATEGIES:
+        at16, at64 = best[(16, s)].setting, best[(64, s)].setting
+        assert {k: v for k, v in at64.items() if k != "m_mem"} == {k: v for k, v in at16.items() if k != "m_mem"}
+        if "m_mem" in at16:
+            assert at64["m_mem"] == inp.m_mem_at(64) != at16["m_mem"]
+        differs += best[(8, s)].setting != at16
+    assert differs >= 2  # the smallest swept R's knob would be another one
