@@ -480,9 +480,9 @@ def _resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: M
             val["m_mem"], src["m_mem"] = bound, src["m_mem"] + ", less the graphs' pool"
         if bound < S_max:
             raise PoolLeavesNoRoom(f"the CUDA graphs' pool ({reserve / 2**30:.1f} GiB: micro-batches up to "
-                             f"train.graph_max_tokens={graph_tokens} tokens are captured) leaves room for {bound} "
-                             f"tokens beside it, below the longest bucket's S={S_max}: lower train.graph_max_tokens, "
-                             "raise the memory budget, or set train.cuda_graphs=off")
+                                   f"train.graph_max_tokens={graph_tokens} tokens are captured) leaves room for "
+                                   f"{bound} tokens beside it, below the longest bucket's S={S_max}: lower "
+                                   "train.graph_max_tokens, raise the memory budget, or set train.cuda_graphs=off")
     m_mem = val.get("m_mem")
 
     def pick(name: str, default, default_why: str):

@@ -661,9 +661,10 @@ RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def mismatch(cal: Calibration, model_cfg, device: str, world_size: int, want: dict | None = None) -> str | None:
     """Why `cal` cannot price this run's micro-batches (None when it can): another model (name, width, depth, text
-    length, precision, LoRA rank: an adapter's backward and optimizer are not the full model's), another device (GPU name; any CPU for a CPU), a checkpointing policy the run may choose that
-    it did not measure (policies_to_measure), memory measured on another number of processes without an FSDP model to
-    rescale, or another execution (`want`, this run's `execution`: attention kernel, fused ops, CUDA graphs,
+    length, precision, LoRA rank: an adapter's backward and optimizer are not the full model's), another device (GPU
+    name; any CPU for a CPU), a checkpointing policy the run may choose that it did not measure
+    (policies_to_measure), memory measured on another number of processes without an FSDP model to rescale, or
+    another execution (`want`, this run's `execution`: attention kernel, fused ops, CUDA graphs,
     precision, compile; a file that does not record one was measured before they were recorded)."""
     m = cal.data.get("model") or {}
     ours = {"name": model_cfg.name, "dim": model_cfg.dim, "num_layers": model_cfg.attention_layers,
