@@ -306,8 +306,10 @@ def test_a_slice_scanned_at_given_points_and_two_depths_gives_the_truth_at_the_f
     main = {(p["bucket"], p["B"]): p["ms"] for p in rec["points"]}
     affine = cal.affine_scales("none")
     assert affine and all(f > 0 for f in affine.values())
-    for key in second:  # where a per-block time came out positive, the second depth's; else the flat ×2/1
-        assert truth[key] == pytest.approx(second[key]["ms"] if key in affine else 2 * main[key], rel=1e-9)
+    for key in second:  # where a per-block time came out positive, the second depth's, never above the flat ×2/1
+        # (timing noise can make the part outside the blocks negative: affine_scales then keeps the flat scale)
+        want = min(second[key]["ms"], 2 * main[key]) if key in affine else 2 * main[key]
+        assert truth[key] == pytest.approx(want, rel=1e-9)
     with pytest.raises(ValueError, match="calibrate.points"):
         calibrate_config(cfg, {**opts, "points": ["nope:1"]}, log=lambda s: None)
 
