@@ -111,7 +111,7 @@ if [[ $PART == *k* ]]; then
     | grep -E "^\||error|Error" | tail -20
 fi
 if [[ $PART == *a* ]]; then
-  timeout 330 python3 scripts/bench/step.py --out "$OUT/a" --shapes 3,2,4 --fast-backend _native_cudnn --reps 3 \
+  timeout ${T_A:-330} python3 scripts/bench/step.py --out "$OUT/a" --shapes 3,2,4 --fast-backend _native_cudnn --reps 3 \
     --gc-off --profile --longest '' --impls "${IMPLS_A:-diffusers@default,diffusers@fast,ours@glue,ours@policy,ours@keep}" \
     2>&1 | tee "$OUT/bench_a.log" | grep -E "^\||Error|error" | cut -c1-400 | tail -12
 fi
