@@ -818,3 +818,44 @@ def test_the_scan_measures_the_longest_clips_under_the_policys_own_choice_and_th
     data["partial_checks"] = [mid]
     fresh.write_text(json.dumps(data))
     assert partial_check_scale(Calibration.load(str(fresh)), small) == (1.0, math.inf)
+
+
+def test_the_scans_partial_checks_reach_the_file_and_a_failing_one_never_costs_the_scan(tmp_path):
+    """scan_partial_checks, as calibrate_config calls it after the scan is saved: the step maker gets the policy's
+    (k, j) as the tuple make_step_fn and set_activation_checkpointing take; the rows land in the file's
+    partial_checks; an error other than running out of memory is logged and noted, and the file keeps its scan."""
+    import os
+    from types import SimpleNamespace
+
+    from tests.helpers import ROOT, compose_config
+    from training.shape_benchmark import scan_partial_checks
+
+    path = os.path.join(ROOT, "results", "calibration_h200_policies.json")
+    data = json.loads(open(path).read())
+    del data["partial_checks"]
+    cal = Calibration(data)
+    cfg = compose_config(["conf=wan21_1p3b"])
+    model = SimpleNamespace(num_matmul_params=lambda: 1_250_623_488)
+    opts = SimpleNamespace(warmup=1, repeats=1)
+    tokens = {"i480": 1560, "v480_81f": 32760, "v720_81f": 75600}
+    got, said = [], []
+
+    def step_for(kj):
+        assert isinstance(kj, tuple) and len(kj) == 2 and 0 < kj[1] <= kj[0] < 30
+        got.append(kj)
+        return lambda name, B: StepResult(8000.0, 20.0, 130 * 2**30)
+
+    budget = 0.9 * cal.hbm_bytes
+    assert scan_partial_checks(cal, cfg, model, budget, tokens, step_for, opts, said.append)
+    rows = cal.data["partial_checks"]
+    assert [r["bucket"] for r in rows] == ["v720_81f"] and (rows[0]["k"], rows[0]["j"]) == got[0]
+    assert rows[0]["peak_bytes"] == 130 * 2**30 and rows[0]["budget_bytes"] == budget
+
+    def broken(kj):
+        raise RuntimeError("cuDNN: no plan")
+
+    cal.data.pop("partial_checks")
+    assert scan_partial_checks(cal, cfg, model, budget, tokens, broken, opts, said.append)
+    assert "partial_checks" not in cal.data and "partial checks failed: RuntimeError: cuDNN: no plan" in \
+        cal.data["notes"][-1] and "the scan is kept" in said[-1]
+    assert cal.data["modes"]["none"]["points"]  # the scan itself untouched

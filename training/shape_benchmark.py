@@ -350,13 +350,6 @@ def calibrate_config(cfg, opts: CalibrateOptions | dict | None = None, command: 
         source="measured", device=device, date=datetime.date.today().isoformat(), command=command,
         hbm_bytes=hbm, extrapolation=ext, notes=notes, world_size=ctx.world_size)
     cal.data["execution"] = {**execution(cfg, ctx.device, ctx.world_size), "cuda_graphs": graphs is not None}
-    if cuda and not R and k == layers and {"none", "full"} <= set(modes) and budget:
-        pr = _policy_for(cfg, cal, model, budget, min(tokens.values()))
-        if pr is not None:  # as the trainer runs each micro-batch; the scan's graphs' pool held beside them
-            cal.data["partial_checks"] = partial_checks(
-                lambda kj: make_step_fn(model, objective, optimizer, table, cfg.model, ctx.device, autocast, kj,
-                                        graphs), pr, tokens, opts.warmup, opts.repeats, say,
-                held_bytes=float(graphs.pool_bytes) if graphs is not None else 0.0)
     if not cuda:
         cal.data["chosen"] = {"m_mem": CPU_M_MEM_FACTOR * max(tokens.values()),
                               "why": f"CPU: no device memory to bound; m_mem = {CPU_M_MEM_FACTOR}·S_max"}
@@ -370,6 +363,14 @@ def calibrate_config(cfg, opts: CalibrateOptions | dict | None = None, command: 
         for w in fit_warnings(cal):
             warn(w)
         log(f"wrote {out} ({elapsed:.0f} s)")
+    if cuda and not R and k == layers and ctx.world_size == 1 and {"none", "full"} <= set(modes) and budget:
+        # after the scan is saved: a check that fails costs the checks only
+        step_for = (lambda kj: make_step_fn(model, objective, optimizer, table, cfg.model, ctx.device, autocast, kj,
+                                            graphs))  # as the trainer runs each micro-batch
+        if scan_partial_checks(cal, cfg, model, budget, tokens, step_for, opts, say,
+                               held_bytes=float(graphs.pool_bytes) if graphs is not None else 0.0):
+            cal.save(out)
+            log(f"wrote {out} with its partial checks")
     if R:
         del model, optimizer, step, plain
         _second_depth(setup, cal, sliced, k, k2, R, say)
@@ -378,6 +379,24 @@ def calibrate_config(cfg, opts: CalibrateOptions | dict | None = None, command: 
             log(f"wrote {out} with the FSDP memory model ({time.perf_counter() - t_start:.0f} s)")
     ctx.barrier()
     return cal
+
+
+def scan_partial_checks(cal: Calibration, cfg, model, budget: float, tokens: dict, step_for, opts, log,
+                        held_bytes: float = 0.0) -> bool:
+    """The scan's partial checks (partial_checks) into cal.data["partial_checks"]: True where any ran. One that
+    fails otherwise than out of memory is logged and noted in the file, never lost with the scan it follows."""
+    pr = _policy_for(cfg, cal, model, budget, min(tokens.values()))
+    if pr is None:
+        return False
+    try:
+        rows = partial_checks(step_for, pr, tokens, opts.warmup, opts.repeats, log, held_bytes=held_bytes)
+    except Exception as e:  # noqa: BLE001 — the scan is saved; the checks only are lost
+        why = f"{type(e).__name__}: {str(e)[:300]}"
+        log(f"partial checks failed ({why}); the scan is kept without them")
+        cal.data["notes"].append(f"partial checks failed: {why}")
+        return True
+    cal.data["partial_checks"] = rows
+    return bool(rows)
 
 
 def _policy_for(cfg, cal: Calibration, model, budget: float, S_min: int):
