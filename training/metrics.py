@@ -293,9 +293,9 @@ class StepMetrics:
                           if self.peak_tflops and ctx.device.type == "cuda" else None),
              "balance/compute_cv_pred": compute_cv(pred), "balance/idle_fraction_pred": idle_fraction(pred, plan.real()),
              "balance/step_time_cv": cv(self.step_ratios),
-             "batch/S": st.S, "batch/B": st.B, "batch/bucket": st.buckets,
-             "memory/peak_gib": ctx.all_reduce_max(peak_memory_gib(ctx.device))}
-        m.update({k: ctx.all_reduce_max(v) for k, v in allocator_stats(ctx.device).items()})
+             "batch/S": st.S, "batch/B": st.B, "batch/bucket": st.buckets}
+        memory = {"memory/peak_gib": peak_memory_gib(ctx.device), **allocator_stats(ctx.device)}
+        m.update(zip(memory, ctx.all_gather_floats(list(memory.values())).max(0).values.tolist()))  # one collective
         for i, k in enumerate(TIMINGS):
             m[f"time/{k}"], m[f"time/{k}_max"] = float(gathered[0, i]), float(gathered[:, i].max())
         if busy is not None:
