@@ -217,14 +217,13 @@ def saved_run_config(resume: str, run_dir: str) -> Optional[dict]:
     newest checkpoint whose config.yaml and meta.json match its manifest — a newest one damaged or cut short is
     skipped here as resume=auto skips it, so its values are not kept over those of the one loaded. None where there
     is none or it does not read (the resume itself then says why)."""
-    paths = [resume]
-    if resume == "auto":
-        paths = [p for _, p in reversed(list_checkpoints(run_dir))
-                 if files_match_manifest(p, ("meta.json", "config.yaml"))]
-    if not paths:
+    path = resume if resume != "auto" else next(
+        (p for _, p in reversed(list_checkpoints(run_dir)) if files_match_manifest(p, ("meta.json", "config.yaml"))),
+        None)  # newest first, hashing no more than it must
+    if path is None:
         return None
     try:
-        saved = yaml.safe_load(read_text(paths[0], "config.yaml"))
+        saved = yaml.safe_load(read_text(path, "config.yaml"))
     except (OSError, ValueError, yaml.YAMLError, UnicodeDecodeError):
         return None
     return saved if isinstance(saved, dict) else None
