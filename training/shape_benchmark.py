@@ -385,7 +385,12 @@ def scan_partial_checks(cal: Calibration, cfg, model, budget: float, tokens: dic
                         held_bytes: float = 0.0) -> bool:
     """The scan's partial checks (partial_checks) into cal.data["partial_checks"]: True where any ran. One that
     fails otherwise than out of memory is logged and noted in the file, never lost with the scan it follows."""
-    pr = _policy_for(cfg, cal, model, budget, min(tokens.values()))
+    from scheduling.policy import ModelShape, _partial_recompute
+
+    m = cfg.model  # checkpointing=auto's policy over this scan's fitted models, at the scan's budget
+    pr = _partial_recompute(dataclasses.replace(cfg.scheduling, mem_budget_gib=budget / 2**30), cal,
+                            ModelShape.of(m, model.num_matmul_params()), "auto", m.keep_attention, 1,
+                            cal.memory_model("full"), cal.cost_model("full"), min(tokens.values()))
     if pr is None:
         return False
     try:
@@ -397,16 +402,6 @@ def scan_partial_checks(cal: Calibration, cfg, model, budget: float, tokens: dic
         return True
     cal.data["partial_checks"] = rows
     return bool(rows)
-
-
-def _policy_for(cfg, cal: Calibration, model, budget: float, S_min: int):
-    """checkpointing=auto's PartialRecompute over this scan's fitted models at `budget` (None where it has none)."""
-    from scheduling.policy import ModelShape, _partial_recompute
-
-    m = cfg.model
-    sc = dataclasses.replace(cfg.scheduling, mem_budget_gib=budget / 2**30)
-    return _partial_recompute(sc, cal, ModelShape.of(m, model.num_matmul_params()), "auto", m.keep_attention, 1,
-                              cal.memory_model("full"), cal.cost_model("full"), S_min)
 
 
 def partial_checks(step_for, policy, tokens: dict, warmup: int, repeats: int, log, limit: int = 2,
