@@ -259,4 +259,3 @@ def graphs_for_plan(graphs: Optional[MicroBatchGraphs], limit: Optional[int],
         return None
     graphs.max_tokens = limit
     return graphs
-
