@@ -243,8 +243,9 @@ def partial_check_scale(cal: Calibration, partial: PartialRecompute) -> tuple[fl
     and its activations (none − none at B = 0) over the model's; the largest ratio (at least 1: a check below the
     model never lowers it) scales none's activations at every S beyond none_beyond, none's longest measured S.
     Where none was measured, in S, its model is fitted; beyond, a clip that does not fit whole can be measured only
-    this way (the 1.3B's case: results/attention_h200.md, "Why train.py's peaks passed their budgets"). A check that ran out of memory, or with
-    j > 0 and no kept bytes to solve with, is passed over. (1, ∞) without usable checks."""
+    this way (the 1.3B's case: results/attention_h200.md, "Why train.py's peaks passed their budgets"). A check
+    that ran out of memory, or with j > 0 and no kept bytes to solve with, is passed over. (1, ∞) without usable
+    checks."""
     L = partial.layers
     checks = [c for c in cal.data.get("partial_checks") or []
               if c.get("peak_bytes") and 0 <= int(c["j"]) <= int(c["k"]) < L]

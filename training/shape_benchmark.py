@@ -370,7 +370,8 @@ def calibrate_config(cfg, opts: CalibrateOptions | dict | None = None, command: 
         if scan_partial_checks(cal, cfg, model, budget, tokens, step_for, opts, say,
                                held_bytes=float(graphs.pool_bytes) if graphs is not None else 0.0):
             cal.save(out)
-            log(f"wrote {out} with its partial checks")
+            log(f"wrote {out} again: " + ("with its partial checks" if "partial_checks" in cal.data
+                                           else "with the note of the partial checks' failure"))
     if R:
         del model, optimizer, step, plain
         _second_depth(setup, cal, sliced, k, k2, R, say)
@@ -383,8 +384,9 @@ def calibrate_config(cfg, opts: CalibrateOptions | dict | None = None, command: 
 
 def scan_partial_checks(cal: Calibration, cfg, model, budget: float, tokens: dict, step_for, opts, log,
                         held_bytes: float = 0.0) -> bool:
-    """The scan's partial checks (partial_checks) into cal.data["partial_checks"]: True where any ran. One that
-    fails otherwise than out of memory is logged and noted in the file, never lost with the scan it follows."""
+    """The scan's partial checks (partial_checks) into cal.data["partial_checks"]: True where `cal` changed (rows
+    from checks that ran, or the note of their failure). One that fails otherwise than out of memory is logged and
+    noted in the file, never lost with the scan it follows."""
     from scheduling.policy import ModelShape, _partial_recompute
 
     m = cfg.model  # checkpointing=auto's policy over this scan's fitted models, at the scan's budget
