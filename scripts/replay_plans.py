@@ -34,7 +34,9 @@ With --blocks k < layers every time (micro-batches and optim_ms) is also reporte
 (per-block cost is identical; the non-block part is over-counted by the same factor, as scripts/calibrate.py
 does); the metrics use the scaled times, `measured_as_run` the times of the k-block model. --cuda-graphs off (the
 default) runs every micro-batch eagerly, as a multi-process FSDP run does; auto captures small ones as one process
-of train.py does.
+of train.py does: each setting is planned beside the graphs' pool and captures up to its own largest planned
+micro-batch within train.graph_max_tokens (its Schedule.graph_tokens; none where every one is over it), the setting's
+`execution` in NAME.json.
 
 Output in --out: NAME.json (meta; one entry per setting with its summaries — measured, measured_as_run, predicted —
 and one row per micro-batch: step (< 0: warm-up), warmup, rank, slot, bucket, S, B, real, pred_ms, measured_ms,

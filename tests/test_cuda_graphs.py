@@ -147,6 +147,25 @@ def test_the_graphs_capture_only_up_to_what_the_plan_reserved_for(caplog):
     assert graphs_for_plan(None, 0) is None
 
 
+def test_a_graph_captured_under_a_wider_cap_runs_eager_once_the_cap_narrows():
+    """The replay (training/replay.py Runner.capture_up_to) narrows one set of graphs per setting: a key captured
+    under an earlier, wider cap runs eagerly while it is over the cap now, and replays again once it is within."""
+    calls = []
+    g = FakeGraphs(torch.device("cpu"), max_tokens=16)
+
+    def fn(x):
+        calls.append(float(x["x"].sum()))
+
+    for _ in range(2):  # one eager run, then the capture (which replays)
+        g.run("big", 16, fn, {"x": torch.ones(2)})
+    assert g.stats.captured == 1 and g.stats.replays == 1 and g.stats.eager == 1
+    g.max_tokens = 8
+    assert g.run("big", 16, fn, {"x": torch.full((2,), 3.0)}) is False
+    assert g.stats.replays == 1 and g.stats.eager == 2 and calls[-1] == 6.0
+    g.max_tokens = 16
+    assert g.run("big", 16, fn, {"x": torch.full((2,), 5.0)}) is True and g.stats.replays == 2 and calls[-1] == 10.0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("recompute", [False, True])

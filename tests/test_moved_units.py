@@ -279,6 +279,42 @@ def test_an_equal_token_factor_is_that_many_times_the_largest_buckets_tokens(def
     assert sched.sources["m_tokens"] == f"factor {factor:g} × S_max"
 
 
+def test_the_replay_reserves_and_narrows_the_cuda_graphs_as_train_py_does():
+    """Where the replay's one process captures CUDA graphs (--cuda-graphs auto on a CUDA device), each setting is
+    planned as train.py plans one: its memory budget beside the graphs' pool, the capture limit narrowed to its own
+    largest planned micro-batch within train.graph_max_tokens (Runner.capture_up_to then captures up to that);
+    given batch sizes keep the whole limit, whose reserve bounds any capture. Graphs off, blocked or on a CPU: 0.
+    The 1.3B's measured three-policy calibration."""
+    import dataclasses
+
+    from data.buckets import bucket_table
+    from models.build import build_model
+    from scheduling.policy import ModelShape
+    from tests.helpers import ROOT
+    from training.config import compose_config
+    from training.replay import graph_tokens_for, resolve_entry
+
+    cfg = compose_config(["conf=wan21_1p3b", "model.checkpointing=auto", "model.keep_attention=auto"])
+    assert graph_tokens_for(cfg, "auto", "cuda") == cfg.train.graph_max_tokens == 16384
+    assert graph_tokens_for(cfg, "off", "cuda") == 0 == graph_tokens_for(cfg, "auto", "cpu")
+    compiled = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, compile=True))
+    assert graph_tokens_for(compiled, "auto", "cuda") == 0
+    tokens = {n: b.tokens for n, b in bucket_table(cfg.data.buckets, patch=cfg.model.patch).items()}
+    shape = ModelShape.of(cfg.model, build_model(dataclasses.replace(cfg.model, pretrained=None),
+                                                 "meta").num_matmul_params())
+    path = os.path.join(ROOT, "results", "calibration_h200_policies.json")
+    e = {"strategy": "equal_token", "m_tokens": 16000}
+    sizes, sched = resolve_entry(e, cfg, tokens, shape, 1, path, 100.0, 16384)
+    plain_sizes, plain = resolve_entry(e, cfg, tokens, shape, 1, path, 100.0, 0)
+    planned = [b * S for b, S in zip(sizes, tokens.values())]
+    assert sched.graph_tokens == max(t for t in planned if t <= 16384) < 16384 and plain.graph_tokens == 0
+    assert sched.values["graph_pool_gib"] > 0 and "graph_pool_gib" not in plain.values
+    assert sched.values["m_mem"] < plain.values["m_mem"]
+    given = ",".join(f"{n}={b}" for n, b in zip(tokens, plain_sizes))
+    _, kept = resolve_entry({"strategy": "balanced", "batch_sizes": given}, cfg, tokens, shape, 1, path, 100.0, 16384)
+    assert kept.graph_tokens == 16384 and kept.values["graph_pool_gib"] >= sched.values["graph_pool_gib"]
+
+
 def test_a_replayed_steps_micro_batch_times_are_in_ms_and_fit_in_its_wall_time(default_cfg):
     """Runner.step: the trainer's per-micro-batch seconds, as ms; together no more than the step's wall ms."""
     from types import SimpleNamespace
@@ -293,6 +329,18 @@ def test_a_replayed_steps_micro_batch_times_are_in_ms_and_fit_in_its_wall_time(d
     ms, wall_ms, st = runner.step(batches, 4, lambda B, S: 0, 0)
     assert len(ms) == 2 and ms == pytest.approx([s * 1000 for s in st.mb_s])
     assert 0 < sum(ms) <= wall_ms
+    # each setting captures up to its own Schedule.graph_tokens, none at 0; without graphs it stays eager
+    from training.cuda_graphs import FakeGraphs
+
+    assert runner.capture_up_to(16384) == "eager" and runner.graphs is None
+    runner.all_graphs = FakeGraphs(torch.device("cpu"), max_tokens=16384)
+    assert runner.capture_up_to(2 * b.tokens) == f"CUDA graphs up to {2 * b.tokens:,} tokens"
+    assert runner.graphs is runner.all_graphs and runner.graphs.max_tokens == 2 * b.tokens
+    runner.step(batches, 4, lambda B, S: 0, 0)  # the key's first run is eager, its second captured and replayed
+    assert (runner.graphs.stats.eager, runner.graphs.stats.captured, runner.graphs.stats.replays) == (1, 1, 1)
+    assert runner.capture_up_to(b.tokens).startswith("CUDA graphs") and runner.step(batches, 4, lambda B, S: 0, 0)
+    assert runner.graphs.stats.replays == 1 and runner.graphs.stats.eager == 3  # over the narrower cap: eager
+    assert runner.capture_up_to(0).startswith("eager") and runner.graphs is None
 
 
 @pytest.mark.parametrize("blocks, refused", [(None, False), ("1", True)])

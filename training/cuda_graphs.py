@@ -119,13 +119,14 @@ class MicroBatchGraphs:
         """Run fn(inputs) for this micro-batch: replayed when `key` has a graph, else eagerly (capturing it once
         its warm-up is done). Returns True when a graph ran it."""
         e = self.entries.setdefault(key, _Entry())
-        if e.graph is not None:
+        within = self.max_tokens is None or tokens <= self.max_tokens  # the cap may have narrowed since a capture
+        if e.graph is not None and within:
             for name, t in inputs.items():
                 e.statics[name].copy_(t, non_blocking=True)
             self._replay(e.graph, fn, e.statics)
             self.stats.replays += 1
             return True
-        eligible = not e.failed and (self.max_tokens is None or tokens <= self.max_tokens)
+        eligible = not e.failed and within
         if not eligible or e.seen < self.warmup:
             e.seen += 1
             self.stats.eager += 1

@@ -179,8 +179,12 @@ def truth_sources(paths: list, checkpointing: str, k: int, layers: int, model_di
     return out
 
 
-def resolve_entry(e: dict, cfg, tokens: dict, shape, R: int, calibration: Optional[str], proxy_tflops: float):
-    """(batch sizes in mix order, Schedule) of one settings entry, resolved as training resolves it for R ranks."""
+def resolve_entry(e: dict, cfg, tokens: dict, shape, R: int, calibration: Optional[str], proxy_tflops: float,
+                  graph_tokens: int = 0):
+    """(batch sizes in mix order, Schedule) of one settings entry, resolved as training resolves it for R ranks.
+    graph_tokens: the capture limit where the replay runs CUDA graphs (graph_tokens_for), else 0; the schedule
+    reserves their pool and narrows the limit to its own micro-batches as train.py's does (Schedule.graph_tokens).
+    Given batch sizes keep the whole limit, whose pool reserve bounds any capture up to it."""
     from scheduling.config import SchedulingConfig
     from scheduling.planner import resolve_planner
     from scheduling.policy import resolve_schedule
@@ -191,14 +195,15 @@ def resolve_entry(e: dict, cfg, tokens: dict, shape, R: int, calibration: Option
         knobs["m_tokens"] = int(knobs["m_tokens"])
     S_max = max(tokens.values())
 
-    def resolve(strategy_, **kw):
+    def resolve(strategy_, narrow_graphs=True, **kw):
         sc = SchedulingConfig(strategy=strategy_, window=int(e.get("window") or 1), calibration=calibration,
                               planner=e.get("planner"), **{**knobs, **kw})
         return resolve_schedule(sc, tokens, shape, proxy_tflops=proxy_tflops, checkpointing=cfg.model.checkpointing,
-                                world_size=R, keep_attention=cfg.model.keep_attention)
+                                world_size=R, keep_attention=cfg.model.keep_attention, graph_tokens=graph_tokens,
+                                narrow_graphs=narrow_graphs)
 
     if e.get("batch_sizes") is not None:  # the cost model and recompute rule only
-        sched = resolve("equal_token", m_tokens=S_max)
+        sched = resolve("equal_token", narrow_graphs=False, m_tokens=S_max)
         sched.strategy, sched.window = strategy, int(e.get("window") or 1)
         sched.planner = resolve_planner(strategy, sched.window, e.get("planner"))
         sizes = parse_sizes(e["batch_sizes"], list(tokens))
@@ -219,6 +224,18 @@ def resolve_entry(e: dict, cfg, tokens: dict, shape, R: int, calibration: Option
     if by_factor:
         sched.sources[by_factor[0]] = f"factor {f:g} × {by_factor[1]}"
     return [int(sched.batch_sizes[n]) for n in tokens], sched
+
+
+def graph_tokens_for(cfg, cuda_graphs: str, device_type: Optional[str] = None) -> int:
+    """train.graph_max_tokens where the replay's one process captures CUDA graphs (--cuda-graphs auto on a CUDA
+    device, nothing in the model's config forbidding them: training/cuda_graphs.py graphs_for), else 0."""
+    import torch
+
+    from training.cuda_graphs import graph_blockers, graphs_off_because
+
+    device = torch.device(device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
+    off = graphs_off_because(cuda_graphs, device, 1, graph_blockers(cfg.model))
+    return 0 if off else int(cfg.train.graph_max_tokens)
 
 
 def expected_tokens_per_gpu(mix, sizes, R: int, M: int) -> float:
@@ -295,12 +312,28 @@ class Runner:
         self.objective = FlowMatching(cfg.objective)
         self.graphs = graphs_for(cuda_graphs, self.ctx.device, 1, graph_blockers(cfg.model),
                                  cfg.train.graph_max_tokens)
+        self.all_graphs = self.graphs  # every setting's captures, each setting running up to its own limit
         self.autocast = autocast_for(self.ctx.device, cfg.model.precision, cache=self.graphs is None)
         self.model_inputs = functools.partial(model_inputs, cfg.model)
         self.cuda = self.ctx.device.type == "cuda"
         self.inputs = SyntheticInputs(cfg.model, pin=self.cuda, seed=cfg.train.seed)
         self.build_s = time.perf_counter() - t0
         self.steps_done = 0
+
+    def capture_up_to(self, limit: int) -> str:
+        """Run the next setting's micro-batches of up to `limit` tokens as CUDA graphs (its Schedule.graph_tokens,
+        which its memory budget reserved the pool for), none where 0, as train.py narrows its graphs to its plan.
+        Returns what runs, for the log."""
+        from training.step import autocast_for
+
+        if self.all_graphs is None:
+            return "eager"
+        if limit != 0:
+            self.all_graphs.max_tokens = limit  # None: no cap (train.graph_max_tokens=null)
+        self.graphs = self.all_graphs if limit != 0 else None
+        self.autocast = autocast_for(self.ctx.device, self.cfg.model.precision, cache=self.graphs is None)
+        return ("eager: no planned micro-batch within train.graph_max_tokens" if limit == 0 else
+                "CUDA graphs up to " + ("any number of" if limit is None else f"{limit:,}") + " tokens")
 
     def sync(self) -> None:
         if self.cuda:
@@ -509,10 +542,11 @@ def replay(args: ReplayOptions, command: str) -> dict:
     cal = Calibration.load(calibration) if calibration else None
     optim_pred = cal.optim_ms(cal.mode_name(cfg.model.checkpointing)) if cal else 0.0
 
+    graph_tokens = graph_tokens_for(cfg, args.cuda_graphs)
     # plans and predictions of every setting first: a setting that cannot work stops the run before the model
     todo = []
     for e in entries:
-        sizes, sched = resolve_entry(e, cfg, tokens, shape, R, calibration, peak_tflops or 100.0)
+        sizes, sched = resolve_entry(e, cfg, tokens, shape, R, calibration, peak_tflops or 100.0, graph_tokens)
         M = int(e.get("M") or M_default)
         n = args.samples or int(math.ceil(samples_per_step(mix, sizes, R, M) * (args.warmup + args.steps) * 1.1)) \
             + R * M * max(sizes)
@@ -605,6 +639,8 @@ def replay(args: ReplayOptions, command: str) -> dict:
             log(f"{res['label']}: {len(t['plans'])} steps of {R} ranks × {t['M']} micro-batches")
             policy = checkpoint_policy(cfg.model.checkpointing, t["sched"].recompute_blocks,
                                        cfg.model.keep_attention, k)
+            res["execution"] = runner.capture_up_to(t["sched"].graph_tokens)
+            log(f"  {res['execution']}")
             t0 = time.perf_counter()
             try:
                 run = run_setting(runner, t["plans"], args.warmup, names, shapes, policy, scale, log, gc_tick)
