@@ -11,7 +11,8 @@
 #   p  ours@glue and ours@none with their device-time split at 2×14040, 1×32760, 1×75600 (SHAPES_P: step.py's
 #      shape indices), beside diffusers@cudnn: the ceiling table's measured parts (~3.5 min)
 #   n  a KN-block (default 4) full-width slice of Wan 14B at 720p 81 frames with no recompute (ours@none), beside
-#      ours@glue, ours@keep and diffusers@cudnn; REPS_N timed steps (default 1) (~2.5 min; KN=14 REPS_N=3: T_N=300)
+#      ours@glue, ours@keep and diffusers@cudnn; REPS_N timed steps after one warm-up (default 1; until 2026-12-07
+#      step.py's --long-tokens rule timed one step whatever REPS_N said) (~2.5 min; KN=14 REPS_N=3: T_N=300)
 #   m  the MMDiT at HunyuanVideo width against diffusers' default and cuDNN backends (~1.5 min)
 #   w  a 10-block full-width slice of Wan 14B at 720p 81 frames: MFU, ours against diffusers@cudnn (~4 min)
 #   d  which kernel torch's default SDPA choice is at Wan's shapes (the baseline's backend; seconds)
@@ -19,16 +20,17 @@
 #      full, keep), under the preset's execution (cuDNN, CUDA graphs where they serve); REPS timed steps a point
 #      (default 1; 2 took 188 s of scan) (~3.5 min)
 #   s  the small micro-batches (1×1560, 4×1560, 1×7800: step.py's shapes 5-7) against diffusers at its best, its
-#      blocks compiled included, with no recompute beside (~3 min; not run yet)
+#      blocks compiled and then its whole micro-batch captured as a CUDA graph, beside ours eager, no recompute and
+#      ours@graph (what train.py runs there) (~4 min; ran on an H100 on 2026-12-07 without the graph columns)
 #   C  the 14B slice (4 of 40 blocks, FSDP's memory over 8 ranks) calibrated under the three policies, two timed
-#      steps a point (CAL14_S, default 420 s; not run yet)
+#      steps a point (CAL14_S, default 420 s; not run yet: it needs the H200's memory)
 #   g  the held-out check of that calibration: five micro-batches (four scan shapes and i480 B = 10, which no scan
 #      timed) under full and keep, eager and then every one captured in a CUDA graph, 3 repeats each (~2.5 min)
 #   r  train.py conf=wan21_1p3b, this commit (checkpointing=auto, keep_attention=auto) beside the previous main
 #      unpacked in ./prev, the same batches; EXPANDABLE=1 also runs this commit under
 #      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (~5 min; ~7.5 with EXPANDABLE)
 #   v  the MMDiT at HunyuanVideo width with text lengths that change every step (VARY steps, default 24), ours
-#      against diffusers, then ours@auto again under TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (~3 min; not run yet)
+#      against diffusers, then ours@auto again under TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (~3 min; ran on an H100)
 # Results land in $OUT (default ./h200_attention_out); copy them to results/. Needs .whl/ (bash scripts/make_wheels.sh).
 set -uo pipefail
 source scripts/h200_env.sh h200_attention_out
@@ -58,8 +60,8 @@ if [[ $PART == *c* ]]; then
     | tee "$OUT/calibrate.log" | grep -vE '^\s*$' | cut -c1-300 | tail -25
 fi
 if [[ $PART == *s* ]]; then
-  timeout ${T_S:-240} python3 scripts/bench/step.py --out "$OUT/s" --shapes 5,6,7 --fast-backend _native_cudnn --reps 3 \
-    --gc-off --longest '' --impls "${IMPLS_S:-diffusers@fast,diffusers@compile,ours@glue,ours@policy,ours@none}" \
+  timeout ${T_S:-300} python3 scripts/bench/step.py --out "$OUT/s" --shapes 5,6,7 --fast-backend _native_cudnn --reps 3 \
+    --gc-off --longest '' --impls "${IMPLS_S:-diffusers@fast,diffusers@compile,diffusers@graph,ours@glue,ours@policy,ours@graph,ours@none}" \
     2>&1 | tee "$OUT/bench_s.log" | grep -E "^\||Error|error" | cut -c1-400 | tail -12
 fi
 if [[ $PART == *C* ]]; then
@@ -128,7 +130,8 @@ if [[ $PART == *p* ]]; then
 fi
 if [[ $PART == *n* ]]; then
   timeout ${T_N:-180} python3 scripts/bench/step.py --model 14b --blocks "${KN:-4}" --out "$OUT/n" --shapes 4 \
-    --fast-backend _native_cudnn --reps "${REPS_N:-1}" --gc-off --longest '' --impls diffusers@fast,ours@glue,ours@keep,ours@none \
+    --fast-backend _native_cudnn --reps "${REPS_N:-1}" --long-tokens 1000000 --gc-off --longest '' \
+    --impls diffusers@fast,ours@glue,ours@keep,ours@none \
     2>&1 | tee "$OUT/bench_n.log" | grep -E "^\||Error|error|memory" | cut -c1-400 | tail -8
 fi
 if [[ $PART == *m* ]]; then

@@ -127,3 +127,28 @@ def test_mmdit_bench_with_varying_text_runs_both_passes_of_the_same_draws_on_a_c
         assert len(r["first_ms"]) == len(r["second_ms"]) == 5 and min(r["first_ms"] + r["second_ms"]) > 0
         assert r["new_lengths"] == len({x for x in draws if x != 256})
     assert got["meta"]["tiny"] is True and got["meta"]["TORCH_CUDNN_SDPA_AVOID_RECOMPILE"] is None
+
+
+def test_step_bench_times_the_graph_columns_and_keeps_one_table_line_per_micro_batch_shape(tmp_path):
+    """scripts/bench/step.py's ours@graph (ours@policy's setting captured whole, as train.py runs small micro-batches)
+    and diffusers@graph, as a dry run on the CPU (FakeGraphs replay by calling the step again): an eager warm-up, one
+    capture, then the timed replays; ours@graph takes ours@policy's recompute choice. 1 × 16 and 4 × 16 tokens are
+    two lines of the table (it once keyed its lines by S alone, so 1 × 1560 vanished behind 4 × 1560)."""
+    import json
+
+    out = run("scripts/bench/step.py", "--tiny", "--out", str(tmp_path), "--shapes", "0,3", "--fast-backend", "native",
+              "--reps", "2", "--longest", "", "--impls", "diffusers@fast,diffusers@graph,ours@policy,ours@graph")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "bench_step.jsonl").read_text().splitlines()]
+    by = {(r["impl"], r["B"], r["S"]): r for r in rows}
+    assert set(by) == {(i, B, 16) for i in ("diffusers@fast", "diffusers@graph", "ours@policy", "ours@graph")
+                       for B in (4, 1)}
+    for B in (4, 1):
+        for impl in ("ours@graph", "diffusers@graph"):
+            r = by[(impl, B, 16)]
+            assert r["replays"] == 2 + 1 and r["graph_failed"] == 0 and r["ms"] > 0, r  # the capture's replay + 2
+            assert r["compiled"] is False  # blocks are compiled for diffusers@graph on a GPU only
+        assert by[("ours@graph", B, 16)]["recompute_blocks"] == by[("ours@policy", B, 16)]["recompute_blocks"]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+    assert [line.split(" | ")[0] for line in lines[1:]] == ["| 1 × 16", "| 4 × 16"], lines
+    assert "diffusers@graph ms" in lines[0] and "ours@graph ms" in lines[0]

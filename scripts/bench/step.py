@@ -8,6 +8,8 @@ Side by side in one run, forward + backward, no optimizer, random weights (the s
   diffusers@default   diffusers' model, bf16 parameters and gradients, gradient checkpointing, its default attention
   diffusers@fast      the same at the fastest attention backend found (`set_attention_backend`)
   diffusers@compile   diffusers@fast with each block compiled (block.compile(); compile time untimed)
+  diffusers@graph     diffusers@compile (blocks compiled on a GPU) with the whole micro-batch captured as one CUDA graph
+                      and replayed (training/cuda_graphs.py, as ours@graph): diffusers with no host overhead either
   ours@fast           our model, bf16 parameters and gradients (the fp32 modules of diffusers' list kept fp32), full
                       checkpointing, the same attention kernel (model.attention_backend of the same name)
   ours@glue           the same with model.fused_ops=triton (fused gated residual, q/k RMSNorm-RoPE)
@@ -22,13 +24,17 @@ Side by side in one run, forward + backward, no optimizer, random weights (the s
                       attention outputs (the last ones: models/checkpointing.py keeps_attention; the recompute skips
                       attention there), fused ops and offload as ours@policy
   ours@keep+unchunked ours@keep with the MLP's temporaries whole (as ours@unchunked)
+  ours@graph          ours@policy's setting (without offload) captured whole as one CUDA graph and replayed, as
+                      train.py runs micro-batches up to train.graph_max_tokens (train.cuda_graphs=auto); its peak
+                      counts the graph's memory pool, so the small micro-batches compare with what the trainer runs
   ours@unchunked      ours@offload with the MLP's ffn-sized temporaries whole (ops/gelu_ffn.py's row chunks off)
   ours@chunkN         ours@offload with those temporaries in chunks of N MiB of rows (the default is 128)
   diffusers@again     diffusers measured again after our columns at each shape (drift between columns shows)
   ours@trainer        our trainer's precision: fp32 master weights under bf16 autocast (not held to memory targets)
   ours@none           ours@glue with no block recomputed (model.checkpointing=none; no memory target: out of memory
                       is recorded in meta.oom, not fatal)
-Reported per shape: ms (median), tokens/s, model-FLOPs utilisation (contracts §9), peak GiB; each row is appended
+The graph columns warm up eagerly once and capture once before their timed replays; on a CPU they replay by calling
+the step again (FakeGraphs), which checks the plumbing only. Reported per shape: ms (median), tokens/s, model-FLOPs utilisation (contracts §9), peak GiB; each row is appended
 to OUT/bench_step.jsonl as it is measured. Then the longest sequence: B = 1 at 480p (latent 60×104), latent frames
 raised until the --longest column's peak exceeds diffusers@fast's peak at S = 32760. Before timing, the two models' outputs are compared on one small input (bf16 tolerance).
 """
@@ -53,6 +59,7 @@ import ops.gelu_ffn as gelu_ffn  # noqa: E402 - CHUNK_BYTES is a column's knob
 import ops.gated_ffn as gated_ffn  # noqa: E402 - GATED_TAIL_MIN_TOKENS is a column's knob
 from scheduling.efficiency import model_flops  # noqa: E402
 from training.busy import kernel_kind  # noqa: E402
+from training.cuda_graphs import FakeGraphs, MicroBatchGraphs  # noqa: E402
 
 WAN_1P3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
                 text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
@@ -62,7 +69,7 @@ TINY = dict(WAN_1P3B, num_attention_heads=2, attention_head_dim=16, text_dim=32,
 # (B, latent frames, latent H, latent W): S = F·H/2·W/2 → 1560, 7800, 14040, 32760, 75600
 SHAPES = ((16, 1, 60, 104), (4, 5, 60, 104), (2, 9, 60, 104), (1, 21, 60, 104), (1, 21, 90, 160),
           (1, 1, 60, 104), (4, 1, 60, 104), (1, 5, 60, 104))  # + the small micro-batches: 1×1560, 4×1560, 1×7800
-TINY_SHAPES = ((4, 1, 8, 8), (2, 3, 8, 8), (1, 5, 8, 12))
+TINY_SHAPES = ((4, 1, 8, 8), (2, 3, 8, 8), (1, 5, 8, 12), (1, 1, 8, 8))  # the last: a small micro-batch, S as the first
 SDPA = {"native": None, "_native_flash": "FLASH_ATTENTION", "_native_efficient": "EFFICIENT_ATTENTION",
         "_native_cudnn": "CUDNN_ATTENTION", "_native_math": "MATH"}
 TEXT_LEN = 512
@@ -80,9 +87,9 @@ OURS_COLUMNS_LATE = {
 }
 KNOB_MODULES = {"GATED_TAIL_MIN_TOKENS": gated_ffn, "CHUNK_BYTES": gelu_ffn}
 # the table's column order
-TABLE_COLUMNS = ("diffusers@default", "diffusers@fast", "diffusers@compile", "ours@fast", "ours@saved", "ours@notail", "ours@glue",
+TABLE_COLUMNS = ("diffusers@default", "diffusers@fast", "diffusers@compile", "diffusers@graph", "ours@fast", "ours@saved", "ours@notail", "ours@glue",
                  "ours@compile", "ours@offload", "ours@unchunked", "ours@policy", "ours@keep", "ours@keep+unchunked",
-                 "ours@trainer", "ours@none", "diffusers@again")
+                 "ours@graph", "ours@trainer", "ours@none", "diffusers@again")
 
 
 OURS_BACKEND = {"native": "flash", "_native_flash": "flash", "_native_efficient": "efficient",
@@ -149,6 +156,36 @@ def step_fn(model, x, t, ctx, diffusers: bool, autocast: bool, dev):
                 out = model(x, t, ctx)
         out.float().pow(2).mean().backward()
     return run
+
+
+def graph_step(model, x, t, ctx, diffusers: bool, dev):
+    """(run, graphs): run() is one forward + backward of `model` through MicroBatchGraphs (an eager warm-up, then
+    one capture, then replays; FakeGraphs on a CPU). Gradients exist before the capture and accumulate in place
+    (training/cuda_graphs.py's rule); the inputs are the graph's static buffers, copied in before each replay."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    graphs = (MicroBatchGraphs if dev.type == "cuda" else FakeGraphs)(dev)
+
+    def fn(inp):
+        if diffusers:
+            out = model(hidden_states=inp["x"], timestep=inp["t"], encoder_hidden_states=inp["ctx"],
+                        return_dict=False)[0]
+        else:
+            out = model(inp["x"], inp["t"], inp["ctx"])
+        out.float().pow(2).mean().backward()
+
+    tokens = x.shape[0] * x.shape[2] * x.shape[3] * x.shape[4] // 4
+    return (lambda: graphs.run("step", tokens, fn, {"x": x, "t": t, "ctx": ctx})), graphs
+
+
+def release(model, graphs) -> None:
+    """Free a graph column's graphs, their pool and the model's gradients (the next column starts clean)."""
+    for e in graphs.entries.values():
+        e.graph = None
+    graphs._new_pool()
+    for p in model.parameters():
+        p.grad = None
 
 
 class Probe:
@@ -348,7 +385,7 @@ def main(argv=None) -> None:
     cfg, shapes = (TINY, TINY_SHAPES) if args.tiny else (WAN_14B if args.model == "14b" else WAN_1P3B, SHAPES)
     if args.blocks:
         cfg = dict(cfg, num_layers=args.blocks)
-    ref_shape = shapes[3] if not args.tiny else shapes[-1]  # the longest-sequence reference (S = 32760)
+    ref_shape = shapes[3] if not args.tiny else shapes[2]  # the longest-sequence reference (S = 32760)
     if args.shapes:
         shapes = tuple(shapes[int(i)] for i in args.shapes.split(","))
     impls = [i for i in args.impls.split(",") if i]
@@ -440,6 +477,29 @@ def main(argv=None) -> None:
                                                 offload=options.get("offload", False),
                                                 recompute_norms=options.get("recompute_norms", True))))
 
+    def graph_column(model, impl, shape, args_, diffusers, warmup, reps, compile_blocks=False, **extra):
+        """One graph column's row: warm-up and capture untimed, then `reps` replays; its peak is the replays' peak
+        plus the graph's pool (what the trainer's graphs hold). A capture that fails is recorded (the column then
+        times eager steps: graph_failed > 0)."""
+        if compile_blocks:
+            for block in model.blocks:
+                block.compile()
+        run, graphs = graph_step(model, *args_, diffusers, dev)
+        try:
+            ms, peak = time_step(run, dev, max(warmup, 1) + graphs.warmup, reps)
+            pool = graphs.pool_gib() if dev.type == "cuda" else 0.0
+            record(impl, shape, ms, peak + pool, pool_gib=round(pool, 2), replays=graphs.stats.replays,
+                   graph_failed=graphs.stats.failed, compiled=compile_blocks,
+                   fits=bool(not peak + pool > diff_peak[shape]) if dev.type == "cuda" else None, **extra)
+        except Exception as e:  # noqa: BLE001 - where a capture or compile breaks is a result
+            print(f"{impl} at {shape}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            meta.setdefault("graph_errors", {})[f"{impl} {shape}"] = f"{type(e).__name__}: {str(e)[:300]}"
+        finally:
+            release(model, graphs)
+            if compile_blocks:
+                for block in model.blocks:
+                    block._compiled_call_impl = None
+
     def park(model):  # the model not being timed leaves the GPU, so each peak is one model's own
         for p in model.parameters():
             p.grad = None
@@ -481,6 +541,8 @@ def main(argv=None) -> None:
                 meta.setdefault("compile_errors", {})[f"diffusers {shape}"] = f"{type(e).__name__}: {str(e)[:300]}"
             for block in theirs.blocks:
                 block._compiled_call_impl = None
+        if "diffusers@graph" in impls:  # diffusers@compile captured whole: its host overhead gone as ours@graph's
+            graph_column(theirs, "diffusers@graph", shape, args_, True, warmup, reps, compile_blocks=dev.type == "cuda")
         if args.profile and shape == shapes[0]:
             meta.setdefault("profile", {})["diffusers@fast"] = profile(step_fn(theirs, *args_, True, False, dev))
         park(theirs)
@@ -511,12 +573,18 @@ def main(argv=None) -> None:
             for impl, (options, knobs) in OURS_COLUMNS_LATE.items():
                 if impl in impls:
                     column(impl, shape, timed, options, knobs)
+            limit = diff_peak[shape] if dev.type == "cuda" else math.inf
             if "ours@policy" in impls:  # (b): recompute the fewest leading blocks that fit diffusers' peak
                 off = "ours@offload" in impls
                 k, _, _ = peak_search(lambda k: time_step(ours_run(shape, k, glue, offload=off), dev, 0, 1), layers,
-                                      diff_peak[shape] if dev.type == "cuda" else math.inf)  # one step a probe
+                                      limit)  # one step a probe
                 record("ours@policy", shape, *timed(ours_run(shape, k, glue, offload=off)), recompute_blocks=k,
                        offload=off)
+            if "ours@graph" in impls:  # ours@policy's setting without offload, as train.py captures it
+                if "ours@policy" not in impls or "ours@offload" in impls:
+                    k, _, _ = peak_search(lambda k: time_step(ours_run(shape, k, glue), dev, 0, 1), layers, limit)
+                ours_run(shape, k, glue)  # the setting; the graph column runs the step itself
+                graph_column(ours, "ours@graph", shape, args_, False, warmup, reps, recompute_blocks=k)
             for impl in [i for i in impls if i in ("ours@keep", "ours@keep+unchunked")]:
                 # (b): every block recomputed, the most of them keeping their attention (+ the MLP unchunked)
                 off = "ours@offload" in impls
@@ -609,24 +677,26 @@ def main(argv=None) -> None:
 
 def table(rows) -> str:
     by = {}
-    for r in rows:
-        by.setdefault(r["S"], {})[r["impl"]] = r
+    for r in rows:  # one line per micro-batch shape: 1 × 1560 and 4 × 1560 are two
+        by.setdefault((r["B"], r["S"]), {})[r["impl"]] = r
     impls = list(TABLE_COLUMNS)
     chunks = sorted({i for d in by.values() for i in d if i.startswith("ours@chunk")}, key=lambda i: int(i[10:]))
-    impls = impls[:10] + chunks + impls[10:]
+    at = impls.index("ours@unchunked") + 1  # the chunk columns beside the unchunked one
+    impls = impls[:at] + chunks + impls[at:]
     impls = [i for i in impls if any(i in d for d in by.values())]  # the columns this run measured
-    lines = ["| S | " + " | ".join(f"{i} ms (tok/s, GiB)" for i in impls)
+    lines = ["| B × S | " + " | ".join(f"{i} ms (tok/s, GiB)" for i in impls)
              + " | ours@glue ÷ diffusers' best | ours' best within diffusers' peak ÷ diffusers' best |",
              "|---|" + "---|" * (len(impls) + 2)]
-    for S, d in sorted(by.items()):
+    for (B, S), d in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         cells = [f"{d[i]['ms']:.0f} ({d[i]['tokens_per_s']:.0f}, {d[i]['peak_gib']})" if i in d else "—"
                  for i in impls]
-        theirs = max((d[i]["tokens_per_s"] for i in ("diffusers@fast", "diffusers@compile") if i in d), default=None)
+        theirs = max((d[i]["tokens_per_s"] for i in ("diffusers@fast", "diffusers@compile", "diffusers@graph") if i in d),
+                     default=None)
         like = d["ours@glue"]["tokens_per_s"] / theirs if theirs and "ours@glue" in d else float("nan")
-        fit = [d[i]["tokens_per_s"] for i in ("ours@glue", "ours@policy", "ours@keep") if i in d
+        fit = [d[i]["tokens_per_s"] for i in ("ours@glue", "ours@policy", "ours@keep", "ours@graph") if i in d
                and d[i].get("fits", True) and (i != "ours@glue" or d[i]["peak_gib"] <= d["diffusers@fast"]["peak_gib"])]
         best = max(fit) / theirs if theirs and fit else float("nan")
-        lines.append(f"| {S} | " + " | ".join(cells) + f" | {like:.2f}× | {best:.2f}× |")
+        lines.append(f"| {B} × {S} | " + " | ".join(cells) + f" | {like:.2f}× | {best:.2f}× |")
     return "\n".join(lines)
 
 
