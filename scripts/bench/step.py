@@ -34,9 +34,11 @@ Side by side in one run, forward + backward, no optimizer, random weights (the s
   ours@none           ours@glue with no block recomputed (model.checkpointing=none; no memory target: out of memory
                       is recorded in meta.oom, not fatal)
 The graph columns warm up eagerly once and capture once before their timed replays; on a CPU they replay by calling
-the step again (FakeGraphs), which checks the plumbing only. Reported per shape: ms (median), tokens/s, model-FLOPs utilisation (contracts §9), peak GiB; each row is appended
-to OUT/bench_step.jsonl as it is measured. Then the longest sequence: B = 1 at 480p (latent 60×104), latent frames
-raised until the --longest column's peak exceeds diffusers@fast's peak at S = 32760. Before timing, the two models' outputs are compared on one small input (bf16 tolerance).
+the step again (FakeGraphs), which checks the plumbing only. Reported per shape: ms (median), tokens/s,
+model-FLOPs utilisation (contracts §9), peak GiB; each row is appended to OUT/bench_step.jsonl as it is measured.
+Then the longest sequence: B = 1 at 480p (latent 60×104), latent frames raised until the --longest column's peak
+exceeds diffusers@fast's peak at S = 32760. Before timing, the two models' outputs are compared on one small input
+(bf16 tolerance).
 """
 from __future__ import annotations
 
@@ -87,7 +89,8 @@ OURS_COLUMNS_LATE = {
 }
 KNOB_MODULES = {"GATED_TAIL_MIN_TOKENS": gated_ffn, "CHUNK_BYTES": gelu_ffn}
 # the table's column order
-TABLE_COLUMNS = ("diffusers@default", "diffusers@fast", "diffusers@compile", "diffusers@graph", "ours@fast", "ours@saved", "ours@notail", "ours@glue",
+TABLE_COLUMNS = ("diffusers@default", "diffusers@fast", "diffusers@compile", "diffusers@graph", "ours@fast", "ours@saved",
+                 "ours@notail", "ours@glue",
                  "ours@compile", "ours@offload", "ours@unchunked", "ours@policy", "ours@keep", "ours@keep+unchunked",
                  "ours@graph", "ours@trainer", "ours@none", "diffusers@again")
 
@@ -690,8 +693,8 @@ def table(rows) -> str:
     for (B, S), d in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         cells = [f"{d[i]['ms']:.0f} ({d[i]['tokens_per_s']:.0f}, {d[i]['peak_gib']})" if i in d else "—"
                  for i in impls]
-        theirs = max((d[i]["tokens_per_s"] for i in ("diffusers@fast", "diffusers@compile", "diffusers@graph") if i in d),
-                     default=None)
+        theirs = max((d[i]["tokens_per_s"] for i in ("diffusers@fast", "diffusers@compile", "diffusers@graph")
+                      if i in d), default=None)
         like = d["ours@glue"]["tokens_per_s"] / theirs if theirs and "ours@glue" in d else float("nan")
         fit = [d[i]["tokens_per_s"] for i in ("ours@glue", "ours@policy", "ours@keep", "ours@graph") if i in d
                and d[i].get("fits", True) and (i != "ours@glue" or d[i]["peak_gib"] <= d["diffusers@fast"]["peak_gib"])]
