@@ -515,6 +515,34 @@ def test_the_1p3b_preset_finds_the_calibration_of_its_policies_and_execution(mon
     assert any("calibration_h200.json: policies ['full'] measured, not ['none', 'keep']" in w for w in why), why
 
 
+def test_the_1p3b_preset_on_an_h100_finds_the_h100_calibration_whose_points_fit_its_models(monkeypatch, tmp_path):
+    """results/calibration_h100_policies.json (measured on an H100 on 2026-12-07, results/attention_h100.md):
+    conf=wan21_1p3b on that GPU finds it, the H200's files are passed over as another GPU's, every timed point of
+    every policy lies within 5 % of its cost model, and its partial checks fitted within their budget."""
+    from tests.helpers import ROOT, compose_config
+    from training.shape_benchmark import find_calibration
+
+    monkeypatch.chdir(ROOT)
+    cfg = compose_config(["conf=wan21_1p3b", f"run_dir={tmp_path}"])
+    graphs = {"attention": "cudnn", "fused_ops": "auto", "cuda_graphs": True, "precision": "bf16", "compile": False}
+    h100 = "NVIDIA H100 80GB HBM3"
+    path, how = find_calibration(cfg, h100, 1, want=graphs)
+    assert path.endswith("calibration_h100_policies.json") and how == f"measured on this model and {h100}"
+    path, _ = find_calibration(cfg, "NVIDIA H200", 1, want=graphs)
+    assert path.endswith("calibration_h200_policies.json")
+    cal = Calibration.load("results/calibration_h100_policies.json")
+    assert set(cal.modes) == {"none", "full", "keep"}
+    for mode in cal.modes:
+        cost = CostModel.from_dict(cal.data["modes"][mode]["cost_model"])
+        points = cal.measured_points(mode)
+        assert len(points) >= 3
+        for p in points:
+            assert cost.predict(p["B"], p["S"]) == pytest.approx(p["ms"], rel=0.05), (mode, p)
+    checks = cal.data["partial_checks"]
+    assert {c["S"] for c in checks} == {75600, 46800}
+    assert all(c["fits"] and c["peak_bytes"] <= c["budget_bytes"] for c in checks)
+
+
 def test_the_8gpu_preset_holds_two_long_clips_a_step_with_the_simulators_choice(monkeypatch, tmp_path):
     """`python train.py conf=wan21_8gpu` on 8 H200s, as train.py resolves it: calibration=auto finds the 14B file, and
     the preset's tokens_per_step (2·S_max a GPU a step) with scheduling.planner=windowed and the window the
