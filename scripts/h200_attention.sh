@@ -5,7 +5,8 @@
 #      MMDiT's GPU test (~2 min)
 #   k  SDPA's kernels at Wan's shapes and the cuDNN key-mask check (scripts/bench/attention.py, ~1.5 min)
 #   a  the 1.3B step against diffusers at cuDNN with gradient checkpointing at S = 32760, 14040, 75600, with the
-#      device-time profile at the first (~5 min); its blocks compiled only where IMPLS_A names diffusers@compile
+#      device-time profile at the first (~5 min); its blocks compiled only where IMPLS_A names diffusers@compile;
+#      PEAK_LIMIT_A=lowest searches ours@policy and ours@keep within compiled diffusers' peak too
 #   b  the same at 16×1560 and 4×7800, with diffusers' compiled blocks, no recompute (ours@none) and the device-time
 #      split of every shape (~3.5 min)
 #   p  ours@glue and ours@none with their device-time split at 2×14040, 1×32760, 1×75600 (SHAPES_P: step.py's
@@ -114,8 +115,8 @@ if [[ $PART == *k* ]]; then
 fi
 if [[ $PART == *a* ]]; then
   timeout ${T_A:-330} python3 scripts/bench/step.py --out "$OUT/a" --shapes 3,2,4 --fast-backend _native_cudnn --reps 3 \
-    --gc-off --profile --longest '' --impls "${IMPLS_A:-diffusers@default,diffusers@fast,ours@glue,ours@policy,ours@keep}" \
-    2>&1 | tee "$OUT/bench_a.log" | grep -E "^\||Error|error" | cut -c1-400 | tail -12
+    --gc-off --profile --longest '' --peak-limit "${PEAK_LIMIT_A:-fast}" \
+    --impls "${IMPLS_A:-diffusers@default,diffusers@fast,ours@glue,ours@policy,ours@keep}" 2>&1 | tee "$OUT/bench_a.log" | grep -E "^\||Error|error" | cut -c1-400 | tail -12
 fi
 if [[ $PART == *b* ]]; then
   timeout ${T_B:-240} python3 scripts/bench/step.py --out "$OUT/b" --shapes 0,1 --fast-backend _native_cudnn --reps 3 \

@@ -137,7 +137,8 @@ def test_step_bench_times_the_graph_columns_and_keeps_one_table_line_per_micro_b
     import json
 
     out = run("scripts/bench/step.py", "--tiny", "--out", str(tmp_path), "--shapes", "0,3", "--fast-backend", "native",
-              "--reps", "2", "--longest", "", "--impls", "diffusers@fast,diffusers@graph,ours@policy,ours@graph")
+              "--reps", "2", "--longest", "", "--peak-limit", "lowest",
+              "--impls", "diffusers@fast,diffusers@graph,ours@policy,ours@graph")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "bench_step.jsonl").read_text().splitlines()]
     by = {(r["impl"], r["B"], r["S"]): r for r in rows}
@@ -149,6 +150,7 @@ def test_step_bench_times_the_graph_columns_and_keeps_one_table_line_per_micro_b
             assert r["replays"] == 2 + 1 and r["graph_failed"] == 0 and r["ms"] > 0, r  # the capture's replay + 2
             assert r["compiled"] is False  # blocks are compiled for diffusers@graph on a GPU only
         assert by[("ours@graph", B, 16)]["recompute_blocks"] == by[("ours@policy", B, 16)]["recompute_blocks"]
+        assert "limit_gib" in by[("ours@graph", B, 16)] and "limit_gib" in by[("ours@policy", B, 16)]
     lines = [line for line in out.stdout.splitlines() if line.startswith("| ")]
     assert [line.split(" | ")[0] for line in lines[1:]] == ["| 1 × 16", "| 4 × 16"], lines
     assert "diffusers@graph ms" in lines[0] and "ours@graph ms" in lines[0]
