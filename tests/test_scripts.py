@@ -154,3 +154,26 @@ def test_step_bench_times_the_graph_columns_and_keeps_one_table_line_per_micro_b
     lines = [line for line in out.stdout.splitlines() if line.startswith("| ")]
     assert [line.split(" | ")[0] for line in lines[1:]] == ["| 1 × 16", "| 4 × 16"], lines
     assert "diffusers@graph ms" in lines[0] and "ours@graph ms" in lines[0]
+
+
+def test_step_bench_table_leaves_out_a_graph_column_that_ran_eagerly(monkeypatch):
+    """A graph column whose capture failed timed eager steps (graph_failed > 0): its row stays in the file but not in
+    the table, so it can be neither ours' best nor diffusers' best; a captured one counts within its limit."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "scripts", "bench"))  # step.py imports its sibling harness.py
+    spec = importlib.util.spec_from_file_location("bench_step", os.path.join(ROOT, "scripts", "bench", "step.py"))
+    step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step)
+
+    def row(impl, B, ms, peak, **extra):
+        return dict(impl=impl, B=B, S=1560, ms=ms, tokens_per_s=B * 1560 / ms * 1e3, peak_gib=peak, **extra)
+
+    rows = [row("diffusers@fast", 1, 200.0, 5.6), row("diffusers@graph", 1, 50.0, 5.5, graph_failed=1),
+            row("ours@graph", 1, 100.0, 5.5, graph_failed=0, fits=True, limit_gib=5.6),
+            row("diffusers@fast", 4, 300.0, 6.2), row("ours@graph", 4, 100.0, 6.0, graph_failed=1, fits=True)]
+    lines = step.table(rows).splitlines()
+    assert "diffusers@graph" not in lines[0]  # its one row ran eagerly
+    one, four = lines[2], lines[3]
+    assert one.startswith("| 1 × 1560 |") and one.endswith("| nan× | 2.00× |")  # 200 / 100 ms, not 50 / 100
+    assert four.startswith("| 4 × 1560 |") and four.endswith("| nan× | nan× |")  # no captured column of ours

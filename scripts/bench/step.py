@@ -486,26 +486,48 @@ def main(argv=None) -> None:
 
     def graph_column(model, impl, shape, args_, diffusers, warmup, reps, compile_blocks=False, **extra):
         """One graph column's row: warm-up and capture untimed, then `reps` replays; its peak is the replays' peak
-        plus the graph's pool (what the trainer's graphs hold). A capture that fails is recorded (the column then
-        times eager steps: graph_failed > 0)."""
-        if compile_blocks:
+        plus the graph's pool (what the trainer's graphs hold; the pool counts reserved segments, the eager columns
+        allocated bytes, so the graph columns' peaks lean high). A capture that fails with compiled blocks is tried
+        again uncompiled (train.py never captures compiled blocks); one that still fails is recorded, and the table
+        leaves it out (the column then timed eager steps: graph_failed > 0)."""
+        for compiled in ([True, False] if compile_blocks else [False]):
             for block in model.blocks:
-                block.compile()
-        run, graphs = graph_step(model, *args_, diffusers, dev)
-        try:
-            ms, peak = time_step(run, dev, max(warmup, 1) + graphs.warmup, reps)
-            pool = graphs.pool_gib() if dev.type == "cuda" else 0.0
-            record(impl, shape, ms, peak + pool, pool_gib=round(pool, 2), replays=graphs.stats.replays,
-                   graph_failed=graphs.stats.failed, compiled=compile_blocks,
-                   fits=bool(not peak + pool > diff_peak[shape]) if dev.type == "cuda" else None, **extra)
-        except Exception as e:  # noqa: BLE001 - where a capture or compile breaks is a result
-            print(f"{impl} at {shape}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            meta.setdefault("graph_errors", {})[f"{impl} {shape}"] = f"{type(e).__name__}: {str(e)[:300]}"
-        finally:
-            release(model, graphs)
-            if compile_blocks:
+                if compiled:
+                    block.compile()
+                else:
+                    block._compiled_call_impl = None
+            run, graphs = graph_step(model, *args_, diffusers, dev)
+            try:
+                ms, peak = time_step(run, dev, max(warmup, 1) + graphs.warmup, reps)
+                pool = graphs.pool_gib() if dev.type == "cuda" else 0.0
+                failed = graphs.stats.failed
+                if failed and compiled:
+                    print(f"{impl} at {shape}: the capture of compiled blocks failed; again uncompiled", flush=True)
+                    continue
+                return record(impl, shape, ms, peak + pool, pool_gib=round(pool, 2), replays=graphs.stats.replays,
+                              graph_failed=failed, compiled=compiled,
+                              fits=bool(not peak + pool > diff_peak[shape]) if dev.type == "cuda" else None, **extra)
+            except Exception as e:  # noqa: BLE001 - where a capture or compile breaks is a result
+                print(f"{impl} at {shape}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                meta.setdefault("graph_errors", {})[f"{impl} {shape}"] = f"{type(e).__name__}: {str(e)[:300]}"
+            finally:
+                release(model, graphs)
                 for block in model.blocks:
                     block._compiled_call_impl = None
+        return None
+
+    def graph_peak(model, shape, k):
+        """(ms, peak GiB + pool) of one captured replay of ours with k leading blocks recomputed: ours@graph's
+        recompute choice is searched as train.py plans it, beside the graph's pool."""
+        ours_run(shape, k, glue)  # the setting
+        run, graphs = graph_step(model, *inputs(cfg, shape, dev, torch.bfloat16), False, dev)
+        try:
+            ms, peak = time_step(run, dev, 1 + graphs.warmup, 1)
+            if graphs.stats.failed:  # no graph at this setting (a capture out of memory among the causes)
+                return math.inf, math.inf
+            return ms, peak + (graphs.pool_gib() if dev.type == "cuda" else 0.0)
+        finally:
+            release(model, graphs)
 
     def park(model):  # the model not being timed leaves the GPU, so each peak is one model's own
         for p in model.parameters():
@@ -515,7 +537,8 @@ def main(argv=None) -> None:
     def unpark(model):
         model.to(dev)
 
-    diff_peak = {}
+    diff_peak = {}  # the memory-bounded columns' limit (--peak-limit)
+    fast_peak = {}  # diffusers@fast's peak: the longest-sequence search's limit
     park(ours)
     for shape in shapes:
         B, F_, H, W = shape
@@ -533,7 +556,7 @@ def main(argv=None) -> None:
             record("diffusers@fast", shape, ms, peak)
         else:  # the default backend is the fastest: one measurement, both columns
             record("diffusers@fast", shape, ms, peak, same_as="diffusers@default")
-        diff_peak[shape] = round(peak, 2)
+        diff_peak[shape] = fast_peak[shape] = round(peak, 2)
         if "diffusers@compile" in impls:  # diffusers at its best: its fastest backend and its blocks compiled
             try:
                 for block in theirs.blocks:
@@ -545,6 +568,9 @@ def main(argv=None) -> None:
                              compile_s=compile_s)
                 if args.peak_limit == "lowest":  # ours' memory-bounded columns within compiled diffusers' peak too
                     diff_peak[shape] = min(diff_peak[shape], row["peak_gib"])
+                if args.profile and shape == shapes[0]:  # where compiling moves diffusers' time (attention, GEMMs?)
+                    meta.setdefault("profile", {})["diffusers@compile"] = profile(step_fn(theirs, *args_, True, False,
+                                                                                           dev))
             except Exception as e:  # noqa: BLE001 - where compile breaks is a result
                 print(f"diffusers@compile at {shape}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 meta.setdefault("compile_errors", {})[f"diffusers {shape}"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -589,9 +615,8 @@ def main(argv=None) -> None:
                                       limit)  # one step a probe
                 record("ours@policy", shape, *timed(ours_run(shape, k, glue, offload=off)), recompute_blocks=k,
                        offload=off, limit_gib=diff_peak[shape])
-            if "ours@graph" in impls:  # ours@policy's setting without offload, as train.py captures it
-                if "ours@policy" not in impls or "ours@offload" in impls:
-                    k, _, _ = peak_search(lambda k: time_step(ours_run(shape, k, glue), dev, 0, 1), layers, limit)
+            if "ours@graph" in impls:  # the fewest recomputed blocks whose graph, pool included, fits (no offload)
+                k, _, _ = peak_search(lambda k: graph_peak(ours, shape, k), layers, limit)
                 ours_run(shape, k, glue)  # the setting; the graph column runs the step itself
                 graph_column(ours, "ours@graph", shape, args_, False, warmup, reps, recompute_blocks=k,
                              limit_gib=diff_peak[shape])
@@ -651,8 +676,8 @@ def main(argv=None) -> None:
 
     # the longest sequence under diffusers@fast's peak at S = 32760 (B = 1, 480p): the peak grows linearly in S,
     # so two measured lengths predict the crossing, which is then checked frame by frame
-    if args.longest and ref_shape in diff_peak and dev.type == "cuda":
-        limit = diff_peak[ref_shape]
+    if args.longest and ref_shape in fast_peak and dev.type == "cuda":
+        limit = fast_peak[ref_shape]
         fused_ops = glue if args.longest in ("ours@glue", "ours@offload") else "torch"
         offload = args.longest == "ours@offload"
 
@@ -688,7 +713,8 @@ def main(argv=None) -> None:
 def table(rows) -> str:
     by = {}
     for r in rows:  # one line per micro-batch shape: 1 × 1560 and 4 × 1560 are two
-        by.setdefault((r["B"], r["S"]), {})[r["impl"]] = r
+        if not r.get("graph_failed"):  # a graph column whose capture failed timed eager steps: not its column
+            by.setdefault((r["B"], r["S"]), {})[r["impl"]] = r
     impls = list(TABLE_COLUMNS)
     chunks = sorted({i for d in by.values() for i in d if i.startswith("ours@chunk")}, key=lambda i: int(i[10:]))
     at = impls.index("ours@unchunked") + 1  # the chunk columns beside the unchunked one
