@@ -132,7 +132,8 @@ def test_mmdit_bench_with_varying_text_runs_both_passes_of_the_same_draws_on_a_c
 def test_step_bench_times_the_graph_columns_and_keeps_one_table_line_per_micro_batch_shape(tmp_path):
     """scripts/bench/step.py's ours@graph (ours@policy's setting captured whole, as train.py runs small micro-batches)
     and diffusers@graph, as a dry run on the CPU (FakeGraphs replay by calling the step again): an eager warm-up, one
-    capture, then the timed replays; ours@graph takes ours@policy's recompute choice. 1 × 16 and 4 × 16 tokens are
+    capture, then the timed replays; ours@graph searches its recompute as ours@policy does (with no memory limit on a
+    CPU both choose none). 1 × 16 and 4 × 16 tokens are
     two lines of the table (it once keyed its lines by S alone, so 1 × 1560 vanished behind 4 × 1560)."""
     import json
 

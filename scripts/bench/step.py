@@ -8,8 +8,9 @@ Side by side in one run, forward + backward, no optimizer, random weights (the s
   diffusers@default   diffusers' model, bf16 parameters and gradients, gradient checkpointing, its default attention
   diffusers@fast      the same at the fastest attention backend found (`set_attention_backend`)
   diffusers@compile   diffusers@fast with each block compiled (block.compile(); compile time untimed)
-  diffusers@graph     diffusers@compile (blocks compiled on a GPU) with the whole micro-batch captured as one CUDA graph
-                      and replayed (training/cuda_graphs.py, as ours@graph): diffusers with no host overhead either
+  diffusers@graph     diffusers@compile (blocks compiled on a GPU; uncompiled where that capture fails) with the whole
+                      micro-batch captured as one CUDA graph and replayed (training/cuda_graphs.py, as ours@graph):
+                      diffusers with no host overhead either
   ours@fast           our model, bf16 parameters and gradients (the fp32 modules of diffusers' list kept fp32), full
                       checkpointing, the same attention kernel (model.attention_backend of the same name)
   ours@glue           the same with model.fused_ops=triton (fused gated residual, q/k RMSNorm-RoPE)
@@ -25,9 +26,10 @@ Side by side in one run, forward + backward, no optimizer, random weights (the s
                       attention outputs (the last ones: models/checkpointing.py keeps_attention; the recompute skips
                       attention there), fused ops and offload as ours@policy
   ours@keep+unchunked ours@keep with the MLP's temporaries whole (as ours@unchunked)
-  ours@graph          ours@policy's setting (without offload) captured whole as one CUDA graph and replayed, as
-                      train.py runs micro-batches up to train.graph_max_tokens (train.cuda_graphs=auto); its peak
-                      counts the graph's memory pool, so the small micro-batches compare with what the trainer runs
+  ours@graph          the micro-batch captured whole as one CUDA graph and replayed, as train.py runs micro-batches
+                      up to train.graph_max_tokens (train.cuda_graphs=auto): the fewest leading blocks recomputed
+                      whose graph, its memory pool counted as train.py plans it, fits ours@policy's limit (no
+                      offload), so the small micro-batches compare with what the trainer runs
   ours@unchunked      ours@offload with the MLP's ffn-sized temporaries whole (ops/gelu_ffn.py's row chunks off)
   ours@chunkN         ours@offload with those temporaries in chunks of N MiB of rows (the default is 128)
   diffusers@again     diffusers measured again after our columns at each shape (drift between columns shows)
