@@ -12,8 +12,8 @@
 #   p  ours@glue and ours@none with their device-time split at 2×14040, 1×32760, 1×75600 (SHAPES_P: step.py's
 #      shape indices), beside diffusers@cudnn: the ceiling table's measured parts (~3.5 min)
 #   n  a KN-block (default 4) full-width slice of Wan 14B at 720p 81 frames with no recompute (ours@none), beside
-#      ours@glue, ours@keep and diffusers@cudnn; REPS_N timed steps after one warm-up (default 1; until 2026-12-07
-#      step.py's --long-tokens rule timed one step whatever REPS_N said) (~2.5 min; KN=14 REPS_N=3: T_N=300)
+#      ours@glue, ours@keep and diffusers@cudnn; REPS_N timed steps after one warm-up (default 1) (~2.5 min;
+#      KN=14 REPS_N=3: T_N=300)
 #   m  the MMDiT at HunyuanVideo width against diffusers' default and cuDNN backends (~1.5 min)
 #   w  a 10-block full-width slice of Wan 14B at 720p 81 frames: MFU, ours against diffusers@cudnn (~4 min)
 #   d  which kernel torch's default SDPA choice is at Wan's shapes (the baseline's backend; seconds)

@@ -134,7 +134,7 @@ def test_step_bench_times_the_graph_columns_and_keeps_one_table_line_per_micro_b
     and diffusers@graph, as a dry run on the CPU (FakeGraphs replay by calling the step again): an eager warm-up, one
     capture, then the timed replays; ours@graph searches its recompute as ours@policy does (with no memory limit on a
     CPU both choose none). 1 × 16 and 4 × 16 tokens are
-    two lines of the table (it once keyed its lines by S alone, so 1 × 1560 vanished behind 4 × 1560)."""
+    two lines of the table: its lines are keyed by B and S."""
     import json
 
     out = run("scripts/bench/step.py", "--tiny", "--out", str(tmp_path), "--shapes", "0,3", "--fast-backend", "native",

@@ -187,9 +187,7 @@ def graph_step(model, x, t, ctx, diffusers: bool, dev):
 
 def release(model, graphs) -> None:
     """Free a graph column's graphs, their pool and the model's gradients (the next column starts clean)."""
-    for e in graphs.entries.values():
-        e.graph = None
-    graphs._new_pool()
+    graphs._drop_graphs()
     for p in model.parameters():
         p.grad = None
 
