@@ -322,3 +322,47 @@ def test_a_k_block_scan_scales_its_launch_floor_per_block_too():
     pts = [Point("b", S, B, True, max(400.0, work(B, S)), [], 1.0, 1e9) for B, S in shapes]  # 2 under the floor
     q = fit_mode(pts, scale=40 / 18, memory_valid=False)["fits"]["quadratic"]["params"]
     assert q["floor"] == pytest.approx(400.0 * 40 / 18, rel=0.01) and q["b2"] == pytest.approx(40 * 1.7e-7, rel=0.02)
+
+
+def test_every_policy_gets_its_own_second_depth_budget(tmp_path, monkeypatch):
+    """calibrate.memory_time_budget_s is each policy's, as time_budget_s is in the main scan: with three policies
+    (checkpointing=auto, keep_attention=auto) every one gets the scan's cheapest points again at the second depth,
+    which its FSDP memory model is fitted from. (On an H100 on 2026-12-07 a 45 s budget shared by the three left
+    keep no point and no memory model.) A clock that jumps 10 s at each second-depth step makes the budget exact."""
+    import time as real_time
+
+    import training.shape_benchmark as sb
+    from training.shape_benchmark import calibrate_config
+    from tests.helpers import compose_config
+
+    class Clock:
+        offset = 0.0
+        strftime = staticmethod(real_time.strftime)
+
+        def perf_counter(self):
+            return real_time.perf_counter() + self.offset
+
+    clock, run_point = Clock(), sb.run_point
+
+    def ten_seconds_each(*a, **k):
+        out = run_point(*a, **k)
+        clock.offset += 10.0
+        return out
+
+    monkeypatch.setattr(sb, "time", clock)
+    monkeypatch.setattr(sb, "run_point", ten_seconds_each)
+    out = str(tmp_path / "cal.json")
+    cfg = compose_config([f"scheduling.calibration={out}", "model.checkpointing=auto", "model.keep_attention=auto"])
+    opts = {"blocks": 1, "fsdp_ranks": 8, "max_points": 5, "repeats": 1, "warmup": 0, "out": out,
+            "memory_time_budget_s": 25}
+    calibrate_config(cfg, opts, command="test", log=lambda s: None)
+    d = json.load(open(out))
+    assert set(d["modes"]) == {"none", "full", "keep"}
+    for mode, rec in d["modes"].items():
+        second = rec["slice_memory"]["points"]["2"]
+        timed = [p for p in second if p["feasible"]]
+        # 0, 10 and 20 s are inside 25 s; the rest are refused, cheapest first
+        assert len(timed) == 3 and len(second) == sum(p["feasible"] for p in rec["points"]), (mode, second)
+        assert all("time budget of 25 s spent" in p["why"] for p in second if not p["feasible"]), mode
+        cheapest = sorted((p for p in rec["points"] if p["feasible"]), key=lambda p: p["ms"])[:3]
+        assert {(p["bucket"], p["B"]) for p in timed} == {(p["bucket"], p["B"]) for p in cheapest}, mode

@@ -18,7 +18,8 @@ against an existing calibration: `check_points`), points (bucket:B micro-batches
 every distinct micro-batch of a simulation's cells, each `repeats` times; with fsdp_ranks timed again at the second
 depth, so the part outside the blocks separates), fsdp_ranks (R: a one-device slice of k = blocks blocks measured at
 two depths, its memory model FSDP over R ranks: scheduling/fsdp_memory.py), memory_blocks (the second depth; default
-k/2, or 2 for k = 1), memory_time_budget_s (the second depth's time budget).
+k/2, or 2 for k = 1), memory_time_budget_s (the second depth's time budget for each policy, as time_budget_s is
+the main scan's for each).
 
 A slice for FSDP (fsdp_ranks): at each depth, two plain steps at the shortest bucket, B = 1 (the first creates
 AdamW's state; the second's peak is the optimizer step's, its optim_ms the update's), then steps with each gradient
@@ -78,7 +79,7 @@ class CalibrateOptions:
     points: Optional[list[str]] = None    # BUCKET:B micro-batches to scan instead of the ladder (e.g. a simulation's)
     fsdp_ranks: Optional[int] = None      # a slice for FSDP over this many ranks (module docstring)
     memory_blocks: Optional[int] = None   # the second depth the memory model is measured at
-    memory_time_budget_s: Optional[float] = None  # the second depth's time budget
+    memory_time_budget_s: Optional[float] = None  # the second depth's time budget, each policy's own
 
     def __post_init__(self):
         for name, low in (("max_points", 1), ("warmup", 0), ("repeats", 1), ("top_tokens", 1),
@@ -565,14 +566,14 @@ def _second_depth(setup: _Setup, cal, sliced, k: int, k2: int, R: int, say) -> N
         torch.cuda.empty_cache()
     model, optimizer = _build(cfg, k2, ctx)
     budget_s, warmup, repeats = opts.memory_time_budget_s, opts.warmup, opts.repeats
-    t0 = time.perf_counter()
+    t_all = time.perf_counter()
     for mode, sl in sliced.items():
         step, plain, peaks = _step_fns(model, setup.objective, optimizer, table, cfg.model, ctx.device,
                                        setup.autocast, mode, None, sliced=True)
         shortest = min(tokens, key=lambda n: (tokens[n], n))
         sl["plain"][k2] = _plain_step(plain, shortest, table, "calibrate.memory_blocks", k2)
         say(f"checkpointing={mode}: the scan's points again at {k2} blocks")
-        points = []
+        points, t0 = [], time.perf_counter()  # each policy its own budget, as the main scan gives each its own
         with _dropping_grads(model):
             # cheapest first: as many points as the time budget allows (each adds to the fits)
             for p in sorted((Point(**d) for d in sl["points"][k] if d["feasible"]), key=lambda p: p.ms):
@@ -598,7 +599,7 @@ def _second_depth(setup: _Setup, cal, sliced, k: int, k2: int, R: int, say) -> N
         mrec["memory_model"] = rec["memory_model"]
         mrec["slice_memory"], mrec["depth_check"] = rec["slice_memory"], rec["depth_check"]
         cal.data["notes"] += [f"{mode}: {n}" if len(sliced) > 1 else n for n in rec["notes"]]
-    cal.data["notes"].append(f"second depth ({k2} blocks) took {time.perf_counter() - t0:.0f} s")
+    cal.data["notes"].append(f"second depth ({k2} blocks) took {time.perf_counter() - t_all:.0f} s")
 
 
 def _parse_checks(items, table, key: str = "calibrate.check") -> list[tuple[str, int]]:
