@@ -41,12 +41,15 @@ $(TEST_STAMP): $(STAMP) requirements-test.txt
 	@touch $(TEST_STAMP)
 
 # The whole suite (CI: .ci/run): every test, the slow model, script and multi-process ones included.
+# Both spread the tests over TEST_WORKERS processes (pytest-xdist): 2, the development machine's cores, by default;
+# `make test TEST_WORKERS=auto` takes every core, TEST_WORKERS=0 runs them in this one process.
+TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q tests $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests $(ARGS)
 
 # Every package's tests but those marked slow (pytest.ini): the lane to run while editing.
 test-fast: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" tests $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests $(ARGS)
 
 clean:
 	rm -rf runs outputs .cache
