@@ -22,9 +22,10 @@
 #      (default 1; 2 took 188 s of scan) (~3.5 min)
 #   s  the small micro-batches (1×1560, 4×1560, 1×7800: step.py's shapes 5-7) against diffusers at its best, its
 #      blocks compiled and then its whole micro-batch captured as a CUDA graph, beside ours eager, no recompute and
-#      ours@graph (what train.py runs there) (~4 min; ran on an H100 on 2026-12-07 without the graph columns)
+#      ours@graph (what train.py runs there) (~4 min; ran on an H100 on 2026-12-07, with them that afternoon)
 #   C  the 14B slice (4 of 40 blocks, FSDP's memory over 8 ranks) calibrated under the three policies, two timed
-#      steps a point (CAL14_S, default 420 s; not run yet: it needs the H200's memory)
+#      steps a point, the second depth BUDGET14_2_S for each policy (CAL14_S, default 420 s; ran on an H100 in 283 s
+#      on 2026-12-07 with that budget shared, results/attention_h100.md; the H200's is still to take)
 #   g  the held-out check of that calibration: five micro-batches (four scan shapes and i480 B = 10, which no scan
 #      timed) under full and keep, eager and then every one captured in a CUDA graph, 3 repeats each (~2.5 min)
 #   r  train.py conf=wan21_1p3b, this commit (checkpointing=auto, keep_attention=auto) beside the previous main
