@@ -263,7 +263,7 @@ def _memory_fit(points: list[Point]) -> Optional[MemoryModel]:
 
 def fit_mode(points: list[Point], scale: float = 1.0, L: Optional[float] = None,
              memory_valid: bool = True, min_tokens: Optional[float] = None, joint: bool = False,
-             launch: Optional[Point] = None) -> dict:
+             launch: Optional[Point] = None, depth_factors: Optional[Mapping] = None) -> dict:
     """One checkpointing mode's record: points, both fits (× scale for a k-block scan), memory model, optim ms.
 
     Every timed point is fitted: where small micro-batches are launch-bound (eager on a GPU, the GPU waits on the
@@ -274,9 +274,28 @@ def fit_mode(points: list[Point], scale: float = 1.0, L: Optional[float] = None,
     text length L. launch: a plain training step at B = 1 of the shortest bucket, timed outside the scan (an FSDP
     slice's, whose scan starts at larger micro-batches): fitted with the points, a floor may rest on it alone, its
     error is reported as launch_rel_err and the simulator's truth includes it (Calibration.measured_points).
+    depth_factors: a slice timed at two depths (Calibration.affine_scales: (bucket, B) and "launch" → the factor
+    to the full depth's t_fixed + L·t_block): each point is fitted at the full depth, its own factor (`scale` where
+    it has none), instead of the k-block fit × scale, which counts the part outside the blocks L/k times and so
+    over-prices the launch-bound micro-batches of a shallow slice. The errors are then the full depth's; the points
+    stay as timed. The record says so (fit_depth: "affine"), and refit does the same again.
     """
     timed = [p for p in points if p.feasible]
     rec: dict = {"points": [asdict(p) for p in points]}
+    if depth_factors is not None:  # each point at the full depth; the model is fitted there (scale 1)
+        def full(p: Point, key) -> Point:
+            f = float(depth_factors.get(key, scale))
+            return Point(p.bucket, p.S, p.B, p.feasible, None if p.ms is None else p.ms * f,
+                         [t * f for t in p.ms_runs], p.optim_ms, p.peak_bytes, p.why)
+
+        inner = fit_mode([full(p, (p.bucket, int(p.B))) for p in points], 1.0, L, memory_valid, min_tokens, joint,
+                         None if launch is None else full(launch, "launch"))
+        inner["points"] = rec["points"]
+        if launch is not None:
+            inner["launch_point"] = asdict(launch)
+        inner["optim_ms"] = float(np.median([p.optim_ms for p in timed])) * scale
+        inner["fit_depth"] = "affine"
+        return inner
     if min_tokens == "auto":
         min_tokens = None
     fitted = [p for p in timed if min_tokens is None or p.B * p.S >= min_tokens]
@@ -479,7 +498,8 @@ def refit(cal: Calibration, min_tokens: Optional[float]) -> Calibration:
         sliced = "slice_memory" in rec  # an FSDP slice: its memory model and optim_ms come from beyond the points
         new = fit_mode(points, scale=scale, L=cost.get("L"), joint=bool(cost.get("joint")),
                        memory_valid=old_mem is not None and not sliced, min_tokens=min_tokens,
-                       launch=_stored_launch_point(rec, cal.data.get("extrapolation")))
+                       launch=_stored_launch_point(rec, cal.data.get("extrapolation")),
+                       depth_factors=cal.affine_scales(mode) if rec.get("fit_depth") == "affine" else None)
         if old_mem is not None and (sliced or new.get("memory_model") is None or not old_mem.get("measured", True)):
             new["memory_model"] = old_mem  # an estimate (no peaks among the points) or a slice's FSDP model stays
         if rec.get("optim_ms") is None or sliced:

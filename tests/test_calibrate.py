@@ -425,6 +425,46 @@ def test_a_launch_point_alone_carries_the_floor_and_is_never_left_out():
     assert max(abs(e) for e in ordinary["rel_err_every_point"]["quadratic"]) > 0.05
 
 
+def test_a_shallow_slice_timed_at_two_depths_is_fitted_at_the_full_depth_and_refits_the_same():
+    """A 4-block slice of 40 blocks whose part outside the blocks is large (the 14B's on an H100, 2026-12-07: 20 ms
+    of a 39 ms plain step): × 10 counts that part 10 times, so the k-block fit × 10 over-prices the small
+    micro-batches against the simulator's truth, t_fixed + 40·t_block from the two depths. Fitted at the full
+    depth (depth_factors), every point and the plain step lie on the truth; points timed at one depth keep × 10;
+    refit gives the same model again."""
+    from dataclasses import asdict
+
+    from scheduling.calibrate import launch_point, new_calibration, refit
+    from scheduling.fsdp_memory import depth_check
+
+    block = lambda B, S: 1.0 + 0.004 * B * S + 2.5e-8 * B * S * S  # ms a block
+    t = lambda k, B, S: 20.0 + k * block(B, S)  # the step at k blocks: 20 ms outside them
+    shapes = [(1, 3600), (1, 7800), (1, 18000), (1, 32760), (4, 32760), (1, 75600), (2, 75600)]
+    pts = {k: [Point(f"s{S}", S, B, True, t(k, B, S), [t(k, B, S)], 1.0) for B, S in shapes] for k in (4, 2)}
+    pts[2] = pts[2][:5]  # the second depth's budget ran out before the two largest
+    plain = {k: {"bucket": "i480", "S": 1560, "B": 1, "ms": t(k, 1, 1560), "optim_ms": 1.0} for k in (4, 2)}
+    dc = depth_check({k: [asdict(p) for p in v] for k, v in pts.items()}, 40, 4, launch=plain)
+    launch = launch_point(plain[4])
+    flat = fit_mode(pts[4], scale=10.0, launch=launch)
+    rec = {**flat, "depth_check": dc, "slice_memory": {"plain_step": {str(k): v for k, v in plain.items()}}}
+    cal = new_calibration({"full": rec}, model={"params": 1e9, "num_layers": 40}, source="measured", device="t",
+                          date="t", command="t", extrapolation={"blocks_timed": 4, "num_layers": 40, "scale": 10.0})
+    truth = {(p["S"], p["B"]): p["ms"] for p in cal.measured_points("full")}
+    assert truth[(1560, 1)] == pytest.approx(t(40, 1, 1560)) and truth[(3600, 1)] == pytest.approx(t(40, 1, 3600))
+    assert truth[(75600, 2)] == pytest.approx(10 * t(4, 2, 75600))  # one depth: × L/k
+    old = CostModel.from_dict(flat["cost_model"])
+    assert old.predict(1, 1560) / truth[(1560, 1)] - 1 > 0.5  # the flat × 10 misses the plain step by > 50 %
+    rec["fit_depth"] = "affine"
+    new = refit(cal, None).data["modes"]["full"]
+    cost = CostModel.from_dict(new["cost_model"])
+    assert new["fit_depth"] == "affine" and new["points"] == flat["points"]  # the points stay as timed
+    for (S, B), ms in truth.items():
+        assert cost.predict(B, S) == pytest.approx(ms, rel=0.03), (B, S)
+    assert abs(new["launch_rel_err"][new["cost_model"]["form"]]) < 0.03
+    assert max(abs(e) for e in new["rel_err_every_point"][new["cost_model"]["form"]]) < 0.03
+    again = refit(Calibration(json.loads(json.dumps(cal.data))), None).data["modes"]["full"]
+    assert again["cost_model"]["params"] == pytest.approx(new["cost_model"]["params"], rel=1e-9)
+
+
 def test_a_slice_is_measured_at_the_whole_models_depth_and_older_files_refit_with_their_plain_step():
     """The simulator's truth of a k-block slice is its times × the scale, as its cost model is (a truth at the
     slice's depth would make every micro-batch 40/k times cheaper than the planner thinks); a slice file written

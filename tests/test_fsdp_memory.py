@@ -277,6 +277,8 @@ def test_cpu_slice_calibration_states_the_slice_and_its_scaling(tmp_path):
     for row in dc["points"]:
         assert row["full_affine_ms"] == pytest.approx(row["ms"]["2"])  # L = 2: the second depth is the model
         assert row["full_scaled_ms"] == pytest.approx(2 * row["ms"]["1"])
+    # the cost model fitted where the truth is: at the full depth, from both depths (fit_mode's depth_factors)
+    assert rec["fit_depth"] == "affine" and any("fitted at the full depth" in n for n in d["notes"])
     for bad, field in (({"memory_blocks": 1}, "memory_blocks"), ({"fsdp_ranks": 0}, "fsdp_ranks")):
         with pytest.raises(ValueError, match=field):
             calibrate_config(cfg, {**opts, **bad}, log=lambda s: None)

@@ -376,6 +376,7 @@ def calibrate_config(cfg, opts: CalibrateOptions | dict | None = None, command: 
     if R:
         del model, optimizer, step, plain
         _second_depth(setup, cal, sliced, k, k2, R, say)
+        _fit_at_full_depth(cal, opts.fit_min_tokens, say)
         if ctx.is_main:
             cal.save(out)
             log(f"wrote {out} with the FSDP memory model ({time.perf_counter() - t_start:.0f} s)")
@@ -600,6 +601,27 @@ def _second_depth(setup: _Setup, cal, sliced, k: int, k2: int, R: int, say) -> N
         mrec["slice_memory"], mrec["depth_check"] = rec["slice_memory"], rec["depth_check"]
         cal.data["notes"] += [f"{mode}: {n}" if len(sliced) > 1 else n for n in rec["notes"]]
     cal.data["notes"].append(f"second depth ({k2} blocks) took {time.perf_counter() - t_all:.0f} s")
+
+
+def _fit_at_full_depth(cal, min_tokens, say) -> None:
+    """A slice timed at two depths: each policy's cost model fitted again on its points at the full depth (t_fixed +
+    L·t_block where a point has both depths, × L/k where it has one: scheduling/calibrate.py fit_mode's
+    depth_factors), where the simulator's truth puts them (Calibration.measured_points)."""
+    refitted = [mode for mode in cal.modes if cal.affine_scales(mode)]
+    if not refitted:
+        return
+    for mode in refitted:
+        cal.data["modes"][mode]["fit_depth"] = "affine"
+    refit(cal, min_tokens)
+    cal.data["notes"].append(f"cost models of {', '.join(refitted)} fitted at the full depth: each point's t_fixed + "
+                             "L·t_block from its two depths where it was timed at both (depth_check), × L/k elsewhere")
+    for mode in refitted:
+        rec = cal.data["modes"][mode]
+        errs = ", ".join(f"{f} {100 * e['rel_rmse']:.2f} % (leave-one-out {100 * e['loo_rel_rmse']:.2f} %)"
+                         for f, e in rec["fit_errors"].items())
+        launch = rec.get("launch_rel_err") or {}
+        say(f"{mode} at the full depth: relative RMS error {errs}; chosen {rec['cost_model']['form']}"
+            + (f"; the plain step {100 * launch[rec['cost_model']['form']]:+.1f} %" if launch else ""))
 
 
 def _parse_checks(items, table, key: str = "calibrate.check") -> list[tuple[str, int]]:
