@@ -35,7 +35,8 @@ $(STAMP): requirements.txt
 train: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/python train.py $(ARGS)
 
-# The tests' own packages (requirements-test.txt: pytest, and triton for the kernels' interpreter), on top of setup.
+# The tests' own packages (requirements-test.txt: pytest, pytest-xdist, and triton for the kernels' interpreter), on
+# top of setup.
 $(TEST_STAMP): $(STAMP) requirements-test.txt
 	$(BIN)/python -m pip install -q -r requirements-test.txt
 	@touch $(TEST_STAMP)
