@@ -179,3 +179,16 @@ def test_step_bench_table_leaves_out_a_graph_column_that_ran_eagerly(monkeypatch
     one, four = lines[2], lines[3]
     assert one.startswith("| 1 × 1560 |") and one.endswith("| nan× | 2.00× |")  # 200 / 100 ms, not 50 / 100
     assert four.startswith("| 4 × 1560 |") and four.endswith("| nan× | nan× |")  # no captured column of ours
+
+
+def test_graph_leak_dry_run_releases_one_graph_per_setting(tmp_path):
+    """scripts/bench/graph_leak.py on a CPU (FakeGraphs): an eager step, then one captured and released graph per
+    recompute setting, each row written (the bytes are the GPU's: NaN here)."""
+    out = run("scripts/bench/graph_leak.py", "--tiny", "--settings", "0,2", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    rows = json.loads((tmp_path / "graph_leak.json").read_text())["rows"]
+    assert [r["after"] for r in rows] == ["the model", "one eager step, gradients dropped",
+                                         "a graph with 0 blocks recomputed, released",
+                                         "a graph with 2 blocks recomputed, released"]
