@@ -156,6 +156,9 @@ def test_step_bench_times_the_graph_columns_and_keeps_one_table_line_per_micro_b
     lines = [line for line in out.stdout.splitlines() if line.startswith("| ")]
     assert [line.split(" | ")[0] for line in lines[1:]] == ["| 1 × 16", "| 4 × 16"], lines
     assert "diffusers@graph ms" in lines[0] and "ours@graph ms" in lines[0]
+    retained = json.loads((tmp_path / "bench_step.json").read_text())["meta"]["retained_gib"]
+    assert set(retained) == {f"{i} {B}x16" for i in ("ours@graph search", "ours@graph", "diffusers@graph")
+                             for B in (4, 1)} and set(retained.values()) == {None}  # bytes are the GPU's
 
 
 def test_step_bench_table_leaves_out_a_graph_column_that_ran_eagerly(monkeypatch):

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -484,7 +485,30 @@ def main(argv=None) -> None:
                                                 offload=options.get("offload", False),
                                                 recompute_norms=options.get("recompute_norms", True))))
 
+    def retained(label, shape, before):
+        """meta["retained_gib"][label B×S]: what stays allocated after a graph column (or ours@graph's search) has
+        released its graphs, against before it (None on a CPU). On an H100 a released graph left 64 MiB, and call 6
+        of results/attention_h100.md saw 1.2–2.1 GiB more after its columns: this says which column holds it."""
+        B, F, H, W = shape
+        now = allocated_gib()
+        meta.setdefault("retained_gib", {})[f"{label} {B}x{F * (H // 2) * (W // 2)}"] = (
+            None if before is None else round(now - before, 3))
+
+    def allocated_gib():
+        if dev.type != "cuda":
+            return None
+        gc.collect()
+        torch.cuda.synchronize(dev)
+        return torch.cuda.memory_allocated(dev) / 2**30
+
     def graph_column(model, impl, shape, args_, diffusers, warmup, reps, compile_blocks=False, **extra):
+        before = allocated_gib()
+        try:
+            return _graph_column(model, impl, shape, args_, diffusers, warmup, reps, compile_blocks, **extra)
+        finally:
+            retained(impl, shape, before)
+
+    def _graph_column(model, impl, shape, args_, diffusers, warmup, reps, compile_blocks=False, **extra):
         """One graph column's row: warm-up and capture untimed, then `reps` replays; its peak is the replays' peak
         plus the graph's pool (what the trainer's graphs hold; the pool counts reserved segments, the eager columns
         allocated bytes, so the graph columns' peaks lean high). A capture that fails with compiled blocks is tried
@@ -616,7 +640,9 @@ def main(argv=None) -> None:
                 record("ours@policy", shape, *timed(ours_run(shape, k, glue, offload=off)), recompute_blocks=k,
                        offload=off, limit_gib=diff_peak[shape])
             if "ours@graph" in impls:  # the fewest recomputed blocks whose graph, pool included, fits (no offload)
+                before = allocated_gib()
                 k, _, _ = peak_search(lambda k: graph_peak(ours, shape, k), layers, limit)
+                retained("ours@graph search", shape, before)
                 ours_run(shape, k, glue)  # the setting; the graph column runs the step itself
                 graph_column(ours, "ours@graph", shape, args_, False, warmup, reps, recompute_blocks=k,
                              limit_gib=diff_peak[shape])
