@@ -152,15 +152,19 @@ def build(cfg, dev):
     return theirs.to(dev), ours.to(dev)
 
 
+def forward(model, x, t, ctx, diffusers: bool):
+    """The model's output on one micro-batch, diffusers' keyword interface or ours."""
+    if diffusers:
+        return model(hidden_states=x, timestep=t, encoder_hidden_states=ctx, return_dict=False)[0]
+    return model(x, t, ctx)
+
+
 def step_fn(model, x, t, ctx, diffusers: bool, autocast: bool, dev):
     def run():
         for p in model.parameters():
             p.grad = None
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-            if diffusers:
-                out = model(hidden_states=x, timestep=t, encoder_hidden_states=ctx, return_dict=False)[0]
-            else:
-                out = model(x, t, ctx)
+            out = forward(model, x, t, ctx, diffusers)
         out.float().pow(2).mean().backward()
     return run
 
@@ -175,15 +179,19 @@ def graph_step(model, x, t, ctx, diffusers: bool, dev):
     graphs = (MicroBatchGraphs if dev.type == "cuda" else FakeGraphs)(dev)
 
     def fn(inp):
-        if diffusers:
-            out = model(hidden_states=inp["x"], timestep=inp["t"], encoder_hidden_states=inp["ctx"],
-                        return_dict=False)[0]
-        else:
-            out = model(inp["x"], inp["t"], inp["ctx"])
-        out.float().pow(2).mean().backward()
+        forward(model, inp["x"], inp["t"], inp["ctx"], diffusers).float().pow(2).mean().backward()
 
     tokens = x.shape[0] * x.shape[2] * x.shape[3] * x.shape[4] // 4
     return (lambda: graphs.run("step", tokens, fn, {"x": x, "t": t, "ctx": ctx})), graphs
+
+
+def allocated_gib(dev):
+    """GiB allocated on `dev` now, after a collection (None on a CPU: the allocator's statistics are CUDA's)."""
+    if dev.type != "cuda":
+        return None
+    gc.collect()
+    torch.cuda.synchronize(dev)
+    return torch.cuda.memory_allocated(dev) / 2**30
 
 
 def release(model, graphs) -> None:
@@ -487,22 +495,15 @@ def main(argv=None) -> None:
 
     def retained(label, shape, before):
         """meta["retained_gib"][label B×S]: what stays allocated after a graph column (or ours@graph's search) has
-        released its graphs, against before it (None on a CPU). On an H100 a released graph left 64 MiB, and call 6
-        of results/attention_h100.md saw 1.2–2.1 GiB more after its columns: this says which column holds it."""
+        released its graphs, against before it (None on a CPU): memory a column leaves behind raises every later
+        column's peak, so each is accounted for (results/attention_h100.md)."""
         B, F, H, W = shape
-        now = allocated_gib()
+        now = allocated_gib(dev)
         meta.setdefault("retained_gib", {})[f"{label} {B}x{F * (H // 2) * (W // 2)}"] = (
             None if before is None else round(now - before, 3))
 
-    def allocated_gib():
-        if dev.type != "cuda":
-            return None
-        gc.collect()
-        torch.cuda.synchronize(dev)
-        return torch.cuda.memory_allocated(dev) / 2**30
-
     def graph_column(model, impl, shape, args_, diffusers, warmup, reps, compile_blocks=False, **extra):
-        before = allocated_gib()
+        before = allocated_gib(dev)
         try:
             return _graph_column(model, impl, shape, args_, diffusers, warmup, reps, compile_blocks, **extra)
         finally:
@@ -640,7 +641,7 @@ def main(argv=None) -> None:
                 record("ours@policy", shape, *timed(ours_run(shape, k, glue, offload=off)), recompute_blocks=k,
                        offload=off, limit_gib=diff_peak[shape])
             if "ours@graph" in impls:  # the fewest recomputed blocks whose graph, pool included, fits (no offload)
-                before = allocated_gib()
+                before = allocated_gib(dev)
                 k, _, _ = peak_search(lambda k: graph_peak(ours, shape, k), layers, limit)
                 retained("ours@graph search", shape, before)
                 ours_run(shape, k, glue)  # the setting; the graph column runs the step itself
