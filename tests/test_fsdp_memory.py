@@ -329,9 +329,9 @@ def test_a_k_block_scan_scales_its_launch_floor_per_block_too():
 def test_every_policy_gets_its_own_second_depth_budget(tmp_path, monkeypatch):
     """calibrate.memory_time_budget_s is each policy's, as time_budget_s is in the main scan: with three policies
     (checkpointing=auto, keep_attention=auto) every one gets the scan's cheapest points again at the second depth,
-    which its FSDP memory model is fitted from. (On an H100 on 2026-12-07 a 45 s budget shared by the three left
-    keep no point and no memory model.) A clock that jumps 10 s at each timed step of shape_benchmark's (the plain
-    steps too; a policy's budget starts after its plain step) makes the budget exact: 0, 10 and 20 s are in."""
+    which its FSDP memory model is fitted from (a budget shared by the three leaves the last policy without one). A
+    clock that jumps 10 s at each timed step of shape_benchmark's (the plain steps too; a policy's budget starts
+    after its plain step) makes the budget exact: 0, 10 and 20 s are in."""
     import time as real_time
 
     import training.shape_benchmark as sb
