@@ -427,8 +427,8 @@ def test_a_launch_point_alone_carries_the_floor_and_is_never_left_out():
 
 def test_a_shallow_slice_timed_at_two_depths_is_fitted_at_the_full_depth_and_refits_the_same():
     """A 4-block slice of 40 blocks whose part outside the blocks is large (as the 14B's is beside a launch-bound
-    plain step, results/attention_h100.md): × 10 counts that part 10 times, so the k-block fit × 10 over-prices the small
-    micro-batches against the simulator's truth, t_fixed + 40·t_block from the two depths. Fitted at the full
+    plain step, results/attention_h100.md): × 10 counts that part 10 times, so the k-block fit × 10 over-prices the
+    small micro-batches against the simulator's truth, t_fixed + 40·t_block from the two depths. Fitted at the full
     depth (depth_factors), every point and the plain step lie on the truth; points timed at one depth keep × 10;
     refit gives the same model again."""
     from dataclasses import asdict
