@@ -43,14 +43,18 @@ $(TEST_STAMP): $(STAMP) requirements-test.txt
 
 # The whole suite (CI: .ci/run): every test, the slow model, script and multi-process ones included.
 # Both spread the tests over TEST_WORKERS processes (pytest-xdist): 2, the development machine's cores, by default;
-# `make test TEST_WORKERS=auto` takes every core, TEST_WORKERS=0 runs them in this one process.
+# `make test TEST_WORKERS=auto` takes every core, TEST_WORKERS=0 runs them in this one process. The tests marked
+# serial (pytest.ini: they assert wall-clock or busy time) then run alone; pytest's status 5 (none selected) passes.
 TEST_WORKERS ?= 2
+SERIAL = || test $$? -eq 5
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not serial" tests $(ARGS) $(SERIAL)
+	$(BIN)/python -m pytest -q -m serial tests $(ARGS) $(SERIAL)
 
 # Every package's tests but those marked slow (pytest.ini): the lane to run while editing.
 test-fast: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow and not serial" tests $(ARGS) $(SERIAL)
+	$(BIN)/python -m pytest -q -m "not slow and serial" tests $(ARGS) $(SERIAL)
 
 clean:
 	rm -rf runs outputs .cache

@@ -300,6 +300,7 @@ def test_k_block_scan_extrapolates_the_cost_and_drops_the_memory_model():
     assert rec["optim_ms"] == 7.5
 
 
+@pytest.mark.serial  # asserts the scan's wall time
 def test_cpu_tiny_model_calibration_end_to_end(tmp_path):
     from training.shape_benchmark import calibrate_config
     from tests.helpers import compose_config

@@ -672,6 +672,7 @@ def test_a_resume_on_a_grown_index_is_refused_unless_forced_then_starts_a_new_ep
             cfg.model.text_dim, seed=0).content_hash != saved["data"]["corpus"]
 
 
+@pytest.mark.serial  # asserts the skipped read's wall time
 def test_a_huge_caption_is_skipped_unread_at_indexing_and_at_load(tmp_path):
     import time
 
