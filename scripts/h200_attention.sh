@@ -4,6 +4,8 @@
 #      gradient laid out unlike its output), the fused attention's kernels, Wan's parity with diffusers and the
 #      MMDiT's GPU test (~2 min)
 #   k  SDPA's kernels at Wan's shapes and the cuDNN key-mask check (scripts/bench/attention.py, ~1.5 min)
+#   L  cuDNN's time by q/k/v/dO layout and call path (raw SDPA, ops.attention_backend.sdpa, the aten ops
+#      ops/rope_attention.py calls) at Wan 1.3B's self- and cross-attention, taking turns (attention.py --layouts, ~1 min)
 #   a  the 1.3B step against diffusers at cuDNN with gradient checkpointing at S = 32760, 14040, 75600, with the
 #      device-time profile at the first (~5 min); its blocks compiled only where IMPLS_A names diffusers@compile;
 #      PEAK_LIMIT_A=lowest searches ours@policy and ours@keep within compiled diffusers' peak too
@@ -113,6 +115,10 @@ fi
 if [[ $PART == *k* ]]; then
   timeout 150 python3 scripts/bench/attention.py --out "$OUT" --reps 5 2>&1 | tee "$OUT/attention.log" \
     | grep -E "^\||error|Error" | tail -20
+fi
+if [[ $PART == *L* ]]; then
+  timeout 150 python3 scripts/bench/attention.py --layouts --out "$OUT" --reps 5 --rounds ${ROUNDS:-4} 2>&1 \
+    | tee "$OUT/attention_layouts.log" | tail -12
 fi
 if [[ $PART == *a* ]]; then
   timeout ${T_A:-330} python3 scripts/bench/step.py --out "$OUT/a" --shapes 3,2,4 --fast-backend _native_cudnn --reps 3 \

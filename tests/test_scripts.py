@@ -183,3 +183,20 @@ def test_step_bench_table_leaves_out_a_graph_column_that_ran_eagerly(monkeypatch
     assert one.startswith("| 1 × 1560 |") and one.endswith("| nan× | 2.00× |")  # 200 / 100 ms, not 50 / 100
     assert four.startswith("| 4 × 1560 |") and four.endswith("| nan× | nan× |")  # no captured column of ours
 
+
+
+def test_attention_layout_bench_times_each_variant_in_turns_and_checks_they_compute_the_same(tmp_path):
+    """scripts/bench/attention.py --layouts as a CPU dry run (math kernel, the CPU flash op for `aten`): every
+    variant is a row with its time against bshd's and its gradients' distance from bshd's; the layouts differ, the
+    gradients must not."""
+    import json
+
+    out = run("scripts/bench/attention.py", "--layouts", "--tiny", "--reps", "2", "--rounds", "2", "--out",
+              str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "attention_layouts.json").read_text())["rows"]}
+    assert set(rows) == {"bhsd", "bshd", "sdpa()", "aten"}
+    assert rows["bshd"]["vs_bshd"] == 1.0
+    for r in rows.values():
+        assert r["ms"] > 0 and r["spread_ms"][0] <= r["ms"] <= r["spread_ms"][1]
+        assert r["grad_rel_diff_vs_bshd"] < 1e-5, r  # fp32 on a CPU: kernels differ by rounding only

@@ -3,11 +3,22 @@ step's ceiling table), and whether cuDNN serves a boolean key-padding mask corre
 
     python scripts/bench/attention.py --out DIR            (one H200: ~1 min)
     python scripts/bench/attention.py --tiny --out DIR     (a CPU: checks the script)
+    python scripts/bench/attention.py --layouts --out DIR  (cuDNN by input layout and call path, ~40 s; with
+                                                            --tiny on a CPU, the math kernels: checks the script)
 
 Timed: q, k, v [B, H, S, 128] bf16, no mask, forward + backward (median by CUDA events), FLOPs counted as 3.5 × the
 forward's 4·B·H·S²·Dh (flash's backward recomputes the scores: 2.5 × the forward). The mask check: MMDiT-like joint
 lengths (video + padded text), a (B, 1, 1, L) key mask with one sample's text shorter; each backend's output and
 gradients against fp32 math on the same inputs, and whether they are finite.
+
+--layouts: does the way q, k, v are laid out or handed to cuDNN change its time? At Wan 1.3B's self-attention
+(2×14040, 1×32760) and its cross-attention (32760 queries over 512 text keys), cuDNN forward + backward on the same
+values as: `bhsd` (each of q, k, v, dO contiguous [B, H, S, Dh]), `bshd` (contiguous [B, S, H, Dh] seen through a
+transpose: what diffusers' Wan and ours hand it), `sdpa()` (bshd through ops.attention_backend.sdpa, whose backward
+lays dO out as O) and `aten` (bshd through the aten ops ops/rope_attention.py calls). The variants take turns
+(ROUNDS rounds of REPS each) so a clock that drifts during the run touches them alike; the median of all repeats.
+Each row also holds the largest relative difference of its dq, dk, dv from bshd's: a variant that computes
+something else is not a faster way to do the same.
 """
 from __future__ import annotations
 
@@ -30,6 +41,7 @@ KERNELS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENT
 SHAPES = ((21, 1560, 12), (4, 7800, 12), (2, 14040, 12), (1, 32760, 12), (1, 75600, 12), (1, 32760, 40),
           (1, 75600, 40))  # (B, S, heads): Wan 1.3B's buckets, then the 14B's widest
 MASKED = ((2, 344, 24), (1, 14160, 24), (2, 14160, 24))  # (B, joint length, heads): where cuDNN failed on 2.11
+LAYOUT_SHAPES = ((2, 14040, 14040, 12), (1, 32760, 32760, 12), (1, 32760, 512, 12))  # (B, S, keys, heads)
 
 
 def timed(fn, dev, reps):
@@ -41,14 +53,80 @@ def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
+def layout_variants(B, S, L, H, dev, dtype, g):
+    """{name: fwd+bwd callable → (dq, dk, dv)} on the same q [B, H, S, 128], k, v [B, H, L, 128] and dO values
+    (module docstring)."""
+    from ops.attention_backend import sdpa
+    from ops.rope_attention import _attention_backward, _attention_forward
+
+    def make(n):  # contiguous [B, n, H, Dh] memory seen as [B, H, n, Dh]
+        return torch.randn(B, n, H, 128, device=dev, dtype=dtype, generator=g).transpose(1, 2)
+
+    q, k, v, do = make(S), make(L), make(L), make(S)
+    bshd = [t.requires_grad_() for t in (q, k, v)]
+    bhsd = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+    do_bhsd = do.contiguous()
+    gpu = dev.type == "cuda"  # a CPU runs the math kernel and the CPU flash op: a dry run of the script
+    kernel, backend, kind = ((SDPBackend.CUDNN_ATTENTION, "cudnn", "cudnn") if gpu
+                             else (SDPBackend.MATH, "math", "cpu_flash"))
+
+    def raw(inputs, grad):
+        def step():
+            with sdpa_kernel([kernel]):
+                o = F.scaled_dot_product_attention(*inputs)
+            return torch.autograd.grad(o, inputs, grad)
+        return step
+
+    def ours():
+        return torch.autograd.grad(sdpa(*bshd, backend=backend), bshd, do)
+
+    def aten():
+        qd, kd, vd = (t.detach() for t in bshd)
+        o, tensors, ints = _attention_forward(kind, qd, kd, vd)
+        return _attention_backward(kind, do, qd, kd, vd, o, tensors, ints)[:3]
+
+    return {"bhsd": raw(bhsd, do_bhsd), "bshd": raw(bshd, do), "sdpa()": ours, "aten": aten}
+
+
+def layouts(dev, dtype, shapes, reps: int, rounds: int) -> list[dict]:
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(0)
+    for B, S, L, H in shapes:
+        variants = layout_variants(B, S, L, H, dev, dtype, g)
+        ref = variants["bshd"]()
+        agree = {name: max(rel(a, b) for a, b in zip(fn(), ref)) for name, fn in variants.items()}
+        del ref
+        times = {name: [] for name in variants}
+        for _ in range(rounds):
+            for name, fn in variants.items():
+                times[name] += harness.time_reps(fn, dev, 1, reps)[0]
+        base = harness.median(times["bshd"])
+        flops = 3.5 * 4 * B * H * S * L * 128
+        for name, ts in times.items():
+            ms = harness.median(ts)
+            row = dict(variant=name, B=B, S=S, keys=L, heads=H, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
+                       vs_bshd=round(base / ms, 3), spread_ms=[round(min(ts), 3), round(max(ts), 3)],
+                       grad_rel_diff_vs_bshd=agree[name])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del variants
+    return rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     harness.add_out(ap, "attention")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--layouts", action="store_true", help="cuDNN by input layout and call path (docstring)")
+    ap.add_argument("--rounds", type=int, default=4, help="--layouts: turns each variant takes")
     args = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if args.layouts:
+        harness.write_rows(args.out, "attention_layouts", harness.run_meta(dev), layouts(
+            dev, dtype, ((2, 64, 16, 2),) if args.tiny else LAYOUT_SHAPES, args.reps, args.rounds))
+        return
     shapes, masked = ((2, 64, 2),), ((2, 40, 2),)
     if not args.tiny:
         shapes, masked = SHAPES, MASKED
