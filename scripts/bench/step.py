@@ -159,10 +159,14 @@ def forward(model, x, t, ctx, diffusers: bool):
     return model(x, t, ctx)
 
 
+def drop_grads(model) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
 def step_fn(model, x, t, ctx, diffusers: bool, autocast: bool, dev):
     def run():
-        for p in model.parameters():
-            p.grad = None
+        drop_grads(model)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
             out = forward(model, x, t, ctx, diffusers)
         out.float().pow(2).mean().backward()
@@ -195,10 +199,17 @@ def allocated_gib(dev):
 
 
 def release(model, graphs) -> None:
-    """Free a graph column's graphs, their pool and the model's gradients (the next column starts clean)."""
+    """Free a graph column's graphs, their pool, the model's gradients and cuBLAS's workspaces (the next column
+    starts clean). cuBLAS keeps a workspace (64 MiB on torch 2.11, an H100) for each stream it ran on, and each
+    graph object here captures on a new side stream from torch's pool of 32: without the clearing, ours@graph's
+    search over 17 settings left 1.06 GiB behind, and a run up to 32 × 64 MiB (results/attention_h100.md, call 11).
+    train.py captures every shape on one stream, so it holds one."""
     graphs._drop_graphs()
-    for p in model.parameters():
-        p.grad = None
+    drop_grads(model)
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # CUDA builds only
+    if clear is not None and torch.cuda.is_available():
+        torch.cuda.synchronize()
+        clear()
 
 
 class Probe:
@@ -503,6 +514,7 @@ def main(argv=None) -> None:
             None if before is None else round(now - before, 3))
 
     def graph_column(model, impl, shape, args_, diffusers, warmup, reps, compile_blocks=False, **extra):
+        drop_grads(model)  # an eager column's gradients would read as memory the graph column freed
         before = allocated_gib(dev)
         try:
             return _graph_column(model, impl, shape, args_, diffusers, warmup, reps, compile_blocks, **extra)
@@ -555,8 +567,7 @@ def main(argv=None) -> None:
             release(model, graphs)
 
     def park(model):  # the model not being timed leaves the GPU, so each peak is one model's own
-        for p in model.parameters():
-            p.grad = None
+        drop_grads(model)
         model.to("cpu")
 
     def unpark(model):
@@ -641,6 +652,7 @@ def main(argv=None) -> None:
                 record("ours@policy", shape, *timed(ours_run(shape, k, glue, offload=off)), recompute_blocks=k,
                        offload=off, limit_gib=diff_peak[shape])
             if "ours@graph" in impls:  # the fewest recomputed blocks whose graph, pool included, fits (no offload)
+                drop_grads(ours)
                 before = allocated_gib(dev)
                 k, _, _ = peak_search(lambda k: graph_peak(ours, shape, k), layers, limit)
                 retained("ours@graph search", shape, before)
