@@ -3,11 +3,13 @@ step's ceiling table), and whether cuDNN serves a boolean key-padding mask corre
 
     python scripts/bench/attention.py --out DIR            (one H200: ~1 min)
     python scripts/bench/attention.py --tiny --out DIR     (a CPU: checks the script)
-    python scripts/bench/attention.py --layouts --out DIR  (cuDNN by input layout and call path, ~40 s; with
-                                                            --tiny on a CPU, the math kernels: checks the script)
+    python scripts/bench/attention.py --layouts --out DIR  (cuDNN by input layout and call path, ~1 min; with
+                                                            --tiny on a CPU, the math kernel and, for `aten`, the
+                                                            CPU flash op: checks the script)
 
-Timed: q, k, v [B, H, S, 128] bf16, no mask, forward + backward (median by CUDA events), FLOPs counted as 3.5 × the
-forward's 4·B·H·S²·Dh (flash's backward recomputes the scores: 2.5 × the forward). The mask check: MMDiT-like joint
+Timed: q, k, v [B, H, S, 128] bf16, no mask, forward + backward (the median; each pass on the host clock between
+device syncs, harness.time_reps), FLOPs counted as 3.5 × the forward's 4·B·H·S²·Dh (flash's backward recomputes the
+scores: 2.5 × the forward). The mask check: MMDiT-like joint
 lengths (video + padded text), a (B, 1, 1, L) key mask with one sample's text shorter; each backend's output and
 gradients against fp32 math on the same inputs, and whether they are finite.
 
@@ -16,7 +18,9 @@ gradients against fp32 math on the same inputs, and whether they are finite.
 values as: `bhsd` (each of q, k, v, dO contiguous [B, H, S, Dh]), `bshd` (contiguous [B, S, H, Dh] seen through a
 transpose: what diffusers' Wan and ours hand it), `sdpa()` (bshd through ops.attention_backend.sdpa, whose backward
 lays dO out as O) and `aten` (bshd through the aten ops ops/rope_attention.py calls). The variants take turns
-(ROUNDS rounds of REPS each) so a clock that drifts during the run touches them alike; the median of all repeats.
+(ROUNDS rounds of one untimed pass and REPS timed ones each) so a clock that drifts during the run touches them alike;
+the median of all timed passes. `sdpa()` asks for cuDNN and would fall back with a logged warning where cuDNN cannot
+serve.
 Each row also holds the largest relative difference of its dq, dk, dv from bshd's: a variant that computes
 something else is not a faster way to do the same.
 """
