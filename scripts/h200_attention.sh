@@ -5,7 +5,8 @@
 #      MMDiT's GPU test (~2 min)
 #   k  SDPA's kernels at Wan's shapes and the cuDNN key-mask check (scripts/bench/attention.py, ~1.5 min)
 #   L  cuDNN's time by q/k/v/dO layout and call path (raw SDPA, ops.attention_backend.sdpa, the aten ops
-#      ops/rope_attention.py calls) at Wan 1.3B's self- and cross-attention, taking turns (attention.py --layouts, ~1 min)
+#      ops/rope_attention.py calls) at Wan 1.3B's self- and cross-attention, taking turns, ROUNDS rounds (default 4)
+#      (attention.py --layouts, ~1 min; ran on an H100 on 2026-12-07, results/attention_h100.md calls 11-12)
 #   a  the 1.3B step against diffusers at cuDNN with gradient checkpointing at S = 32760, 14040, 75600, with the
 #      device-time profile at the first (~5 min); its blocks compiled only where IMPLS_A names diffusers@compile;
 #      PEAK_LIMIT_A=lowest searches ours@policy and ours@keep within compiled diffusers' peak too
@@ -24,7 +25,8 @@
 #      (default 1; 2 took 188 s of scan) (~3.5 min)
 #   s  the small micro-batches (1×1560, 4×1560, 1×7800: step.py's shapes 5-7) against diffusers at its best, its
 #      blocks compiled and then its whole micro-batch captured as a CUDA graph, beside ours eager, no recompute and
-#      ours@graph (what train.py runs there) (~4 min; ran on an H100 on 2026-12-07, with them that afternoon)
+#      ours@graph (what train.py runs there) (~4 min; ran on an H100 three times on 2026-12-07, the last with
+#      cuBLAS's workspaces cleared after each graph column: results/attention_h100.md call 12)
 #   C  the 14B slice (4 of 40 blocks, FSDP's memory over 8 ranks) calibrated under the three policies, two timed
 #      steps a point, the second depth BUDGET14_2_S for each policy (CAL14_S, default 420 s; ran on an H100 in 283 s
 #      on 2026-12-07 with that budget shared, results/attention_h100.md; the H200's is still to take)

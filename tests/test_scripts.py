@@ -184,7 +184,6 @@ def test_step_bench_table_leaves_out_a_graph_column_that_ran_eagerly(monkeypatch
     assert four.startswith("| 4 × 1560 |") and four.endswith("| nan× | nan× |")  # no captured column of ours
 
 
-
 def test_attention_layout_bench_times_each_variant_in_turns_and_checks_they_compute_the_same(tmp_path):
     """scripts/bench/attention.py --layouts as a CPU dry run (math kernel, the CPU flash op for `aten`): every
     variant is a row with its time against bshd's and its gradients' distance from bshd's; the layouts differ, the
