@@ -200,12 +200,12 @@ def allocated_gib(dev):
 
 def release(model, graphs) -> None:
     """Free a graph column's graphs, their pool, the model's gradients and cuBLAS's workspaces (the next column
-    starts clean). torch keeps a cuBLAS and a cuBLASLt workspace (32 MiB each on torch 2.11, an H100) for each
-    stream they ran on, and each graph object here captures on a new side stream from torch's pool of 32: without
-    the clearing, ours@graph's search over 17 settings left 1.07 GiB behind, and a run up to 32 × 64 MiB
-    (results/attention_h100.md, call 11). A captured graph writes to the workspace its warm-up allocated, so the
-    clearing comes only after every graph is dropped; train.py's training loop captures on one stream and keeps its
-    workspaces (never clear them where a graph may still replay)."""
+    starts clean). torch keeps a cuBLAS and a cuBLASLt workspace for each stream they ran on, and each graph object
+    here captures on a new side stream from torch's pool of 32: uncleared, every capture on a new stream would hold
+    its pair until the process ends and raise every later column's peak (results/attention_h100.md). A captured
+    graph writes to the workspace its warm-up allocated, so the clearing comes only after every graph is dropped;
+    train.py's training loop captures on one stream and keeps its workspaces (never clear them where a graph may
+    still replay)."""
     graphs._drop_graphs()
     drop_grads(model)
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # CUDA builds only
