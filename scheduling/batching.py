@@ -21,10 +21,10 @@ def _check_positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
 
 
-def _check_fits(S: int, m_mem: float, name: str = "scheduling.m_mem") -> None:
+def _check_fits(S: int, m_mem: float, name: str = "scheduling.m_mem",
+                remedy: str = "raise the memory budget, turn on model.checkpointing, or drop the bucket") -> None:
     if S > m_mem:
-        raise ValueError(f"{name}={m_mem:g} tokens is below a bucket's S={S}: not even one sample fits; raise the "
-                         f"memory budget, turn on model.checkpointing, or drop the bucket")
+        raise ValueError(f"{name}={m_mem:g} tokens is below a bucket's S={S}: not even one sample fits; {remedy}")
 
 
 def equal_token_batch_size(S: int, m_tokens: int) -> int:

@@ -361,6 +361,20 @@ def _fsdp_source(memory, cal: Calibration, mode: str) -> str:
     return f" (FSDP over {memory.ranks} ranks" + (f", rescaled from {R0})" if memory.ranks != R0 else ")")
 
 
+def _room_remedy(memory, checkpointing: Optional[str], world_size: Optional[int]) -> str:
+    """What frees room for the longest bucket, for the error that says it does not fit: recompute where the run has
+    none, more ranks where FSDP's sharded states are a large part of the bound, a larger budget, fewer buckets."""
+    ways = []
+    if checkpointing in (None, "none"):
+        ways.append("turn on model.checkpointing (full, or auto)")
+    if isinstance(memory, FSDPMemoryModel):
+        ways.append(f"shard over more ranks (FSDP over {memory.ranks}: {memory.sharded / 2**30:.1f} GiB of sharded "
+                    "states a rank, which halve with twice the ranks)")
+    ways.append("raise scheduling.mem_budget_gib where the GPU has room, or drop the bucket from data.buckets")
+    text = "; ".join(ways)
+    return text + (f" (the memory model: {memory.describe()})" if memory is not None else "")
+
+
 def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: ModelShape,
                      proxy_tflops: float = 100.0, checkpointing: Optional[str] = None,
                      world_size: Optional[int] = None, keep_attention: bool | str = False,
@@ -485,6 +499,9 @@ def _resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: M
                                    f"{bound} tokens beside it, below the longest bucket's S={S_max}: lower "
                                    "train.graph_max_tokens, raise the memory budget, or set train.cuda_graphs=off")
     m_mem = val.get("m_mem")
+    if m_mem is not None:  # B = 1 for a bucket longer than m_mem would run out of memory, not degrade
+        _check_fits(S_max, m_mem, f"scheduling.m_mem ({src['m_mem']})",
+                    _room_remedy(memory, checkpointing, world_size))
 
     def pick(name: str, default, default_why: str):
         v = getattr(cfg, name)
@@ -514,8 +531,6 @@ def _resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: M
         if m_mem is not None and m_tokens is not None and m_tokens > m_mem:
             raise ValueError(f"scheduling.m_tokens={m_tokens:g} exceeds the memory bound m_mem={m_mem:g} "
                              f"({src['m_mem']}): lower it")
-        if m_mem is not None:  # B = 1 for a bucket longer than m_mem would run out of memory, not degrade
-            _check_fits(S_max, m_mem, f"scheduling.m_mem ({src['m_mem']})")
         sizes = batch_sizes(s, list(tokens.values()), m_tokens=m_tokens)
     elif s == "dual_constraint":
         p = pick("p", power.params["p"] if power is not None else None, "calibration:power fit")
