@@ -584,6 +584,57 @@ def test_the_1p3b_preset_on_an_h100_finds_the_h100_calibration_whose_points_fit_
     assert all(c["fits"] and c["peak_bytes"] <= c["budget_bytes"] for c in checks)
 
 
+def test_the_14b_on_h100s_under_the_policies_finds_the_h100_slice_and_needs_16_ranks_for_the_long_clip(
+        monkeypatch, tmp_path):
+    """results/calibration_h100_14b_policies.json (a 4-block slice of the 14B on an H100, 2026-12-07,
+    results/attention_h100.md): every timed point and the launch point of none, full and keep within 5 % of its
+    cost model at 40 blocks, each with FSDP's memory model; conf=wan21_8gpu under the policies finds it on an H100
+    and not on an H200. Over 8 ranks the 81-frame 720p clip does not fit an 80 GB GPU even recomputing every block,
+    and the schedule says so and what to change; over 16 the plan holds, one image runs without recompute, and
+    the clip recomputes every block."""
+    import dataclasses
+
+    from data.buckets import bucket_table
+    from scheduling.policy import schedule_for
+    from scheduling.simulate import DEFAULT_MIX
+    from tests.helpers import ROOT, compose_config
+    from training.shape_benchmark import find_calibration
+
+    monkeypatch.chdir(ROOT)
+    cal = Calibration.load("results/calibration_h100_14b_policies.json")
+    assert set(cal.modes) == {"none", "full", "keep"} and cal.data["extrapolation"]["blocks_timed"] == 4
+    for mode in cal.modes:
+        rec = cal.data["modes"][mode]
+        assert rec["memory_model"]["kind"] == "fsdp", mode
+        assert abs(rec["launch_rel_err"]["quadratic"]) < 0.05, mode
+        cost = CostModel.from_dict(rec["cost_model"])
+        points = cal.measured_points(mode)
+        assert len(points) >= 6 and max(abs(e) for e in rec["rel_err_every_point"]["quadratic"]) < 0.05, mode
+        for p in points:  # at 40 blocks, as the planner prices them
+            assert cost.predict(p["B"], p["S"]) == pytest.approx(p["ms"], rel=0.05), (mode, p)
+    cfg = compose_config(["conf=wan21_8gpu", f"run_dir={tmp_path}", "model.checkpointing=auto",
+                          "model.keep_attention=auto"])
+    eager = {"attention": "cudnn", "fused_ops": "auto", "cuda_graphs": False, "precision": "bf16", "compile": False}
+    h100 = "NVIDIA H100 80GB HBM3"
+    path, how = find_calibration(cfg, h100, 8, want=eager)
+    assert path.endswith("calibration_h100_14b_policies.json") and how == f"measured on this model and {h100}"
+    _, why = find_calibration(cfg, "NVIDIA H200", 8, want=eager)
+    assert any(f"calibration_h100_14b_policies.json: measured on {h100}" in w for w in why)
+
+    cfg = dataclasses.replace(cfg, scheduling=dataclasses.replace(cfg.scheduling, calibration=path))
+    tokens = {n: b.tokens for n, b in bucket_table(cfg.data.buckets, patch=cfg.model.patch).items()}
+    shares = {n: share for n, _, share in DEFAULT_MIX}
+    shape = ModelShape(1, 40, 5120, 512)
+    with pytest.raises(ValueError, match=r"FSDP over 8 ranks\)\)=5\d{4} tokens is below a bucket's S=75600: .*"
+                                         r"shard over more ranks \(FSDP over 8: 33\.3 GiB of sharded states"):
+        schedule_for(cfg, tokens, shape, 8, shares)
+    s = schedule_for(cfg, tokens, shape, 16, shares)
+    assert abs(s.values["tokens_per_step"] - cfg.scheduling.tokens_per_step) <= 0.1 * cfg.scheduling.tokens_per_step
+    assert s.recompute_blocks(1, 1560) == (0, 0) and s.recompute_blocks(1, 75600)[0] == 40
+    assert all(b * tokens[n] <= s.values["m_mem"] or b == 1 for n, b in s.batch_sizes.items())
+    assert 75600 <= s.values["m_mem"]
+
+
 def test_the_8gpu_preset_holds_two_long_clips_a_step_with_the_simulators_choice(monkeypatch, tmp_path):
     """`python train.py conf=wan21_8gpu` on 8 H200s, as train.py resolves it: calibration=auto finds the 14B file, and
     the preset's tokens_per_step (2·S_max a GPU a step) with scheduling.planner=windowed and the window the
