@@ -75,7 +75,9 @@ def test_bad_arguments_are_refused():
         plan_step(table(), 0, 0, 10**6, 1, "equal_token", 1, [1, 1, 1, 1], lambda B, S: 1.0)
 
 
-def test_equal_token_refuses_a_calibrated_memory_bound_below_the_longest_bucket(tmp_path):
+def test_every_strategy_refuses_a_calibrated_memory_bound_below_the_longest_bucket(tmp_path):
+    """Refused before any batch size is chosen, with what frees room for this run: recompute only where it runs
+    none (a one-process memory model: no ranks to add)."""
     import json
 
     from scheduling.config import SchedulingConfig
@@ -87,9 +89,13 @@ def test_equal_token_refuses_a_calibrated_memory_bound_below_the_longest_bucket(
     path = tmp_path / "cal.json"
     path.write_text(json.dumps(cal))
     tokens = {"i480": 1560, "v480_81f": 32760, "v720_81f": 75600}
-    with pytest.raises(ValueError, match=r"scheduling\.m_mem \(calibration:chosen\)=40000"):
-        resolve_schedule(SchedulingConfig("equal_token", m_tokens=32760, calibration=str(path)), tokens,
-                         ModelShape(1, 30, 1536, 512), checkpointing="full")
+    for strategy, checkpointing in (("equal_token", "full"), ("balanced", "full"), ("dual_constraint", None)):
+        with pytest.raises(ValueError, match=r"scheduling\.m_mem \(calibration:chosen\)=40000 tokens is below a "
+                                             r"bucket's S=75600") as e:
+            resolve_schedule(SchedulingConfig(strategy, m_tokens=32760, calibration=str(path)), tokens,
+                             ModelShape(1, 30, 1536, 512), checkpointing=checkpointing)
+        assert ("turn on model.checkpointing" in str(e.value)) == (checkpointing is None), str(e.value)
+        assert "shard over more ranks" not in str(e.value) and "drop the bucket" in str(e.value)
 
 
 def test_micro_batches_of_equal_predicted_cost_share_slots_in_id_order():
