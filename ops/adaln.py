@@ -35,9 +35,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ops.triton_setup import (BACKENDS, DTYPES, HAS_TRITON, MAX_D, KernelConfig, cdiv, import_triton, interpreting,
-                              mod_layout, nearest_tuned, next_pow2, on_device, require_triton, rows_last, segments,
-                              span, store_cast)
+from ops.triton_setup import (BACKENDS, DTYPES, HAS_TRITON, MAX_D, KernelConfig, cdiv, import_triton,
+                              interpreter_config, interpreting, mod_layout, nearest_tuned, next_pow2, on_device,
+                              require_triton, rows_last, segments, span, store_cast)
 
 # Imported on first use by _kernels() (ops/triton_setup.py: the tests choose the interpreter before that).
 triton = None
@@ -253,8 +253,8 @@ TUNED = {
 
 def default_config(kind: str, D: int, device: torch.device, per_token: bool = False) -> KernelConfig:
     """Launch shape for a kernel ("fwd", "bwd", "dtile") at width D."""
-    if device.type != "cuda":  # the interpreter pays ~1 ms per program and per loop step: few, wide programs
-        return KernelConfig(rows=4, num_warps=4, programs_per_sm=2, block_d=64 if kind == "dtile" else 0)
+    if device.type != "cuda":
+        return interpreter_config(block_d=64 if kind == "dtile" else 0)
     D0, cfg = nearest_tuned(TUNED, (kind, per_token and kind != "dtile"), D)
     if kind == "dtile" or D0 == D:
         return cfg

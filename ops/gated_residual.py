@@ -41,8 +41,9 @@ import functools
 
 import torch
 
-from ops.triton_setup import (BACKENDS, DTYPES, HAS_TRITON, KernelConfig, cdiv, import_triton, interpreting, mod_layout,
-                              nearest_tuned, next_pow2, on_device, require_triton, rows_last, span, store_cast)
+from ops.triton_setup import (BACKENDS, DTYPES, HAS_TRITON, KernelConfig, cdiv, import_triton, interpreter_config,
+                              interpreting, mod_layout, nearest_tuned, next_pow2, on_device, require_triton, rows_last,
+                              span, store_cast)
 
 # Imported on first use by _kernels() (ops/triton_setup.py: the tests choose the interpreter before that).
 triton = None
@@ -167,8 +168,8 @@ def block_d_of(D: int, cfg: KernelConfig) -> int:
 
 def default_config(kind: str, D: int, device: torch.device, per_token: bool = False) -> KernelConfig:
     """Launch shape for a kernel ("fwd", "bwd") at width D."""
-    if device.type != "cuda":  # the interpreter pays ~1 ms per program and per loop step: few, wide programs
-        return KernelConfig(rows=4, num_warps=4, programs_per_sm=2, block_d=next_pow2(D))
+    if device.type != "cuda":
+        return interpreter_config(block_d=next_pow2(D))
     D0, cfg = nearest_tuned(TUNED, (kind, per_token), D)
     if D0 == D:
         return cfg

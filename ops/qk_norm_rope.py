@@ -42,8 +42,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ops.triton_setup import (BACKENDS, DTYPES, HAS_TRITON, MAX_D, KernelConfig, cdiv, import_triton, interpreting,
-                              nearest_tuned, next_pow2, on_device, require_triton, rows_last, segments, span)
+from ops.triton_setup import (BACKENDS, DTYPES, HAS_TRITON, MAX_D, KernelConfig, cdiv, device_fn, import_triton,
+                              interpreter_config, interpreting, nearest_tuned, next_pow2, on_device, require_triton,
+                              rows_last, segments, span)
 
 # Imported on first use by _kernels() (ops/triton_setup.py: the tests choose the interpreter before that).
 triton = None
@@ -200,7 +201,8 @@ def _kernels(interpret: bool):
     global triton, tl
     triton, tl = import_triton("qk_norm_rope", interpret, HAS_TRITON)
     global _rne_bf16, _load_angles, _rotate  # the kernels call these module-level names, resolved at compile time
-    _rne_bf16, _load_angles, _rotate = (triton.jit(f) for f in (_rne_bf16_impl, _load_angles_impl, _rotate_impl))
+    _rne_bf16, _load_angles, _rotate = (device_fn(triton, f, interpret)
+                                        for f in (_rne_bf16_impl, _load_angles_impl, _rotate_impl))
     return triton.jit(_fwd_kernel), triton.jit(_bwd_kernel)
 
 
@@ -220,8 +222,8 @@ TUNED = {
 
 def default_config(kind: str, D: int, device: torch.device) -> KernelConfig:
     """Launch shape for a kernel ("fwd", "bwd") at width D."""
-    if device.type != "cuda":  # the interpreter pays ~1 ms per program and per loop step: few, wide programs
-        return KernelConfig(rows=4, num_warps=4, programs_per_sm=2)
+    if device.type != "cuda":
+        return interpreter_config()
     D0, cfg = nearest_tuned(TUNED, (kind,), D)
     if D0 == D:
         return cfg

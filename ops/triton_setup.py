@@ -75,12 +75,21 @@ def _cast_rne_impl(v, dtype: tl.constexpr):
     return v.to(dtype)
 
 
+def device_fn(triton_, fn, interpret: bool):
+    """fn as a helper the kernels call: jitted on the GPU. Under the interpreter, the function as the interpreter
+    rewrites it, called as plain Python: the kernel calling it has already patched triton.language for its run,
+    and Triton's interpreter (3.9) patches it again on every helper call (one store cast a store: 5-17 % of a tiny
+    qk-norm or AdaLN step's interpreted time)."""
+    jitted = triton_.jit(fn)
+    return jitted.rewrite() if interpret and hasattr(jitted, "rewrite") else jitted
+
+
 def store_cast(interpret: bool):
     """The jitted store cast the kernels of a module call as `_cast(v, PTR.dtype.element_ty)` (after that module's
     import_triton, so `tl` exists for the annotations)."""
     global tl
     triton_, tl = import_triton("store_cast", interpret, HAS_TRITON)
-    return triton_.jit(_cast_rne_impl if interpret else _cast_impl)
+    return device_fn(triton_, _cast_rne_impl if interpret else _cast_impl, interpret)
 
 
 # ------------------------------------------------------------------------------------------------------ launch shapes
@@ -105,6 +114,17 @@ class KernelConfig:
     block_d: int = 0
     split: bool | None = None
     num_stages: int = 1
+
+
+# Rows a tile under the interpreter (CPU tests), which pays per tile and op, not per row: 4 makes the ops' own tests
+# cross tile and span boundaries at small shapes; tests of whole models, whose boundaries those tests cover, widen it
+# (tests/conftest.py, wide_interpreter_tiles: 64 rows run a tiny model's kernels 3-5x faster).
+INTERPRETER_ROWS = 4
+
+
+def interpreter_config(**kw) -> KernelConfig:
+    """The launch shape off CUDA (the interpreter): few, wide programs (~1 ms per program and per loop step)."""
+    return KernelConfig(rows=INTERPRETER_ROWS, num_warps=4, programs_per_sm=2, **kw)
 
 
 def nearest_tuned(table: dict, prefix: tuple, D: int) -> tuple[int, KernelConfig]:

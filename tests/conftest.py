@@ -19,3 +19,15 @@ except ImportError:  # pragma: no cover
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def wide_interpreter_tiles(monkeypatch):
+    """Tests of whole models under Triton's interpreter run their kernels on 64-row tiles (ops/triton_setup.py
+    INTERPRETER_ROWS): the ops' own tests cover the tile and span boundaries at 4 rows."""
+    import ops.triton_setup as ts
+
+    monkeypatch.setattr(ts, "INTERPRETER_ROWS", 64)

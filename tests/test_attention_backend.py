@@ -88,7 +88,7 @@ def _count_flash(model, *args, **kw):
     return mode.calls
 
 
-def test_the_choice_reaches_every_attention_call_of_wan_and_its_fused_blocks():
+def test_the_choice_reaches_every_attention_call_of_wan_and_its_fused_blocks(wide_interpreter_tiles):
     from models.fused_wan import apply_fused_ops
 
     torch.manual_seed(0)

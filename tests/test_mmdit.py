@@ -234,7 +234,7 @@ def _triton_failure() -> str | None:
 
 
 @pytest.mark.slow
-def test_fused_adaln_matches_reference_in_the_model():
+def test_fused_adaln_matches_reference_in_the_model(wide_interpreter_tiles):
     failure = _triton_failure()
     if failure:
         pytest.skip(f"ops/adaln.py's triton backend does not run here ({failure})")

@@ -155,7 +155,7 @@ class _CountAttention(TorchDispatchMode):
 
 @pytest.mark.skipif(DEV.type != "cpu", reason="counts the CPU attention kernel")
 @pytest.mark.slow
-def test_keep_attention_policy_skips_its_recompute_and_math_falls_back():
+def test_keep_attention_policy_skips_its_recompute_and_math_falls_back(wide_interpreter_tiles):
     leaves, rq, rk, dout = _case(seed=4)
     fn = lambda q, k, v, wq, wk: rope_attention(q, k, v, HEADS, wq, wk, rq, rk, backend="triton")  # noqa: E731
     _, gr = _run(fn, leaves, dout)

@@ -19,7 +19,8 @@ from models.wan import WanAttention, WanBlock, WanTransformer
 from ops.triton_setup import HAS_TRITON
 from tests.test_wan_parity import CONFIGS, TINY, inputs, loss_and_grads, make_pair
 
-pytestmark = pytest.mark.slow  # the Triton interpreter runs whole models (minutes on a CPU)
+# the Triton interpreter runs whole models (minutes on a CPU), on wide tiles (conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("wide_interpreter_tiles")]
 
 
 def test_apply_fused_ops_keeps_every_parameter_and_key_and_torch_is_the_reference():
