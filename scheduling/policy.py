@@ -361,18 +361,29 @@ def _fsdp_source(memory, cal: Calibration, mode: str) -> str:
     return f" (FSDP over {memory.ranks} ranks" + (f", rescaled from {R0})" if memory.ranks != R0 else ")")
 
 
-def _room_remedy(memory, checkpointing: Optional[str], world_size: Optional[int]) -> str:
-    """What frees room for the longest bucket, for the error that says it does not fit: recompute where the run has
-    none, more ranks where FSDP's sharded states are a large part of the bound, a larger budget, fewer buckets."""
+def _room_remedy(source: str, mode: Optional[str], memory, cal: Optional[Calibration], S_max: int, S_min: int) -> str:
+    """What frees room for the longest bucket, for the error that says it does not fit. source: where m_mem came
+    from; mode: the calibration record that priced it (None without one). Recompute where that record runs none,
+    full recompute where it keeps attention, more ranks where FSDP's sharded states weigh, a larger budget only
+    where the whole GPU would hold the bucket, else fewer buckets."""
+    if source == "config":
+        return "raise scheduling.m_mem if the GPU holds the longest bucket, or drop the bucket from data.buckets"
     ways = []
-    if checkpointing in (None, "none"):
+    if mode == "none":
         ways.append("turn on model.checkpointing (full, or auto)")
+    elif mode == "keep":
+        ways.append("set model.keep_attention=auto or false (this bound keeps every recomputed block's attention)")
     if isinstance(memory, FSDPMemoryModel):
         ways.append(f"shard over more ranks (FSDP over {memory.ranks}: {memory.sharded / 2**30:.1f} GiB of sharded "
                     "states a rank, which halve with twice the ranks)")
-    ways.append("raise scheduling.mem_budget_gib where the GPU has room, or drop the bucket from data.buckets")
-    text = "; ".join(ways)
-    return text + (f" (the memory model: {memory.describe()})" if memory is not None else "")
+    if memory is not None and cal is not None and cal.hbm_bytes:
+        whole = memory.m_mem(cal.hbm_bytes, S_min)
+        ways.append(f"raise scheduling.mem_budget_gib (the whole GPU, {cal.hbm_bytes / 2**30:.1f} GiB, would hold "
+                    f"{whole:,} tokens)" if whole >= S_max else
+                    f"a larger budget will not do (the whole GPU, {cal.hbm_bytes / 2**30:.1f} GiB, would hold "
+                    f"{whole:,} tokens)")
+    ways.append("drop the bucket from data.buckets")
+    return "; ".join(ways) + (f" (the memory model: {memory.describe()})" if memory is not None else "")
 
 
 def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: ModelShape,
@@ -474,11 +485,6 @@ def _resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: M
         val["m_mem"] = memory.m_mem(cfg.mem_budget_gib * 2**30, S_min)
         src["m_mem"] = (f"mem_budget_gib={cfg.mem_budget_gib:g}(config) × memory model(calibration)"
                         + _fsdp_source(memory, cal, mode))
-        if val["m_mem"] < S_max:
-            raise ValueError(f"scheduling.mem_budget_gib={cfg.mem_budget_gib:g} leaves room for "
-                             f"{val['m_mem']} tokens (the memory model: {memory.describe()}), below the "
-                             f"longest bucket's S={S_max}: "
-                             "raise the budget, turn on model.checkpointing, or drop the bucket")
     elif chosen.get("m_mem") is not None and S_min >= chosen.get("m_mem_S_min", 0):
         val["m_mem"], src["m_mem"] = chosen["m_mem"], "calibration:chosen"
     elif cal is not None and (default := cal.default_m_mem(mode, S_min, world_size)) is not None:
@@ -501,7 +507,7 @@ def _resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: M
     m_mem = val.get("m_mem")
     if m_mem is not None:  # B = 1 for a bucket longer than m_mem would run out of memory, not degrade
         _check_fits(S_max, m_mem, f"scheduling.m_mem ({src['m_mem']})",
-                    _room_remedy(memory, checkpointing, world_size))
+                    _room_remedy(src["m_mem"], mode if cal is not None else None, memory, cal, S_max, S_min))
 
     def pick(name: str, default, default_why: str):
         v = getattr(cfg, name)

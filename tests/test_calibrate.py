@@ -626,8 +626,18 @@ def test_the_14b_on_h100s_under_the_policies_finds_the_h100_slice_and_needs_16_r
     shares = {n: share for n, _, share in DEFAULT_MIX}
     shape = ModelShape(1, 40, 5120, 512)
     with pytest.raises(ValueError, match=r"FSDP over 8 ranks\)\)=5\d{4} tokens is below a bucket's S=75600: .*"
-                                         r"shard over more ranks \(FSDP over 8: 33\.3 GiB of sharded states"):
+                                         r"shard over more ranks \(FSDP over 8: 33\.3 GiB of sharded states") as e:
         schedule_for(cfg, tokens, shape, 8, shares)
+    assert "turn on model.checkpointing" not in str(e.value) and "a larger budget will not do" in str(e.value)
+    # the preset as shipped (full recompute, no kept attention) finds the same file and stops the same way
+    full = compose_config(["conf=wan21_8gpu", f"run_dir={tmp_path}"])
+    assert find_calibration(full, h100, 8, want=eager)[0] == path
+    with pytest.raises(ValueError, match=r"\)=5\d{4} tokens is below a bucket's S=75600"):
+        schedule_for(dataclasses.replace(full, scheduling=cfg.scheduling), tokens, shape, 8, shares)
+    # every block keeping its attention holds less: over 16 ranks the advice is to keep it only where it fits
+    keep = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, checkpointing="full", keep_attention=True))
+    with pytest.raises(ValueError, match=r"set model\.keep_attention=auto or false"):
+        schedule_for(keep, tokens, shape, 16, shares)
     s = schedule_for(cfg, tokens, shape, 16, shares)
     assert abs(s.values["tokens_per_step"] - cfg.scheduling.tokens_per_step) <= 0.1 * cfg.scheduling.tokens_per_step
     assert s.recompute_blocks(1, 1560) == (0, 0) and s.recompute_blocks(1, 75600)[0] == 40

@@ -80,3 +80,11 @@ def test_a_modulation_layout_gives_stride_0_on_every_axis_it_broadcasts_over():
     assert mod_layout(torch.zeros(1, N, D), B, N) == (True, 0, D, 1)
     assert mod_layout(torch.zeros(B, 1, D), B, 1) == (False, D, 0, 1)  # one token: nothing to step over
     assert mod_layout(torch.zeros(B, D, N).transpose(1, 2), B, N) == (True, N * D, 1, N)  # any strides, as given
+
+
+def test_the_ops_tests_run_the_interpreter_on_4_row_tiles():
+    """The ops' own tests cross tile and span boundaries at small shapes only with 4-row tiles; whole-model tests
+    widen them (tests/conftest.py wide_interpreter_tiles)."""
+    from ops.triton_setup import INTERPRETER_ROWS, interpreter_config
+
+    assert INTERPRETER_ROWS == 4 and interpreter_config(block_d=64) == KernelConfig(4, 4, 2, block_d=64)
