@@ -28,8 +28,8 @@
 #      ours@graph (what train.py runs there) (~4 min; ran on an H100 three times on 2026-12-07, the last with
 #      cuBLAS's workspaces cleared after each graph column: results/attention_h100.md call 12)
 #   C  the 14B slice (4 of 40 blocks, FSDP's memory over 8 ranks) calibrated under the three policies, two timed
-#      steps a point, the second depth BUDGET14_2_S for each policy (CAL14_S, default 420 s; ran on an H100 in 283 s
-#      on 2026-12-07 with that budget shared, results/attention_h100.md; the H200's is still to take)
+#      steps a point, the second depth BUDGET14_2_S for each policy (CAL14_S, default 420 s; ran on an H100 in 355 s
+#      on 2026-12-07, results/attention_h100.md call 13; the H200's is still to take)
 #   g  the held-out check of that calibration: five micro-batches (four scan shapes and i480 B = 10, which no scan
 #      timed) under full and keep, eager and then every one captured in a CUDA graph, 3 repeats each (~2.5 min)
 #   r  train.py conf=wan21_1p3b, this commit (checkpointing=auto, keep_attention=auto) beside the previous main

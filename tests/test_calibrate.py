@@ -638,6 +638,9 @@ def test_the_14b_on_h100s_under_the_policies_finds_the_h100_slice_and_needs_16_r
     keep = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, checkpointing="full", keep_attention=True))
     with pytest.raises(ValueError, match=r"set model\.keep_attention=auto or false"):
         schedule_for(keep, tokens, shape, 16, shares)
+    none = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, checkpointing="none", keep_attention=False))
+    with pytest.raises(ValueError, match=r"=774 tokens is below .*; turn on model\.checkpointing \(full, or auto\)"):
+        schedule_for(none, tokens, shape, 8, shares)
     s = schedule_for(cfg, tokens, shape, 16, shares)
     assert abs(s.values["tokens_per_step"] - cfg.scheduling.tokens_per_step) <= 0.1 * cfg.scheduling.tokens_per_step
     assert s.recompute_blocks(1, 1560) == (0, 0) and s.recompute_blocks(1, 75600)[0] == 40
