@@ -6,7 +6,7 @@ import torch
 
 from data.batch import collate
 from models.flow_matching import FlowMatching, ObjectiveConfig
-from training.cuda_graphs import FakeGraphs, MicroBatchGraphs, graphs_for, graphs_for_plan
+from training.cuda_graphs import FakeGraphs, MicroBatchGraphs, clear_cublas_workspaces, graphs_for, graphs_for_plan
 from training.dist import DistContext
 from training.optim import EMA, OptimConfig, build_optimizer
 from training.step import TrainParts, autocast_for, train_step
@@ -164,6 +164,42 @@ def test_a_graph_captured_under_a_wider_cap_runs_eager_once_the_cap_narrows():
     assert g.stats.replays == 1 and g.stats.eager == 2 and calls[-1] == 6.0
     g.max_tokens = 16
     assert g.run("big", 16, fn, {"x": torch.full((2,), 5.0)}) is True and g.stats.replays == 2 and calls[-1] == 10.0
+
+
+def test_calibration_auto_clears_the_benchmarks_cublas_workspaces_once_it_is_done(monkeypatch, tmp_path):
+    """The shape benchmark's graphs capture on a stream of their own; its cuBLAS workspaces go when it returns, not
+    before (its graphs replay until then), and off CUDA nothing is cleared."""
+    import training.shape_benchmark as sb
+    from tests.helpers import compose_config
+
+    order = []
+    monkeypatch.setattr(sb, "find_calibration", lambda *a, **k: (None, []))
+    monkeypatch.setattr(sb, "calibrate_config", lambda *a, **k: order.append("benchmark"))
+    monkeypatch.setattr(sb, "clear_cublas_workspaces", lambda device: order.append(("clear", str(device))))
+    cfg = compose_config([f"run_dir={tmp_path}"])
+    path, how = sb.calibration_for_run(cfg, DistContext(0, 1, 0, torch.device("cpu")), lambda s: None)
+    assert order == ["benchmark", ("clear", "cpu")] and how.startswith("measured now")
+    assert clear_cublas_workspaces(torch.device("cpu")) is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_side_streams_cublas_workspace_is_freed_by_the_clearing():
+    dev = torch.device("cuda")
+    a = torch.randn(512, 512, device=dev, dtype=torch.bfloat16)
+    clear_cublas_workspaces(dev)
+    before = torch.cuda.memory_allocated(dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        b = a @ a
+    torch.cuda.current_stream(dev).wait_stream(side)
+    del b
+    torch.cuda.synchronize(dev)
+    held = torch.cuda.memory_allocated(dev) - before
+    assert held >= 2**20, held  # the side stream's workspace pair (tens of MiB on Hopper)
+    assert clear_cublas_workspaces(dev) is True
+    assert torch.cuda.memory_allocated(dev) <= before
 
 
 @pytest.mark.gpu

@@ -32,6 +32,7 @@ How it stays exact:
 """
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional
@@ -224,6 +225,22 @@ def graphs_off_because(mode: str, device: torch.device, world_size: int, reasons
     if world_size > 1:
         why.append("FSDP2 over several processes is not captured yet")
     return why
+
+
+def clear_cublas_workspaces(device: torch.device) -> bool:
+    """Free the cuBLAS and cuBLASLt workspaces torch keeps for each CUDA stream they ran on (64 MiB a stream on the
+    H100 and H200; torch's stream pool has 32 a device): a graph captured on a side stream leaves its pair held until
+    the process ends (results/attention_h100.md, calls 11-12). Call it only where no graph that may still replay is
+    alive: a captured graph writes to the workspace its warm-up allocated. The next matmul allocates its stream's
+    pair anew. Returns whether anything was cleared (False off CUDA)."""
+    clear, device = getattr(torch._C, "_cuda_clearCublasWorkspaces", None), torch.device(device)  # CUDA builds only
+    if clear is None or device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    gc.collect()  # graphs kept alive only by reference cycles go first
+    torch.cuda.synchronize(device)
+    clear()
+    torch.cuda.empty_cache()
+    return True
 
 
 def graphs_for(mode: str, device: torch.device, world_size: int, reasons_off: list[str],

@@ -52,7 +52,7 @@ from models.parallelize import parallelize
 from scheduling.calibrate import (HBM_FRACTION, Calibration, Infeasible, Point, StepResult, fit_mode, launch_point,
                                   new_calibration, refit, run_point, scan, timed_point)
 from scheduling.fsdp_memory import slice_record
-from training.cuda_graphs import graph_blockers, graphs_for, graphs_off_because
+from training.cuda_graphs import clear_cublas_workspaces, graph_blockers, graphs_for, graphs_off_because
 from training.dist import init_distributed
 from training.inputs import model_inputs
 from training.optim import build_optimizer
@@ -789,4 +789,7 @@ def calibration_for_run(cfg, ctx, log, search: str | None = RESULTS) -> tuple[st
     calibrate_config(cfg, {"max_points": sc.benchmark_points, "time_budget_s": sc.benchmark_time_s, "out": cached},
                      command="train.py scheduling.calibration=auto", ctx=ctx,
                      log=lambda s: None, warn=log if ctx.is_main else (lambda s: None))
+    # the benchmark's graphs captured on a stream of their own, whose cuBLAS workspaces the run would hold beside
+    # its own graphs' stream: every graph of the benchmark is gone with calibrate_config's frame
+    clear_cublas_workspaces(ctx.device)
     return cached, f"measured now ({time.perf_counter() - t0:.0f} s shape benchmark), cached in the run folder"

@@ -65,7 +65,7 @@ import ops.gelu_ffn as gelu_ffn  # noqa: E402 - CHUNK_BYTES is a column's knob
 import ops.gated_ffn as gated_ffn  # noqa: E402 - GATED_TAIL_MIN_TOKENS is a column's knob
 from scheduling.efficiency import model_flops  # noqa: E402
 from training.busy import kernel_kind  # noqa: E402
-from training.cuda_graphs import FakeGraphs, MicroBatchGraphs  # noqa: E402
+from training.cuda_graphs import FakeGraphs, MicroBatchGraphs, clear_cublas_workspaces  # noqa: E402
 
 WAN_1P3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
                 text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
@@ -208,10 +208,7 @@ def release(model, graphs) -> None:
     still replay)."""
     graphs._drop_graphs()
     drop_grads(model)
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # CUDA builds only
-    if clear is not None and torch.cuda.is_available():
-        torch.cuda.synchronize()
-        clear()
+    clear_cublas_workspaces(graphs.device)
 
 
 class Probe:
