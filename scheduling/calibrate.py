@@ -443,20 +443,31 @@ class Calibration:
             return None
         return mem.m_mem(HBM_FRACTION * self.hbm_bytes, S_min)
 
-    def chosen_at_tokens(self, strategy: str, world_size: Optional[int], tokens_per_step: float) -> dict:
+    def chosen_at_tokens(self, strategy: str, world_size: Optional[int], tokens_per_step: float,
+                         mode: Optional[str] = None) -> dict:
         """The fixed-batch protocol's best setting for `strategy` (knob, micro_batches, window, tokens_per_step) at
-        the nearest simulated world size and the nearest simulated g ({} if none)."""
+        the nearest simulated world size and the nearest simulated g ({} if none, or where it was chosen under
+        another checkpointing mode than `mode`)."""
         by_r = (self.data.get("chosen") or {}).get("by_tokens_per_step") or {}
-        if not by_r:
+        if not by_r or (mode is not None and self.chosen_for() not in (None, mode)):
             return {}
         ref = world_size or 8
         R = min(by_r, key=lambda r: (abs(math.log(int(r) / ref)), int(r)))
         g = min(by_r[R], key=lambda v: (abs(math.log(float(v) / tokens_per_step)), float(v)))
         return dict(by_r[R][g].get(strategy, {}), simulated_world_size=int(R), simulated_g=float(g))
 
-    def chosen(self, strategy: str, world_size: Optional[int] = None) -> dict:
-        """The simulator's best settings for `strategy` at the nearest simulated world size ({} if none)."""
+    def chosen_for(self) -> Optional[str]:
+        """The checkpointing mode the simulator's settings were chosen under (a record's name, or "auto"); None
+        where the file does not say (the shape benchmark's CPU bound, which holds for every mode)."""
+        return (self.data.get("chosen") or {}).get("mode")
+
+    def chosen(self, strategy: str, world_size: Optional[int] = None, mode: Optional[str] = None) -> dict:
+        """The simulator's best settings for `strategy` at the nearest simulated world size ({} if none). mode: the
+        run's checkpointing mode (a record's name, or "auto"); settings chosen under another mode are not this
+        run's ({}): their m_mem bounds another policy's memory."""
         chosen = self.data.get("chosen") or {}
+        if mode is not None and self.chosen_for() not in (None, mode):
+            return {}
         by_r = chosen.get("by_world_size") or {}
         out = {}
         if by_r:

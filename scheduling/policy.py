@@ -454,9 +454,21 @@ def _resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: M
         power = cal.cost_model(mode, "power")
         cost_fn = cost_model.predict
         src["cost"] = f"calibration:{mode}:{cost_model.form}"
-        chosen = cal.chosen(cfg.strategy, world_size)
         partial = _partial_recompute(cfg, cal, shape, checkpointing, keep_attention, world_size, memory, cost_model,
                                      S_min)
+        # the mode the simulator's choices must have been made under: auto's per-micro-batch policy, else the record
+        run_mode = "auto" if partial is not None and not partial.all_blocks else mode
+        chosen = cal.chosen(cfg.strategy, world_size, mode=run_mode)
+        if cal.chosen_for() not in (None, run_mode):
+            notes.append(f"the simulator's settings in {cal.path} were chosen for checkpointing={cal.chosen_for()}, "
+                         f"not this run's {run_mode}: not used (their m_mem bounds another policy's memory)")
+        if keep_attention is True and partial is None and mode != "keep" and memory is not None and cfg.m_mem is None:
+            raise ValueError(
+                f"model.keep_attention=true keeps every recomputed block's attention, but scheduling.calibration="
+                f"{cal.path} measured no keep policy: its {mode} memory model would bound the plan without the kept "
+                "attention and run out of memory. Calibrate with keep (python scripts/calibrate.py conf=... "
+                "model.checkpointing=auto model.keep_attention=auto), or set model.keep_attention=auto (memory "
+                "allowing, priced from the kept bytes) or false")
         reserve = graph_pool_bytes(tokens, graph_tokens, memory, partial)
         if reserve > 0:
             src["graph_pool"] = (f"{reserve / 2**30:.2f} GiB kept free beside micro-batches over {graph_tokens:,} "
@@ -529,7 +541,7 @@ def _resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: M
             raise ValueError("scheduling.tokens_per_step needs the corpus' bucket shares (the trainer passes them)")
         p_fit = cfg.p or (power.params["p"] if power is not None else None)
         fixed = fixed_batch(cfg, tokens, shares, cost_fn if cal is not None else None, m_mem, p_fit, world_size or 1,
-                            cal, src, val, notes)
+                            cal, src, val, notes, mode=run_mode if cal is not None else None)
         micro_batches, window = fixed["micro_batches"], fixed.get("window", cfg.window)
         held.update({k: (v, src[k]) for k, v in fixed.items() if k in ("m_tokens", "m_comp", "target_microbatch_ms")})
     if s == "equal_token":
@@ -567,7 +579,7 @@ def _resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: M
 
 def fixed_batch(cfg: SchedulingConfig, tokens: Mapping[str, int], shares: Mapping[str, float], cost_fn,
                 m_mem: Optional[float], p: Optional[float], world_size: int, cal: Optional[Calibration], src: dict,
-                val: dict, notes: list) -> dict:
+                val: dict, notes: list, mode: Optional[str] = None) -> dict:
     """The knob, M (and window) that hold scheduling.tokens_per_step = g: the simulator's choice for the nearest
     world size and g where the calibration holds one whose expected tokens here are within ±10 % of g and that was
     tuned for what this run plans — a window or none (the window is always the config's: a window runs only where
@@ -591,7 +603,7 @@ def fixed_batch(cfg: SchedulingConfig, tokens: Mapping[str, int], shares: Mappin
         return tokens_per_step(mix, sizes, M)
 
     out = None
-    chosen = cal.chosen_at_tokens(s, world_size, g) if cal is not None and fixed_knob is None else {}
+    chosen = cal.chosen_at_tokens(s, world_size, g, mode=mode) if cal is not None and fixed_knob is None else {}
     chosen_w = int(chosen.get("window") or 1)
     windowed = resolve_planner(s, cfg.window, cfg.planner) == "windowed"
     if chosen and windowed != (chosen_w > 1):  # a window only where the config asks for one (convergence_cpu.md)

@@ -1,5 +1,6 @@
 """scheduling/calibrate.py's scan (B upward, out-of-memory, memory-fit stop, cap, agreement) and the CPU tiny run."""
 import json
+import os
 import re
 import time
 
@@ -992,3 +993,51 @@ def test_the_scans_partial_checks_reach_the_file_and_a_failing_one_never_costs_t
     assert "partial_checks" not in cal.data and "partial checks failed: RuntimeError: cuDNN: no plan" in \
         cal.data["notes"][-1] and "the scan is kept" in said[-1]
     assert cal.data["modes"]["none"]["points"]  # the scan itself untouched
+
+
+def test_the_simulators_m_mem_bounds_only_the_mode_it_was_chosen_for(tmp_path):
+    """A `chosen` block records the checkpointing mode the simulator ran (scripts/simulate_cluster.py --mode); its
+    m_mem is that policy's memory bound. A run under another policy plans from its own record's memory model and is
+    told why the simulator's settings were passed over (before, full's 680,028 tokens bounded a run without
+    recompute, whose own bound is ten times smaller)."""
+    from scheduling.simulate import DEFAULT_MIX
+    from tests.helpers import ROOT
+
+    wan = {n: S for n, S, _ in DEFAULT_MIX}
+    d = json.load(open(os.path.join(ROOT, "results", "calibration_h200_policies.json")))
+    d["chosen"] = {"mode": "full", "m_mem": 680028, "m_mem_S_min": 1560}
+    path = str(tmp_path / "cal.json")
+    json.dump(d, open(path, "w"))
+    cal = Calibration.load(path)
+    shape = ModelShape(1, 30, 1536, 512)
+    del wan["v720_81f"]  # none's bound cannot hold the 720p clip on one GPU
+    none = resolve_schedule(SchedulingConfig("dual_constraint", calibration=path), wan, shape, checkpointing="none")
+    own = cal.memory_model("none").m_mem(0.9 * cal.hbm_bytes, 1560)
+    assert none.values["m_mem"] == own < 680028 / 5 and not none.sources["m_mem"].startswith("calibration:chosen")
+    assert any("chosen for checkpointing=full, not this run's none" in n for n in none.notes)
+    full = resolve_schedule(SchedulingConfig("dual_constraint", calibration=path), wan, shape, checkpointing="full")
+    assert full.values["m_mem"] == 680028 and full.sources["m_mem"] == "calibration:chosen"
+    assert cal.chosen("cost", mode="none") == {} and cal.chosen("cost", mode="full")["m_mem"] == 680028
+
+
+def test_keeping_every_blocks_attention_needs_a_calibration_that_measured_it():
+    """keep_attention=true keeps every recomputed block's attention; with a file that measured full recompute alone,
+    full's memory model would bound micro-batches the kept outputs push past the GPU (146 GiB predicted for the
+    480p image bucket on a 139.8 GiB H200). Refused at start, with the ways on; keep_attention=auto prices the kept
+    bytes instead, and a file with the keep policy bounds it by keep's own model."""
+    from scheduling.simulate import DEFAULT_MIX
+
+    wan = {n: S for n, S, _ in DEFAULT_MIX}
+    shape = ModelShape(1, 30, 1536, 512)
+    for ckpt in ("full", "auto"):
+        with pytest.raises(ValueError, match="measured no keep policy.*keep_attention=auto"):
+            resolve_schedule(SchedulingConfig("dual_constraint", calibration="results/calibration_h200.json"), wan,
+                             shape, checkpointing=ckpt, keep_attention=True)
+    auto = resolve_schedule(SchedulingConfig("dual_constraint", calibration="results/calibration_h200.json"), wan,
+                            shape, checkpointing="full", keep_attention="auto")
+    assert auto.recompute_blocks is not None
+    keep = resolve_schedule(SchedulingConfig("dual_constraint", calibration="results/calibration_h200_policies.json"),
+                            wan, shape, checkpointing="full", keep_attention=True)
+    cal = Calibration.load("results/calibration_h200_policies.json")
+    assert keep.sources["cost"].startswith("calibration:keep")
+    assert keep.values["m_mem"] == cal.memory_model("keep").m_mem(0.9 * cal.hbm_bytes, 1560)
