@@ -44,7 +44,7 @@ from training.resume import (apply_optim_config, check_config, keep_run_values, 
                              optim_hyperparameters, resume, saved_run_config)
 from training.run_folder import RunFolder, multirun_job, write_whole
 from training.sampling import ValidationSampler, log_encoders
-from training.shape_benchmark import calibration_for_run
+from training.shape_benchmark import calibration_for_run, check_named_calibration
 from training.step import TrainParts, autocast_for, collector_every, train_step, validation_loss
 
 log = logging.getLogger("train")
@@ -104,6 +104,8 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str, kept_val
     if calibration == "auto":
         calibration, found = calibration_for_run(cfg, ctx, log.info)
         torch.manual_seed(cfg.train.seed)  # the model starts alike whether the benchmark ran or not
+    elif ctx.is_main and (why := check_named_calibration(cfg, ctx)):
+        log.warning("%s", why)
     scfg = dataclasses.replace(cfg, scheduling=dataclasses.replace(cfg.scheduling, calibration=calibration))
 
     # 4. the model, sharded with FSDP2 over several processes (models/parallelize.py)

@@ -339,13 +339,21 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str) -> "Calibration":
+        """The file at `path`, checked whole (check_calibration): a file that does not read, or whose records
+        cannot price a micro-batch, is refused here with what is wrong, never later in the run."""
         if not os.path.exists(path):
             raise ValueError(f"scheduling.calibration={path}: no such file (scripts/calibrate.py writes one; or set "
                              "scheduling.calibration=null)")
-        with open(path) as f:
-            data = json.load(f)
-        if data.get("format") != FORMAT:
-            raise ValueError(f"scheduling.calibration={path}: format {data.get('format')!r}, expected {FORMAT!r}")
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, UnicodeDecodeError, ValueError) as e:  # a folder, unreadable bytes, not JSON
+            raise ValueError(f"scheduling.calibration={path}: does not read as JSON ({type(e).__name__}: "
+                             f"{str(e)[:200]})") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            got = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"scheduling.calibration={path}: format {got!r}, expected {FORMAT!r}")
+        check_calibration(data, path)
         return cls(data, path)
 
     def save(self, path: Optional[str] = None) -> str:
@@ -478,6 +486,97 @@ class Calibration:
             if chosen.get(k) is not None:
                 out.setdefault(k, chosen[k])
         return out
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_calibration(data: dict, path: str) -> None:
+    """Refuse (ValueError naming the file and the key) a calibration whose parts the schedule reads are missing,
+    of the wrong type, or not finite: the model it measured (dim, num_layers), each record's cost model and fits
+    (each predicting a finite, positive time at every measured shape and at B = 1 from the shortest to the longest
+    measured S), its memory model where it has one (a finite, positive peak there), hbm_bytes, the extrapolation's
+    scale and the simulator's `chosen` settings. What scripts/calibrate.py writes always passes."""
+    def bad(what: str):
+        raise ValueError(f"scheduling.calibration={path}: {what}; re-measure it (scripts/calibrate.py) or restore "
+                         "the file")
+
+    model = data.get("model")
+    if not isinstance(model, dict) or not all(isinstance(model.get(k), int) and not isinstance(model.get(k), bool)
+                                              and model[k] > 0 for k in ("dim", "num_layers")):
+        bad("`model` must give the measured model's dim and num_layers as positive integers")
+    hbm = data.get("hbm_bytes")
+    if hbm is not None and not (_number(hbm) and hbm > 0):
+        bad(f"hbm_bytes {hbm!r} is not a positive number of bytes")
+    ext = data.get("extrapolation")
+    if ext is not None and not (isinstance(ext, dict) and _number(ext.get("scale", 1.0)) and ext.get("scale", 1.0) > 0):
+        bad(f"extrapolation {ext!r} needs a positive scale")
+    modes = data.get("modes")
+    if not isinstance(modes, dict) or not modes or not all(isinstance(r, dict) for r in modes.values()):
+        bad("`modes` must map each checkpointing mode to its record")
+    shapes = set()
+    for rec in modes.values():
+        for p in rec.get("points") or []:
+            if isinstance(p, dict) and _number(p.get("B")) and _number(p.get("S")) and p["B"] >= 1 and p["S"] >= 1:
+                shapes.add((float(p["B"]), float(p["S"])))
+    S_all = [S for _, S in shapes] or [1560.0, 75600.0]
+    shapes |= {(1.0, min(S_all)), (1.0, max(S_all))}
+    for mode, rec in modes.items():
+        try:
+            models = [("cost_model", CostModel.from_dict(rec["cost_model"]))]
+            fits = rec.get("fits")
+            if fits is not None and not isinstance(fits, dict):
+                bad(f"modes.{mode}.fits is not an object")
+            models += [(f"fits.{f}", CostModel.from_dict(v)) for f, v in (fits or {}).items()]
+            mem = memory_model_from_dict(rec["memory_model"]) if rec.get("memory_model") else None
+        except KeyError as e:
+            bad(f"modes.{mode} lacks {e}")
+        except (TypeError, ValueError, AttributeError) as e:
+            bad(f"modes.{mode}: {str(e)[:200]}")
+        for name, cost in models:
+            if not isinstance(cost.params, dict) or not all(_number(v) for v in cost.params.values()):
+                bad(f"modes.{mode}.{name}: its params {cost.params!r} must be finite numbers")
+            for B, S in sorted(shapes):
+                try:
+                    t = cost.predict(B, S)
+                except KeyError as e:
+                    bad(f"modes.{mode}.{name} ({cost.form}) lacks the parameter {e}")
+                if not (math.isfinite(t) and t > 0):
+                    bad(f"modes.{mode}.{name} predicts {t:.4g} ms at B={B:g}, S={S:g}: a time must be positive")
+        if mem is not None:
+            for B, S in sorted(shapes):
+                try:
+                    peak = float(mem.predict(B, S))
+                except (TypeError, ValueError, ArithmeticError) as e:
+                    bad(f"modes.{mode}.memory_model: {str(e)[:200]}")
+                if not (math.isfinite(peak) and peak > 0):
+                    bad(f"modes.{mode}.memory_model predicts {peak:.4g} bytes at B={B:g}, S={S:g}")
+    chosen = data.get("chosen")
+    if chosen is None:
+        return
+    if not isinstance(chosen, dict):
+        bad("`chosen` (the simulator's settings) is not an object")
+    for key in ("m_mem", "m_mem_S_min"):
+        if chosen.get(key) is not None and not (_number(chosen[key]) and chosen[key] > 0):
+            bad(f"chosen.{key} {chosen[key]!r} is not a positive number")
+    for key in ("by_world_size", "by_tokens_per_step"):
+        table = chosen.get(key)
+        if table is None:
+            continue
+        if not isinstance(table, dict):
+            bad(f"chosen.{key} is not an object")
+        for R, row in table.items():
+            if not (str(R).isdigit() and int(R) >= 1 and isinstance(row, dict)):
+                bad(f"chosen.{key}: {R!r} is not a number of ranks ≥ 1 with its settings")
+            if key == "by_tokens_per_step":
+                for g, per in row.items():
+                    try:
+                        ok = float(g) > 0 and math.isfinite(float(g)) and isinstance(per, dict)
+                    except ValueError:
+                        ok = False
+                    if not ok:
+                        bad(f"chosen.{key}.{R}: {g!r} is not a number of tokens a step with its settings")
 
 
 SLICE_KEYS = ("slice_memory", "depth_check")  # an FSDP slice's measurements beyond its points, kept on refit

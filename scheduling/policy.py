@@ -361,29 +361,64 @@ def _fsdp_source(memory, cal: Calibration, mode: str) -> str:
     return f" (FSDP over {memory.ranks} ranks" + (f", rescaled from {R0})" if memory.ranks != R0 else ")")
 
 
-def _room_remedy(source: str, mode: Optional[str], memory, cal: Optional[Calibration], S_max: int, S_min: int) -> str:
+def _budget_needed(memory, S_max: int, S_min: int, hi: float) -> float:
+    """The smallest budget (bytes, at most hi) whose m_mem holds S_max (m_mem grows with the budget)."""
+    lo = 0.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if memory.m_mem(mid, S_min) >= S_max else (mid, hi)
+    return hi
+
+
+def _room_remedy(source: str, mode: Optional[str], memory, cal: Optional[Calibration], S_max: int, S_min: int,
+                 budget_gib: Optional[float] = None) -> str:
     """What frees room for the longest bucket, for the error that says it does not fit. source: where m_mem came
-    from; mode: the calibration record that priced it (None without one). Recompute where that record runs none,
-    full recompute where it keeps attention, more ranks where FSDP's sharded states weigh, a larger budget only
-    where the whole GPU would hold the bucket, else fewer buckets."""
+    from; mode: the calibration record that priced it (None without one); budget_gib: scheduling.mem_budget_gib.
+    Recompute where that record runs none (calibrated first where the file lacks it), full recompute where it keeps
+    attention, as many ranks as would hold the bucket where FSDP's sharded states weigh (none where no number
+    would), the budget that would hold it where the whole GPU would, a larger one where the file does not know the
+    GPU's memory, else fewer buckets; and where one sample of the bucket alone would fit, why the bound is lower."""
     if source == "config":
         return "raise scheduling.m_mem if the GPU holds the longest bucket, or drop the bucket from data.buckets"
     ways = []
+    modes = set(cal.modes) if cal is not None else set()
     if mode == "none":
-        ways.append("turn on model.checkpointing (full, or auto)")
+        ways.append("turn on model.checkpointing (full, or auto)" + (
+            "" if "full" in modes else ", calibrated with it first (scripts/calibrate.py conf=... "
+                                      "model.checkpointing=auto: this file measured no recompute)"))
     elif mode == "keep":
         ways.append("set model.keep_attention=auto or false (this bound keeps every recomputed block's attention)")
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    hbm = cal.hbm_bytes if cal is not None else None
+    budget = budget_gib * 2**30 if budget_gib is not None else HBM_FRACTION * hbm if hbm else None
     if isinstance(memory, FSDPMemoryModel):
-        ways.append(f"shard over more ranks (FSDP over {memory.ranks}: {memory.sharded / 2**30:.1f} GiB of sharded "
-                    "states a rank, which halve with twice the ranks)")
-    if memory is not None and cal is not None and cal.hbm_bytes:
-        whole = memory.m_mem(cal.hbm_bytes, S_min)
-        ways.append(f"raise scheduling.mem_budget_gib (the whole GPU, {cal.hbm_bytes / 2**30:.1f} GiB, would hold "
-                    f"{whole:,} tokens)" if whole >= S_max else
-                    f"a larger budget will not do (the whole GPU, {cal.hbm_bytes / 2**30:.1f} GiB, would hold "
-                    f"{whole:,} tokens)")
+        if budget is None:
+            ways.append(f"shard over more ranks (FSDP over {memory.ranks}: {gib(memory.sharded)} of sharded states "
+                        "a rank, which halve with twice the ranks)")
+        else:
+            R = next((r for r in (memory.ranks * 2 ** i for i in range(1, 11))
+                      if memory.for_ranks(r).m_mem(budget, S_min) >= S_max), None)
+            ways.append(f"shard over more ranks ({R} hold it; FSDP over {memory.ranks} keeps {gib(memory.sharded)} "
+                        "of sharded states a rank, which halve with twice the ranks)" if R else
+                        f"more ranks will not do (FSDP over {memory.ranks} keeps {gib(memory.sharded)} of sharded "
+                        f"states a rank; over {memory.ranks * 2 ** 10:,} the bound is still below S={S_max:,})")
+    if memory is not None and hbm:
+        whole = memory.m_mem(hbm, S_min)
+        if whole >= S_max:
+            need = _budget_needed(memory, S_max, S_min, hbm)
+            ways.append(f"raise scheduling.mem_budget_gib to {need / 2**30:.1f} or more ({need / hbm:.0%} of the "
+                        f"GPU's {gib(hbm)}" + (f"; above the default {HBM_FRACTION:.0%} the allocator's cache may not "
+                                               "find it" if need > HBM_FRACTION * hbm else "") + ")")
+        else:
+            ways.append(f"a larger budget will not do (the whole GPU, {gib(hbm)}, would hold {whole:,} tokens)")
+    elif memory is not None and budget_gib is not None:
+        ways.append(f"raise scheduling.mem_budget_gib (now {budget_gib:g}) if the GPU has more")
     ways.append("drop the bucket from data.buckets")
-    return "; ".join(ways) + (f" (the memory model: {memory.describe()})" if memory is not None else "")
+    alone = float(memory.predict(1, S_max)) if memory is not None and budget is not None else None
+    why = (f"; one sample of S={S_max:,} alone would peak at {gib(alone)}, within the {gib(budget)} budget, but m_mem "
+           f"bounds every bucket's B·S at the memory a sample of the shortest bucket (S={S_min:,}) adds, so dropping "
+           "the shortest buckets raises it too" if alone is not None and alone <= budget else "")
+    return "; ".join(ways) + why + (f" (the memory model: {memory.describe()})" if memory is not None else "")
 
 
 def resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: ModelShape,
@@ -447,6 +482,10 @@ def _resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: M
         cost_model = power = memory = None
     else:
         _check_model(cal, shape)
+        if cfg.mem_budget_gib is not None and cal.hbm_bytes and cfg.mem_budget_gib * 2**30 > cal.hbm_bytes:
+            raise ValueError(f"scheduling.mem_budget_gib={cfg.mem_budget_gib:g} is more than the GPU has "
+                             f"({cal.hbm_bytes / 2**30:.1f} GiB, the device {cal.path} measured): set at most that "
+                             f"(the default is {HBM_FRACTION:.0%} of it, leaving room for the allocator)")
         mode = cal.mode_name(checkpointing)
         if checkpointing == "full" and keep_attention is True and "keep" in cal.modes:
             mode = "keep"  # every block recomputed around its kept attention: the keep policy's own record
@@ -487,6 +526,13 @@ def _resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: M
                                + ("" if not partial.keep else ", memory left keeping attention"
                                   + _keep_source(partial)) + _check_source(partial) + ")")
 
+    if cal is not None:  # a cost model fitted on other lengths may turn negative at this run's buckets
+        for name, S in tokens.items():
+            t = float(cost_fn(1, S))
+            if not (math.isfinite(t) and t > 0):
+                raise ValueError(f"scheduling.calibration={cal.path}: its cost model ({src['cost']}) predicts "
+                                 f"{t:.4g} ms for one sample of bucket {name} (S={S}); a time must be positive: "
+                                 "re-measure with that bucket in the scan (scripts/calibrate.py) or drop it")
     # m_mem: config > mem_budget_gib × memory model > chosen > memory model at 90 % of HBM
     if cfg.m_mem is not None:
         val["m_mem"], src["m_mem"] = cfg.m_mem, "config"
@@ -519,7 +565,8 @@ def _resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: M
     m_mem = val.get("m_mem")
     if m_mem is not None:  # B = 1 for a bucket longer than m_mem would run out of memory, not degrade
         _check_fits(S_max, m_mem, f"scheduling.m_mem ({src['m_mem']})",
-                    _room_remedy(src["m_mem"], mode if cal is not None else None, memory, cal, S_max, S_min))
+                    _room_remedy(src["m_mem"], mode if cal is not None else None, memory, cal, S_max, S_min,
+                                 cfg.mem_budget_gib))
 
     def pick(name: str, default, default_why: str):
         v = getattr(cfg, name)

@@ -627,7 +627,7 @@ def test_the_14b_on_h100s_under_the_policies_finds_the_h100_slice_and_needs_16_r
     shares = {n: share for n, _, share in DEFAULT_MIX}
     shape = ModelShape(1, 40, 5120, 512)
     with pytest.raises(ValueError, match=r"FSDP over 8 ranks\)\)=5\d{4} tokens is below a bucket's S=75600: .*"
-                                         r"shard over more ranks \(FSDP over 8: 33\.3 GiB of sharded states") as e:
+                                         r"shard over more ranks \(16 hold it; FSDP over 8 keeps 33\.3 GiB of sharded states") as e:
         schedule_for(cfg, tokens, shape, 8, shares)
     assert "turn on model.checkpointing" not in str(e.value) and "a larger budget will not do" in str(e.value)
     # the preset as shipped (full recompute, no kept attention) finds the same file and stops the same way
@@ -1041,3 +1041,126 @@ def test_keeping_every_blocks_attention_needs_a_calibration_that_measured_it():
     cal = Calibration.load("results/calibration_h200_policies.json")
     assert keep.sources["cost"].startswith("calibration:keep")
     assert keep.values["m_mem"] == cal.memory_model("keep").m_mem(0.9 * cal.hbm_bytes, 1560)
+
+
+def _broken(tmp_path, edit, base="results/calibration_cpu_tiny.json") -> str:
+    d = json.load(open(base))
+    edit(d)
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda d: d["modes"]["none"].pop("cost_model"), r"modes\.none lacks 'cost_model'"),
+    (lambda d: d["modes"]["none"]["cost_model"]["params"].clear(), r"modes\.none\.cost_model .*lacks the parameter"),
+    (lambda d: d["modes"]["none"]["cost_model"].update(foo=1), r"modes\.none: .*unexpected keyword argument 'foo'"),
+    (lambda d: d["modes"]["none"]["cost_model"]["params"].update(a=float("nan")), r"must be finite numbers"),
+    (lambda d: d["modes"]["none"]["cost_model"]["params"].update(b2=float("inf")), r"must be finite numbers"),
+    (lambda d: d["modes"]["none"]["cost_model"]["params"].update(a=-1e6), r"predicts -\d.* ms at B=1"),
+    (lambda d: d["modes"]["none"]["fits"]["power"]["params"].pop("p"), r"fits\.power \(power\) lacks the parameter "
+                                                                        r"'p'"),
+    (lambda d: d["chosen"].update(m_mem="960"), r"chosen\.m_mem '960' is not a positive number"),
+    (lambda d: d["chosen"].update(by_world_size={"0": {}}), r"'0' is not a number of ranks"),
+    (lambda d: d.update(chosen=[1]), r"`chosen` .* is not an object"),
+    (lambda d: d.update(hbm_bytes="80GB"), r"hbm_bytes '80GB' is not a positive number"),
+    (lambda d: d.update(hbm_bytes=float("inf")), r"hbm_bytes inf is not a positive number"),
+    (lambda d: d.pop("model"), r"`model` must give the measured model's dim and num_layers"),
+    (lambda d: d.update(model=[64]), r"`model` must give"),
+    (lambda d: d.update(modes={}), r"`modes` must map"),
+])
+def test_a_calibration_that_cannot_price_a_micro_batch_is_refused_when_it_loads(tmp_path, edit, says):
+    """Each of these ended mid-start in a KeyError, TypeError or OverflowError after the corpus was opened and the
+    model built (or planned on NaN and negative times, which read as perfect balance); now Calibration.load refuses
+    the file, naming it and the key, and calibration=auto passes it over for the next file."""
+    path = _broken(tmp_path, edit)
+    with pytest.raises(ValueError, match=r"scheduling\.calibration=.*cal\.json: .*" + says):
+        Calibration.load(path)
+
+
+def test_files_that_are_not_calibrations_are_refused_by_name(tmp_path):
+    for content, says in (("", "does not read as JSON"), ("[1, 2]", "format 'list'"), ("{\"a\": 1", "does not read")):
+        (tmp_path / "c.json").write_text(content)
+        with pytest.raises(ValueError, match=f"c\\.json: {says}"):
+            Calibration.load(str(tmp_path / "c.json"))
+    (tmp_path / "d.json").mkdir()
+    with pytest.raises(ValueError, match=r"d\.json: does not read as JSON \(IsADirectoryError"):
+        Calibration.load(str(tmp_path / "d.json"))
+    nan_memory = _broken(tmp_path, lambda d: d["modes"]["full"]["memory_model"].update(c1=float("nan")),
+                         "results/calibration_h200_policies.json")
+    with pytest.raises(ValueError, match=r"modes\.full\.memory_model predicts nan bytes"):
+        Calibration.load(nan_memory)
+
+
+def test_calibration_auto_passes_over_a_matching_file_that_lacks_a_record_part(tmp_path):
+    """Before, a copy of the tiny CPU file without its fits matched this run first and the run died of KeyError: 'fits'
+    although the good file sat beside it."""
+    from tests.helpers import compose_config
+    from training.shape_benchmark import find_calibration
+
+    search = tmp_path / "results"
+    search.mkdir()
+    broken = json.load(open("results/calibration_cpu_tiny.json"))
+    del broken["modes"]["none"]["fits"]["power"]["params"]["p"]
+    (search / "calibration_a_nofits.json").write_text(json.dumps(broken))
+    (search / "calibration_b_good.json").write_text(open("results/calibration_cpu_tiny.json").read())
+    cfg = compose_config([f"run_dir={tmp_path / 'run'}"])
+    path, how = find_calibration(cfg, "CPU", 1, search=str(search))
+    assert path.endswith("calibration_b_good.json")
+
+
+def test_a_cost_model_negative_at_a_bucket_and_a_budget_past_the_gpu_are_refused_at_start(tmp_path):
+    from scheduling.simulate import DEFAULT_MIX
+
+    wan = {n: S for n, S, _ in DEFAULT_MIX}
+    shape = ModelShape(1, 30, 1536, 512)
+    # positive over the measured lengths, negative at one far beyond them
+    path = _broken(tmp_path, lambda d: d["modes"]["full"]["cost_model"]["params"].update(b2=-2.3e-7),
+                   "results/calibration_h200_policies.json")
+    cal = Calibration.load(path)
+    far = {**wan, "v_far": 200_000}
+    with pytest.raises(ValueError, match=r"predicts -[\d.e+]+ ms for one sample of bucket v_far \(S=200000\)"):
+        resolve_schedule(SchedulingConfig("dual_constraint", calibration=path), far, shape, checkpointing="full")
+    assert cal.cost_model("full").predict(1, 75600) > 0
+    with pytest.raises(ValueError, match=r"mem_budget_gib=500 is more than the GPU has \(139\.8 GiB"):
+        resolve_schedule(SchedulingConfig("dual_constraint", calibration="results/calibration_h200.json",
+                                          mem_budget_gib=500), wan, shape, checkpointing="full")
+
+
+def test_the_longest_buckets_advice_names_what_would_hold_it(tmp_path):
+    """The ranks that would hold the bucket (none where no number would), the budget that would, a larger budget
+    where the file does not know the GPU's memory, and where one sample alone fits, why the bound is lower."""
+    from scheduling.simulate import DEFAULT_MIX
+
+    wan = {n: S for n, S, _ in DEFAULT_MIX}
+    shape14 = ModelShape(1, 40, 5120, 512)
+    with pytest.raises(ValueError, match=r"more ranks will not do \(FSDP over 8 keeps [\d.]+ GiB of sharded states "
+                                         r"a rank; over 8,192 the bound is still below S=75,600\)") as e:
+        resolve_schedule(SchedulingConfig("dual_constraint", calibration="results/calibration_h200_14b.json",
+                                          mem_budget_gib=48), wan, shape14, checkpointing="full", world_size=8)
+    assert "shard over more ranks" not in str(e.value)
+    # one H200's 1.3B without recompute: the clip needs more than 90 % of the GPU, less than all of it
+    cal = Calibration.load("results/calibration_h200_policies.json")
+    none = cal.memory_model("none")
+    shape = ModelShape(1, 30, 1536, 512)
+    with pytest.raises(ValueError, match=r"raise scheduling\.mem_budget_gib to ([\d.]+) or more") as e:
+        resolve_schedule(SchedulingConfig("dual_constraint", calibration="results/calibration_h200_policies.json",
+                                          mem_budget_gib=100), wan, shape, checkpointing="none")
+    need = float(re.search(r"mem_budget_gib to ([\d.]+)", str(e.value)).group(1))
+    assert none.m_mem((need + 0.05) * 2**30, 1560) >= 75600 > none.m_mem((need - 0.1) * 2**30, 1560)
+    # one sample of the clip alone fits 130 GiB, the bound set by the shortest bucket does not
+    assert none.predict(1, 75600) <= 130 * 2**30 and none.m_mem(130 * 2**30, 1560) < 75600
+    with pytest.raises(ValueError, match=r"one sample of S=75,600 alone would peak at 127\.6 GiB, within the "
+                                         r"130\.0 GiB budget"):
+        resolve_schedule(SchedulingConfig("dual_constraint", calibration="results/calibration_h200_policies.json",
+                                          mem_budget_gib=130), wan, shape, checkpointing="none")
+    # a file without the GPU's memory: the budget the user set is the way, and a none-only file needs calibrating
+    d = json.load(open("results/calibration_h200_policies.json"))
+    d.pop("hbm_bytes")
+    d["modes"] = {"none": d["modes"]["none"]}
+    path = tmp_path / "none_only.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=r"turn on model\.checkpointing \(full, or auto\), calibrated with it first"
+                                         r".*raise scheduling\.mem_budget_gib \(now 20\) if the GPU has more"):
+        resolve_schedule(SchedulingConfig("dual_constraint", calibration=str(path), mem_budget_gib=20), wan, shape,
+                         checkpointing="none")

@@ -147,3 +147,16 @@ def test_auto_benchmarks_on_first_use_caches_it_and_resume_reuses_it(tmp_path, c
     assert f"calibration {cached} (cached in the run folder)" in caplog.text
     assert json.load(open(cached)) == d  # the cache was read, not measured again
     assert max(r["step"] for r in read_metrics(run_dir)) == 4
+
+
+def test_a_named_calibration_that_auto_would_pass_over_is_used_with_a_warning_saying_why():
+    from training.shape_benchmark import check_named_calibration
+
+    ctx = DistContext(0, 1, 0, __import__("torch").device("cpu"))
+    lora = compose_config(["conf=tiny_lora", "model.precision=fp32", "run_dir=/tmp/unused",
+                           "scheduling.calibration=results/calibration_cpu_tiny.json"])
+    assert check_named_calibration(lora, ctx) == (
+        "scheduling.calibration=results/calibration_cpu_tiny.json: another model (precision bf16, LoRA rank 0 there, "
+        "8 here), so its times and memory may not be this run's (scheduling.calibration=auto would pass it over)")
+    tiny = compose_config(["run_dir=/tmp/unused", "scheduling.calibration=results/calibration_cpu_tiny.json"])
+    assert check_named_calibration(tiny, ctx) is None

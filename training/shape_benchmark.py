@@ -759,6 +759,19 @@ def find_calibration(cfg, device: str, world_size: int, search: str | None = RES
     return None, rejected
 
 
+def check_named_calibration(cfg, ctx) -> str | None:
+    """A file the config names (scheduling.calibration=PATH) is the user's choice and is used; where
+    calibration=auto would have passed it over (`mismatch`: another precision, LoRA rank, device, policy set or
+    execution), this says why, for one warning line. None where it fits, or where no file is named."""
+    path = cfg.scheduling.calibration
+    if not path or path == "auto" or not os.path.exists(path):
+        return None
+    why = mismatch(Calibration.load(path), cfg.model, device_name(ctx.device), ctx.world_size,
+                   execution(cfg, ctx.device, ctx.world_size))
+    return None if why is None else (f"scheduling.calibration={path}: {why}, so its times and memory may not be "
+                                     "this run's (scheduling.calibration=auto would pass it over)")
+
+
 def calibration_for_run(cfg, ctx, log, search: str | None = RESULTS) -> tuple[str, str]:
     """scheduling.calibration=auto: (the file to use, how it was found). find_calibration's file, else the shape
     benchmark now, in the live set-up (every rank, the model sharded as the run shards it; at most
