@@ -41,7 +41,7 @@ from training.inputs import model_inputs
 from training.metrics import MetricsLogger, StepMetrics, busy_every
 from training.optim import EMA, build_optimizer
 from training.resume import (apply_optim_config, check_config, keep_run_values, nothing_to_do,
-                             optim_hyperparameters, resume, saved_run_config)
+                             optim_hyperparameters, plan_changed, plan_record, resume, saved_run_config)
 from training.run_folder import RunFolder, multirun_job, write_whole
 from training.sampling import ValidationSampler, log_encoders
 from training.shape_benchmark import calibration_for_run, check_named_calibration
@@ -124,6 +124,7 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str, kept_val
     graphs = graphs_for_plan(graphs, schedule.graph_tokens, ctx.is_main)  # captures what the plan reserved for
     micro_batches = schedule.micro_batches or cfg.train.micro_batches
     batch_sizes = [schedule.batch_sizes[n] for n in corpus.bucket_names]
+    planned = plan_record(dict(zip(corpus.bucket_names, batch_sizes)), calibration, ctx.world_size)  # in meta.json
 
     # 6. optimizer, LR schedule, EMA, objective, precision: the parts every step uses
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.train.steps)
@@ -158,7 +159,8 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str, kept_val
     if ckpt:
         state = LoopState.from_meta(meta)
         bad = meta.get("data", {})  # placeholders were summed over ranks: one rank carries the sum on
-        if corpus_changed(corpus, bad, cfg.resume_force):  # another index: refused, or forced from a new epoch
+        # another index or another batch table: refused, or forced from a new epoch
+        if corpus_changed(corpus, bad, cfg.resume_force) | plan_changed(meta.get("plan"), planned, cfg.resume_force):
             state.epoch, state.pos = state.epoch + 1, 0
         corpus.restore_bad(bad if ctx.is_main else {"bad": bad.get("bad", [])})
         if state.step >= cfg.train.steps:  # nothing to train: said, and nothing written
@@ -169,7 +171,7 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str, kept_val
 
     def checkpoint(diverged: bool = False) -> str:
         bad = merge_bad_states(ctx.gather_objects(corpus.bad_state()))  # every rank's, so a resume knows them all
-        meta = state.meta() | {"lr_scheduler": scheduler.state_dict(), "data": bad, "lineage": lineage}
+        meta = state.meta() | {"lr_scheduler": scheduler.state_dict(), "data": bad, "lineage": lineage, "plan": planned}
         earlier = diverged and os.path.lexists(os.path.join(cfg.run_dir, f"diverged_step_{state.step}"))
         path = save_checkpoint(cfg.run_dir, state.step, model, optimizer, parts.ema, meta, config_yaml, ctx,
                                cfg.checkpoint.keep_last, trainable_only=adapter_only, diverged=diverged)

@@ -84,3 +84,39 @@ def _optimizer_state_keys(ckpt: str, tmp_path) -> list:
     out = str(tmp_path / "opt.pt")
     dcp_to_torch_save(ckpt, out)
     return [k for k in flatten_state_dict(torch.load(out, weights_only=False))[0] if k.startswith("optim")]
+
+
+def test_a_resume_whose_batch_table_changed_is_refused_unless_forced_then_starts_a_new_epoch(tmp_path, cache,
+                                                                                            caplog):
+    """The calibration the run planned with, edited in place (a refit, the simulator's --write-chosen), sets other
+    batch sizes: the stored position counts samples in the run's table, so resuming under another would repeat or
+    skip samples. Before, nothing compared the file's content (only its path, a config key) and the run went on
+    silently with img_64 at B 7 → 25."""
+    import json
+    import logging
+    import shutil
+
+    cal = str(tmp_path / "cal.json")
+    shutil.copy("results/calibration_cpu_tiny.json", cal)
+    run_dir = str(tmp_path / "run")
+    common = ("scheduling=balanced", f"scheduling.calibration={cal}", "checkpoint.every=2", "train.val_every=100")
+    run_training(tiny_overrides(run_dir, cache, "train.steps=2", *common))
+    with open(os.path.join(run_dir, "step_2", "meta.json")) as f:
+        saved = json.load(f)
+    assert saved["plan"]["calibration"] == cal and len(saved["plan"]["calibration_sha256"]) == 64
+    d = json.load(open(cal))
+    d["chosen"]["m_mem"] = 400
+    d["modes"]["none"]["cost_model"]["params"]["b2"] = 0.001
+    json.dump(d, open(cal, "w"))
+    with pytest.raises(ValueError, match=r"resume refused: the batch table is not the run's \(.*img_64 \d+ → \d+.*\): "
+                                         r"the calibration the run planned with .* its content changed\)\. .*Restore "
+                                         r"that calibration file"):
+        run_training(tiny_overrides(run_dir, cache, "train.steps=4", *common, "resume=auto"))
+    assert max(r["step"] for r in read_metrics(run_dir)) == 2  # nothing trained under the other table
+    with caplog.at_level(logging.WARNING, logger="training.resume"):
+        run_training(tiny_overrides(run_dir, cache, "train.steps=4", *common, "resume=auto", "resume_force=true"))
+    assert any("starting a new epoch under this table" in r.getMessage() for r in caplog.records)
+    rows = {r["step"]: r for r in read_metrics(run_dir) if "train/loss" in r}
+    assert rows[3]["epoch"] == saved["epoch"] + 1
+    with open(os.path.join(run_dir, "step_4", "meta.json")) as f:
+        assert json.load(f)["plan"]["batch_sizes"] != saved["plan"]["batch_sizes"]

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -210,6 +211,50 @@ def check_config(ckpt: str, now, force: bool, is_main: bool) -> None:
             if turned(k, a, b):  # EMA on or off: said where the checkpoint is loaded (checkpoint.fit_state)
                 continue
             log.info("resume: %s %r → %r (this run's value is used)", k, a, b)
+
+
+def plan_record(batch_sizes: dict, calibration: Optional[str], world_size: int) -> dict:
+    """What meta.json keeps of the plan the run made (its "plan"): the batch table (bucket → B), which lays out the
+    epoch the stored position counts in (scheduling/planner.py _layout); the calibration file that set it, by path
+    and content hash; the number of processes, which rescales an FSDP memory bound."""
+    digest = None
+    if calibration and os.path.isfile(calibration):
+        with open(calibration, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    return {"batch_sizes": {n: int(b) for n, b in batch_sizes.items()}, "calibration": calibration,
+            "calibration_sha256": digest, "world_size": int(world_size)}
+
+
+def plan_changed(saved: Optional[dict], now: dict, force: bool) -> bool:
+    """Whether this run's batch table differs from the one the checkpoint's plan position counts in (`saved`: its
+    meta.json "plan"; a checkpoint without one predates the check: False). A change is refused (ValueError) unless
+    `force`; then True, with a warning, and the caller starts a new epoch (as data.loader.corpus_changed does): the
+    position would otherwise repeat or skip samples of this epoch. The message names what changed the table: the
+    calibration file's content (a refit, --write-chosen, a re-measured file under the same path), the number of
+    processes (an FSDP memory bound rescales with it), or else the code that plans."""
+    if not saved or not isinstance(saved.get("batch_sizes"), dict) or saved["batch_sizes"] == now["batch_sizes"]:
+        return False
+    diff = ", ".join(f"{n} {saved['batch_sizes'].get(n)} → {now['batch_sizes'].get(n)}"
+                     for n in sorted(set(saved["batch_sizes"]) | set(now["batch_sizes"]))
+                     if saved["batch_sizes"].get(n) != now["batch_sizes"].get(n))
+    if saved.get("calibration_sha256") and saved.get("calibration_sha256") != now["calibration_sha256"]:
+        why = (f"the calibration the run planned with ({saved.get('calibration')}) is not the same file now "
+               f"({now['calibration'] or 'none'}{', its content changed' if saved.get('calibration') == now['calibration'] else ''})")
+        way = "restore that calibration file (or name the one the run used)"
+    elif saved.get("world_size") not in (None, now["world_size"]):
+        why = f"the number of processes changed ({saved['world_size']} → {now['world_size']}), which rescales the memory bound"
+        way = f"resume on {saved['world_size']} processes"
+    else:
+        why = "the schedule's inputs changed (the code that plans, or a setting it reads)"
+        way = "resume with the version and settings the run used"
+    what = f"the batch table is not the run's ({diff}): {why}"
+    if not force:
+        raise ValueError(f"resume refused: {what}. The saved plan position counts samples in the run's table, so "
+                         f"under another it would repeat or skip samples of this epoch. {way[0].upper() + way[1:]}, "
+                         "start a new run (another name), or set resume_force=true to go on with this table from a "
+                         "new epoch.")
+    log.warning("resume_force: %s; starting a new epoch under this table", what)
+    return True
 
 
 def saved_run_config(resume: str, run_dir: str) -> Optional[dict]:
