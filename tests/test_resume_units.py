@@ -105,8 +105,29 @@ def test_how_a_run_is_named_started_and_launched_is_never_compared():
 
 def test_a_named_folder_without_meta_json_is_refused_before_anything_is_checked(tmp_path):
     (tmp_path / "step_3").mkdir()
-    with pytest.raises(ValueError, match=r"is not a complete checkpoint \(a step_N folder holding meta.json\)"):
+    with pytest.raises(ValueError, match=r"step_3 holds no meta\.json, so it is no complete checkpoint"):
         resume(str(tmp_path / "step_3"), str(tmp_path), CTX, lambda p: {"step": 3})
+    with pytest.raises(ValueError, match=r"resume=step_4: no such folder, as given or in run_dir"):
+        resume("step_4", str(tmp_path), CTX, lambda p: {"step": 4})
+
+
+def test_resume_takes_a_checkpoints_name_inside_run_dir_and_auto_says_when_it_finds_none(tmp_path, caplog,
+                                                                                        monkeypatch):
+    """resume=step_200 is runs/NAME/step_200 (before: "not a complete checkpoint" for a folder that was one); a
+    resume=auto whose run_dir holds no checkpoint (a mistyped name=) starts from scratch with a warning naming it."""
+    import logging
+
+    import training.resume as tr
+
+    (tmp_path / "step_3").mkdir()
+    (tmp_path / "step_3" / "meta.json").write_text("{}")
+    monkeypatch.setattr(tr, "verify_checkpoint", lambda path, ctx: None)
+    monkeypatch.setattr(tr, "branch", lambda run_dir, path, meta, ctx: {})
+    monkeypatch.chdir(tmp_path.parent)
+    assert resume("step_3", str(tmp_path), CTX, lambda p: {"step": 3})[0] == str(tmp_path / "step_3")
+    with caplog.at_level(logging.WARNING, logger="training.resume"):
+        assert resume("auto", str(tmp_path / "nosuch"), CTX, lambda p: {}) == (None, None)
+    assert f"resume=auto: {tmp_path / 'nosuch'} holds no checkpoint, so this run starts from scratch" in caplog.text
 
 
 def test_a_plan_change_is_refused_with_each_key_on_its_own_line(tmp_path):

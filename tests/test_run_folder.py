@@ -461,9 +461,11 @@ def test_overwrite_moves_the_old_run_into_a_dated_replaced_folder(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "train.log").write_text("the old run's lines\n")
     aside = claim(str(run_dir), None, True)
     assert re.fullmatch(r"replaced-\d{8}-\d{6}", os.path.basename(aside))
-    assert os.listdir(aside) == ["metrics.jsonl"] and "metrics.jsonl" not in os.listdir(run_dir)
+    assert sorted(os.listdir(aside)) == ["metrics.jsonl", "train.log"]  # its log too: the new run's starts empty
+    assert os.listdir(run_dir) == [os.path.basename(aside)]
 
 
 def test_a_multirun_job_without_a_logging_section_and_a_folder_ending_in_x():

@@ -75,3 +75,20 @@ def test_one_process_draws_its_random_init_on_the_host_as_rank_0_of_a_sharded_ru
     on_host = build.build_parallel_model(cfg, 0, 1, torch.device("cpu"))
     torch.manual_seed(0)
     assert all(torch.equal(a, b) for a, b in zip(on_host.state_dict().values(), real(cfg, "cpu").state_dict().values()))
+
+
+def test_too_few_gpus_is_refused_with_only_the_ways_that_can_work(monkeypatch):
+    """A one-GPU preset on a machine without a GPU cannot lower its processes; with some GPUs the advice names how
+    many there are."""
+    import torch
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"has 0 GPU\(s\): run it where there are, or set launch\.device=cpu") as e:
+        check_devices(1, "cuda")
+    assert "num_processes" not in str(e.value).split("GPU(s):")[1]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"has 2 GPU\(s\): run it where there are, lower launch\.num_processes to 2, "
+                                         r"or set launch\.device=cpu"):
+        check_devices(8, "cuda")

@@ -146,7 +146,7 @@ def test_keep_last_prunes_old_checkpoints(tmp_path, cache):
 
 
 def test_resume_from_a_missing_checkpoint_is_a_clear_error(tmp_path, cache):
-    with pytest.raises(ValueError, match="not a complete checkpoint"):
+    with pytest.raises(ValueError, match=r"step_7: no such folder, as given or in run_dir"):
         run_training(tiny_overrides(str(tmp_path / "r"), cache, "train.steps=1", f"resume={tmp_path}/step_7"))
 
 

@@ -113,8 +113,9 @@ def check_devices(num_processes: int, device: str, share_gpu: Optional[str] = No
     local = int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))
     if device == "cuda" and gpus < local:
         raise ValueError(f"this run wants {local} GPU process(es) (launch.device=cuda, launch.num_processes="
-                         f"{num_processes}) but this machine has {gpus} GPU(s): run it where there are, lower "
-                         "launch.num_processes, or set launch.device=cpu to try it on CPUs")
+                         f"{num_processes}) but this machine has {gpus} GPU(s): run it where there are, "
+                         + (f"lower launch.num_processes to {gpus}, " if gpus else "")
+                         + "or set launch.device=cpu to try it on CPUs")
     if gpus and "LOCAL_RANK" not in os.environ and gpus < num_processes:
         raise ValueError(f"launch.num_processes={num_processes} but this machine has {gpus} GPUs: lower it or use "
                          "a multi-node launcher")

@@ -262,7 +262,7 @@ def saved_run_config(resume: str, run_dir: str) -> Optional[dict]:
     newest checkpoint whose config.yaml and meta.json match its manifest — a newest one damaged or cut short is
     skipped here as resume=auto skips it, so its values are not kept over those of the one loaded. None where there
     is none or it does not read (the resume itself then says why)."""
-    path = resume if resume != "auto" else next(
+    path = named_checkpoint(resume, run_dir) if resume != "auto" else next(
         (p for _, p in reversed(list_checkpoints(run_dir)) if files_match_manifest(p, ("meta.json", "config.yaml"))),
         None)  # newest first, hashing no more than it must
     if path is None:
@@ -296,14 +296,25 @@ def keep_run_values(raw: dict, saved: dict, given: set[str]) -> list[tuple[str, 
     return kept
 
 
+def named_checkpoint(resume: str, run_dir: str) -> str:
+    """The folder resume=<name> means: the path as given, else a folder of that name in run_dir (resume=step_200
+    for runs/NAME/step_200)."""
+    inside = os.path.join(run_dir, resume)
+    return inside if not os.path.isdir(resume) and not os.path.isabs(resume) and os.path.isdir(inside) else resume
+
+
 def candidates(resume: str, run_dir: str) -> list[str]:
     """The checkpoints to try, in order: newest first for `auto`, the named one otherwise."""
     if resume == "auto":
         return [p for _, p in reversed(list_checkpoints(run_dir))]
-    if not os.path.isdir(resume) or not os.path.exists(os.path.join(resume, "meta.json")):
-        raise ValueError(f"resume={resume} is not a complete checkpoint (a step_N folder holding meta.json); use "
-                         f"resume=auto to take the newest one in run_dir")
-    return [resume]
+    path = named_checkpoint(resume, run_dir)
+    if not os.path.isdir(path):
+        raise ValueError(f"resume={resume}: no such folder, as given or in run_dir ({run_dir}); name a checkpoint "
+                         f"folder (runs/NAME/step_N, or step_N of this run), or resume=auto to take the newest one")
+    if not os.path.exists(os.path.join(path, "meta.json")):
+        raise ValueError(f"resume={resume}: {path} holds no meta.json, so it is no complete checkpoint (a step_N "
+                         "folder); use resume=auto to take the newest one in run_dir")
+    return [path]
 
 
 def resume(resume: Optional[str], run_dir: str, ctx: DistContext, load: Callable[[str], dict]) -> tuple[Optional[str], Optional[dict]]:
@@ -314,6 +325,9 @@ def resume(resume: Optional[str], run_dir: str, ctx: DistContext, load: Callable
     files match their manifest but fail to load is called intact: the advice never says to move it away."""
     if not resume:
         return None, None
+    if resume == "auto" and not list_checkpoints(run_dir) and ctx.is_main:
+        log.warning("resume=auto: %s holds no checkpoint, so this run starts from scratch (if you meant to go on with "
+                    "another run, check name= or run_dir=)", run_dir)
     intact = []  # verified, yet not loaded: the cause is between it and this run, not in its files
     for path in candidates(resume, run_dir):
         problem = verify_checkpoint(path, ctx)

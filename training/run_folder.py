@@ -12,8 +12,9 @@ What is there. A folder holds a run when it has any of RUN_FILES: metrics, check
 abandoned or half-written one), a wandb run and its id, the resolved config, samples, traces. Into such a folder
 
     resume=auto | PATH   continues that run (training/resume.py)
-    overwrite=true       a fresh run; the old run's files are moved into `replaced-<date>-<time>/` in the folder,
-                         never deleted (nothing already written is lost); its wandb id is not reused
+    overwrite=true       a fresh run; the old run's files (its train.log too) are moved into
+                         `replaced-<date>-<time>/` in the folder, never deleted (nothing already written is lost); its
+                         wandb id is not reused
     neither              refused before anything is built, naming what is there and the three ways on
 
 A refused run leaves nothing behind: not the folder (when it made it), not its lock file.
@@ -293,13 +294,14 @@ def claim(run_dir: str, resume: Optional[str], overwrite: bool) -> Optional[str]
         return None
     if not overwrite:
         shown = ", ".join(there[:6]) + (f" and {len(there) - 6} more" if len(there) > 6 else "")
-        raise ValueError(f"run_dir={run_dir} already holds a run ({shown}). Continue it with resume=auto, start "
+        raise ValueError(f"run_dir={run_dir} already holds a run ({shown}). Continue it with resume=auto (and a "
+                         f"higher train.steps where it has finished), start "
                          f"another with name=<new name>, or set overwrite=true to move its files aside (into "
                          f"{run_dir}/replaced-<date>-<time>/) and start afresh there")
     aside = os.path.join(run_dir, time.strftime("replaced-%Y%m%d-%H%M%S"))
     os.makedirs(aside)
-    for name in there:
-        shutil.move(os.path.join(run_dir, name), os.path.join(aside, name))
+    for name in there + ([LOG_FILE] if os.path.isfile(os.path.join(run_dir, LOG_FILE)) else []):
+        shutil.move(os.path.join(run_dir, name), os.path.join(aside, name))  # its log goes with it
     return aside
 
 
