@@ -32,7 +32,7 @@ from scheduling.policy import ModelShape, schedule_for
 from training.busy import StepProfiler
 from training.checkpoint import CheckpointError, LoopState, load_checkpoint, save_checkpoint
 from training.cli import user_errors
-from training.config import TrainConfig, config_warnings, load_config
+from training.config import TrainConfig, config_warnings, load_config, unknown_override_keys
 from training.cuda_graphs import graph_blockers, graphs_for, graphs_for_plan
 from training.dist import (check_devices, cpu_threads, fsdp_options_from_env, init_distributed, launcher,
                            maybe_launch, shutdown)
@@ -351,5 +351,17 @@ def _main(dcfg: DictConfig) -> None:
         kept_values=kept)
 
 
+def check_command_line(argv: list[str]) -> None:
+    """Typos in a key (`train.step=20`) stop here with the nearest known key and status 2, before Hydra, whose own
+    message suggests appending the key with `+`, which the config then refuses."""
+    groups = {d for d in os.listdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf"))
+              if os.path.isdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf", d))}
+    wrong = unknown_override_keys(argv, groups)
+    if wrong:
+        print("train.py: error: unknown config key(s): " + "; ".join(wrong), file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
+    check_command_line(sys.argv[1:])
     main()

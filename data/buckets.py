@@ -11,6 +11,7 @@ Batch sizes are not decided here: they come from `scheduling/`.
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -93,6 +94,8 @@ def bucket_table(buckets: Mapping[str, Mapping], stride_t: int = VAE_STRIDE_T, s
             raise ValueError(f"data.buckets.{name} has unknown keys {sorted(unknown)}; expected frames, height, width")
         missing = {"frames", "height", "width"} - set(spec)
         if missing:
-            raise ValueError(f"data.buckets.{name} is missing {sorted(missing)}")
+            near = difflib.get_close_matches(name, [n for n in buckets if n != name], n=1, cutoff=0.6)
+            raise ValueError(f"data.buckets.{name} is missing {sorted(missing)}" + (
+                f" (a typo for data.buckets.{near[0]}? A new bucket needs frames, height and width)" if near else ""))
         table[name] = Bucket(name, spec["frames"], spec["height"], spec["width"], stride_t, stride_s, tuple(patch))
     return dict(sorted(table.items(), key=lambda kv: (kv[1].tokens, kv[0])))

@@ -116,3 +116,30 @@ def test_offload_is_refused_under_fsdp():
     model.offload_checkpoints = True
     with pytest.raises(ValueError, match="offload_checkpoints"):
         parallelize(model, shard=True)
+
+
+def test_a_mistyped_key_is_named_with_the_nearest_known_one_before_hydra_suggests_appending_it():
+    from training.config import unknown_override_keys
+
+    groups = {"conf", "data", "model", "optim", "scheduling", "logging"}
+    assert unknown_override_keys(["train.step=20", "trian.steps=1", "scheduling.strat=x", "model.num_layer=2"],
+                                 groups) == [
+        "train.step: train has no key 'step' (did you mean train.steps?)",
+        "trian.steps: the config has no key 'trian' (did you mean train?)",
+        "scheduling.strat: scheduling has no key 'strat' (did you mean scheduling.strategy?)",
+        "model.num_layer: model has no key 'num_layer' (did you mean model.num_layers?)"]
+    fine = ["train.steps=20", "conf=demo", "scheduling=balanced", "model.num_single_layers=2", "model.lora.rank=4",
+            "data.buckets.vid_64_9F.frames=13", "+x.y=1", "~train.steps", "hydra.run.dir=x", "-m", "name=a",
+            "optim.lr=1e-3,2e-3", "data.synthetic.mix.img_64=0.5", "objective.shift=3"]
+    assert unknown_override_keys(fine, groups) == []
+
+
+def test_the_command_line_typo_stops_train_py_with_status_2_and_the_known_key():
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    done = subprocess.run([sys.executable, "train.py", "train.step=20"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "did you mean train.steps?" in done.stderr and "+train.step" not in done.stderr

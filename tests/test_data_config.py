@@ -122,3 +122,19 @@ def test_a_folder_as_data_urls_suggests_its_shard_pattern(tmp_path):
     index = corpus(tmp_path / "latents", 4)
     with pytest.raises(ValueError, match=re.escape(f"use data.index={index}")):
         check_corpus(DataConfig(buckets={}, urls=index))
+
+
+def test_a_bucket_name_one_letter_off_is_called_a_likely_typo():
+    """`data.buckets.vid_64_9F.frames=13` (a capital F) made a new bucket: the errors it then meets name the bucket
+    it was probably meant to be."""
+    from data.buckets import bucket_table
+    from data.config import synthetic_mix
+
+    with pytest.raises(ValueError, match=r"is vid_64_9F a typo for vid_64_9f\?"):
+        synthetic_mix({"img_64": 0.5, "vid_64_9f": 0.5}, ["img_64", "vid_64_9f", "vid_64_9F"])
+    spec = {"frames": 9, "height": 64, "width": 64}
+    with pytest.raises(ValueError, match=r"data\.buckets\.vid_64_9F is missing \['height', 'width'\] \(a typo for "
+                                         r"data\.buckets\.vid_64_9f\?"):
+        bucket_table({"vid_64_9f": spec, "vid_64_9F": {"frames": 13}})
+    with pytest.raises(ValueError, match=r"is missing \['height', 'width'\]$"):
+        bucket_table({"vid_64_9f": spec, "zzz": {"frames": 13}})

@@ -13,6 +13,7 @@ with it is false) and ±Inf through one-sided ones, so the ranges in each `__pos
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import typing
@@ -310,3 +311,37 @@ def compose_config(overrides=()) -> TrainConfig:
         raw = OmegaConf.to_container(compose(config_name="train", overrides=list(overrides)), resolve=True)
     raw.pop("hydra", None)
     return load_config(raw)
+
+
+def unknown_override_keys(overrides: list[str], groups: set[str]) -> list[str]:
+    """For each command-line override whose key no config can hold — a typo like `train.step=20` — what it should
+    say: the key, and the nearest known one. Hydra's own refusal suggests appending the key (`+train.step=20`), which
+    load_config then refuses too; this runs before Hydra. Checked: keys into the config's dataclasses (model.* against
+    every model's fields); not checked: keys with + ~ or @, hydra.*, config-group choices (`groups`: conf,
+    scheduling, ...), and anything below a dict or list field (bucket names, optim.groups), which load_config and
+    the data checks name."""
+    out = []
+    for arg in overrides:
+        key, eq, _ = arg.partition("=")
+        if not eq or arg.startswith("-") or key.startswith(("+", "~")) or "@" in key or key.split(".")[0] == "hydra":
+            continue
+        if key in groups:
+            continue
+        level, path = [TrainConfig], []
+        for part in key.split("."):
+            names = {f.name: typing.get_type_hints(c)[f.name] for c in level for f in dataclasses.fields(c)}
+            if part not in names:
+                near = difflib.get_close_matches(part, names, n=1, cutoff=0.6)
+                where = ".".join(path) or "the config"
+                out.append(f"{key}: {where} has no key {part!r}" + (f" (did you mean {'.'.join(path + near)}?)"
+                                                                      if near else f"; known: {sorted(names)}"))
+                break
+            path.append(part)
+            tp = names[part]
+            if part == "model" and len(path) == 1:
+                level = list(MODEL_CONFIGS.values())
+            elif dataclasses.is_dataclass(tp):
+                level = [tp]
+            else:
+                break  # a value, a dict or a list: what lies below is load_config's to check
+    return out
