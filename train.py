@@ -192,8 +192,9 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str, kept_val
                  "from %s", schedule.strategy, schedule.planner,
                  f" (window {schedule.window})" if schedule.planner == "windowed" else "", calibration or "none",
                  found, micro_batches, schedule.values, schedule.sources)
-        log.info("%s from %s\n%s", f"resumed at step {state.step}" if ckpt else "starting",
-                 ckpt or "scratch", schedule.table({n: buckets[n].tokens for n in corpus.bucket_names}))
+        log.info("%s from %s, writing %s (train.log, metrics.jsonl, checkpoints)\n%s",
+                 f"resumed at step {state.step}" if ckpt else "starting", ckpt or "scratch", cfg.run_dir,
+                 schedule.table({n: buckets[n].tokens for n in corpus.bucket_names}))
         for note in schedule.notes:
             log.warning("scheduling: %s", note)
         log_encoders(cfg, corpus, model.num_matmul_params(), log)  # which VAE and text encoder; random ones warn
