@@ -2,7 +2,7 @@
 # The trainer at the GPU's limit (results/attention_h200.md, results/step_h200.md), one device call per part:
 #   t  the GPU tests of model.attention_backend (every backend against fp32 math, Wan and the MMDiT; cuDNN handed a
 #      gradient laid out unlike its output), the fused attention's kernels, Wan's parity with diffusers and the
-#      MMDiT's GPU test (~2 min)
+#      MMDiT's GPU test, and the CUDA graphs' (replays against eager; a side stream's cuBLAS workspaces freed) (~2 min)
 #   k  SDPA's kernels at Wan's shapes and the cuDNN key-mask check (scripts/bench/attention.py, ~1.5 min)
 #   L  cuDNN's time by q/k/v/dO layout and call path (raw SDPA, ops.attention_backend.sdpa, the aten ops
 #      ops/rope_attention.py calls) at Wan 1.3B's self- and cross-attention, taking turns, ROUNDS rounds (default 4)
@@ -43,7 +43,7 @@ source scripts/h200_env.sh h200_attention_out
 PART=${PART:-tk}
 if [[ $PART == *t* ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_attention_backend.py tests/test_rope_attention.py \
-    tests/test_wan_parity.py tests/test_wan_fused.py tests/test_mmdit.py \
+    tests/test_wan_parity.py tests/test_wan_fused.py tests/test_mmdit.py tests/test_cuda_graphs.py \
     -k "cuda or gpu or every_backend or fused_ops_model or laid_out" 2>&1 | tee "$OUT/gpu_tests.log" | tail -6
   python3 -m pytest -q -s -p no:cacheprovider tests/test_attention_backend.py -k laid_out 2>&1 | grep "raw SDPA" \
     | tee "$OUT/cudnn_grad_layout.txt"
