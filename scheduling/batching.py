@@ -24,7 +24,8 @@ def _check_positive(name: str, value: float) -> None:
 def _check_fits(S: int, m_mem: float, name: str = "scheduling.m_mem",
                 remedy: str = "raise the memory budget, turn on model.checkpointing, or drop the bucket") -> None:
     if S > m_mem:
-        raise ValueError(f"{name}={m_mem:g} tokens is below a bucket's S={S}: the bound admits no sample of it; {remedy}")
+        raise ValueError(f"{name}={m_mem:g} tokens is below a bucket's S={S}: the bound admits no sample of it; "
+                         f"{remedy}")
 
 
 def equal_token_batch_size(S: int, m_tokens: int) -> int:

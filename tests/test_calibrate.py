@@ -627,7 +627,8 @@ def test_the_14b_on_h100s_under_the_policies_finds_the_h100_slice_and_needs_16_r
     shares = {n: share for n, _, share in DEFAULT_MIX}
     shape = ModelShape(1, 40, 5120, 512)
     with pytest.raises(ValueError, match=r"FSDP over 8 ranks\)\)=5\d{4} tokens is below a bucket's S=75600: .*"
-                                         r"shard over more ranks \(16 hold it; FSDP over 8 keeps 33\.3 GiB of sharded states") as e:
+                                         r"shard over more ranks \(16 hold it; FSDP over 8 keeps 33\.3 GiB of sharded "
+                                         r"states") as e:
         schedule_for(cfg, tokens, shape, 8, shares)
     assert "turn on model.checkpointing" not in str(e.value) and "a larger budget will not do" in str(e.value)
     # the preset as shipped (full recompute, no kept attention) finds the same file and stops the same way

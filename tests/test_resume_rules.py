@@ -108,7 +108,8 @@ def test_a_resume_whose_batch_table_changed_is_refused_unless_forced_then_starts
     d["chosen"]["m_mem"] = 400
     d["modes"]["none"]["cost_model"]["params"]["b2"] = 0.001
     json.dump(d, open(cal, "w"))
-    with pytest.raises(ValueError, match=r"resume refused: the batch table is not the run's \(.*img_64 \d+ → \d+.*\): "
+    with pytest.raises(ValueError, match=r"resume refused: the batch table is not the run's "
+                                         r"\(.*img_64 \d+ → \d+.*\): "
                                          r"the calibration the run planned with .* its content changed\)\. .*Restore "
                                          r"that calibration file"):
         run_training(tiny_overrides(run_dir, cache, "train.steps=4", *common, "resume=auto"))

@@ -140,3 +140,24 @@ def test_a_plan_change_is_refused_with_each_key_on_its_own_line(tmp_path):
         check_config(str(ckpt), now, False, True)
     assert (f"the trained state:\n  model.num_layers: {saved.model.num_layers} → {saved.model.num_layers + 1}\n"
             f"  train.seed: {saved.train.seed} → 7\nThe stored plan") in str(err.value)
+
+
+def test_a_changed_batch_table_names_its_cause():
+    from training.resume import plan_changed
+
+    saved = {"batch_sizes": {"a": 4, "b": 1}, "calibration": "c.json", "calibration_sha256": "1" * 64, "world_size": 8}
+    same = dict(saved)
+    assert plan_changed(None, same, False) is False and plan_changed(saved, same, False) is False
+    assert plan_changed({"step": 3}, same, False) is False  # a checkpoint from before the check
+    ranks = {**saved, "batch_sizes": {"a": 6, "b": 1}, "world_size": 16}
+    with pytest.raises(ValueError, match=r"\(a 4 → 6\): the number of processes changed \(8 → 16\), which rescales the "
+                                         r"memory bound\. .*Resume on 8 processes"):
+        plan_changed(saved, ranks, False)
+    edited = {**saved, "batch_sizes": {"a": 4, "b": 2}, "calibration_sha256": "2" * 64}
+    with pytest.raises(ValueError, match=r"\(b 1 → 2\): the calibration the run planned with \(c\.json\) is not the "
+                                         r"same file now \(c\.json, its content changed\)"):
+        plan_changed(saved, edited, False)
+    other = {**saved, "batch_sizes": {"a": 3, "b": 1}}
+    with pytest.raises(ValueError, match=r"the schedule's inputs changed"):
+        plan_changed(saved, other, False)
+    assert plan_changed(saved, other, True) is True

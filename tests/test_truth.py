@@ -95,8 +95,8 @@ def test_the_protocol_records_what_training_reads_for_tokens_per_step(tmp_path):
     pts = [Point("b", S, B, True, QUAD.predict(B, S), [QUAD.predict(B, S) * f for f in (0.99, 1.01)], 5.0,
                  1e9 + 1e5 * B * S) for B, S in [(1, 1560), (40, 1560), (1, 7800), (8, 7800), (1, 14040), (4, 14040),
                                                  (1, 32760), (2, 32760)]]
-    cal = new_calibration({"full": fit_mode(pts)}, model={}, source="t", device="t", date="t", command="t",
-                          hbm_bytes=64e9)
+    cal = new_calibration({"full": fit_mode(pts)}, model={"dim": 1536, "num_layers": 30}, source="t", device="t",
+                          date="t", command="t", hbm_bytes=64e9)
     path = str(tmp_path / "cal.json")
     cal.save(path)
     inp = inputs_from(cal, "full", MIX)

@@ -238,11 +238,13 @@ def plan_changed(saved: Optional[dict], now: dict, force: bool) -> bool:
                      for n in sorted(set(saved["batch_sizes"]) | set(now["batch_sizes"]))
                      if saved["batch_sizes"].get(n) != now["batch_sizes"].get(n))
     if saved.get("calibration_sha256") and saved.get("calibration_sha256") != now["calibration_sha256"]:
+        same = saved.get("calibration") == now["calibration"]
         why = (f"the calibration the run planned with ({saved.get('calibration')}) is not the same file now "
-               f"({now['calibration'] or 'none'}{', its content changed' if saved.get('calibration') == now['calibration'] else ''})")
+               f"({now['calibration'] or 'none'}{', its content changed' if same else ''})")
         way = "restore that calibration file (or name the one the run used)"
     elif saved.get("world_size") not in (None, now["world_size"]):
-        why = f"the number of processes changed ({saved['world_size']} → {now['world_size']}), which rescales the memory bound"
+        why = (f"the number of processes changed ({saved['world_size']} → {now['world_size']}), which rescales the "
+               "memory bound")
         way = f"resume on {saved['world_size']} processes"
     else:
         why = "the schedule's inputs changed (the code that plans, or a setting it reads)"
