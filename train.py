@@ -152,6 +152,10 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str, kept_val
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(f"{path}/meta.json: lr_scheduler does not load ({type(e).__name__}: {e})") from None
         apply_optim_config(optimizer, scheduler, fresh_hparams)  # this run's lr, betas, ... at the restored step
+        # another index or another batch table: refused here (before an explicit resume moves newer checkpoints
+        # aside as abandoned), or forced from a new epoch
+        meta["new_epoch"] = (corpus_changed(corpus, meta.get("data", {}), cfg.resume_force)
+                             | plan_changed(meta.get("plan"), planned, cfg.resume_force))
         return meta
 
     ckpt, meta = resume(cfg.resume, cfg.run_dir, ctx, load)
@@ -159,8 +163,7 @@ def _run(cfg: TrainConfig, ctx, config_yaml: str, gc_tick, preset: str, kept_val
     if ckpt:
         state = LoopState.from_meta(meta)
         bad = meta.get("data", {})  # placeholders were summed over ranks: one rank carries the sum on
-        # another index or another batch table: refused, or forced from a new epoch
-        if corpus_changed(corpus, bad, cfg.resume_force) | plan_changed(meta.get("plan"), planned, cfg.resume_force):
+        if meta.pop("new_epoch"):  # another index or batch table, forced (load)
             state.epoch, state.pos = state.epoch + 1, 0
         corpus.restore_bad(bad if ctx.is_main else {"bad": bad.get("bad", [])})
         if state.step >= cfg.train.steps:  # nothing to train: said, and nothing written

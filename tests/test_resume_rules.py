@@ -100,8 +100,8 @@ def test_a_resume_whose_batch_table_changed_is_refused_unless_forced_then_starts
     shutil.copy("results/calibration_cpu_tiny.json", cal)
     run_dir = str(tmp_path / "run")
     common = ("scheduling=balanced", f"scheduling.calibration={cal}", "checkpoint.every=2", "train.val_every=100")
-    run_training(tiny_overrides(run_dir, cache, "train.steps=2", *common))
-    with open(os.path.join(run_dir, "step_2", "meta.json")) as f:
+    run_training(tiny_overrides(run_dir, cache, "train.steps=4", *common))
+    with open(os.path.join(run_dir, "step_4", "meta.json")) as f:
         saved = json.load(f)
     assert saved["plan"]["calibration"] == cal and len(saved["plan"]["calibration_sha256"]) == 64
     d = json.load(open(cal))
@@ -112,12 +112,16 @@ def test_a_resume_whose_batch_table_changed_is_refused_unless_forced_then_starts
                                          r"\(.*img_64 \d+ → \d+.*\): "
                                          r"the calibration the run planned with .* its content changed\)\. .*Restore "
                                          r"that calibration file"):
-        run_training(tiny_overrides(run_dir, cache, "train.steps=4", *common, "resume=auto"))
-    assert max(r["step"] for r in read_metrics(run_dir)) == 2  # nothing trained under the other table
+        run_training(tiny_overrides(run_dir, cache, "train.steps=6", *common, "resume=auto"))
+    with pytest.raises(ValueError, match=r"resume refused: the batch table is not the run's"):
+        run_training(tiny_overrides(run_dir, cache, "train.steps=6", *common, "resume=step_2"))
+    # refused before the rollback to step_2 would move step_4 aside
+    assert "step_4" in os.listdir(run_dir) and not any(d.startswith("abandoned-") for d in os.listdir(run_dir))
+    assert max(r["step"] for r in read_metrics(run_dir)) == 4  # nothing trained under the other table
     with caplog.at_level(logging.WARNING, logger="training.resume"):
-        run_training(tiny_overrides(run_dir, cache, "train.steps=4", *common, "resume=auto", "resume_force=true"))
+        run_training(tiny_overrides(run_dir, cache, "train.steps=6", *common, "resume=auto", "resume_force=true"))
     assert any("starting a new epoch under this table" in r.getMessage() for r in caplog.records)
     rows = {r["step"]: r for r in read_metrics(run_dir) if "train/loss" in r}
-    assert rows[3]["epoch"] == saved["epoch"] + 1
-    with open(os.path.join(run_dir, "step_4", "meta.json")) as f:
+    assert rows[5]["epoch"] == saved["epoch"] + 1
+    with open(os.path.join(run_dir, "step_6", "meta.json")) as f:
         assert json.load(f)["plan"]["batch_sizes"] != saved["plan"]["batch_sizes"]
