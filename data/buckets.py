@@ -11,7 +11,6 @@ Batch sizes are not decided here: they come from `scheduling/`.
 """
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -79,6 +78,21 @@ class Bucket:
         return f * h * w
 
 
+def near_name(name: str, names) -> str | None:
+    """The one name in `names` that `name` is likely a typo of: the same but for case, or one letter changed, added,
+    dropped or two swapped (names of four letters or more); None where there is none, or more than one."""
+    def one_edit(a: str, b: str) -> bool:
+        if abs(len(a) - len(b)) > 1 or a == b:
+            return False
+        if len(a) == len(b):
+            d = [i for i in range(len(a)) if a[i] != b[i]]
+            return len(d) == 1 or (len(d) == 2 and d[1] == d[0] + 1 and a[d[0]] == b[d[1]] and a[d[1]] == b[d[0]])
+        short, long_ = sorted((a, b), key=len)
+        return any(long_[:i] + long_[i + 1:] == short for i in range(len(long_)))
+    hits = [n for n in names if n != name and (n.lower() == name.lower() or (len(name) >= 4 and one_edit(n, name)))]
+    return hits[0] if len(hits) == 1 else None
+
+
 def bucket_table(buckets: Mapping[str, Mapping], stride_t: int = VAE_STRIDE_T, stride_s: int = VAE_STRIDE_S,
                  patch: tuple[int, int, int] = PATCH) -> dict[str, Bucket]:
     """Config dict {name: {frames, height, width}} → {name: Bucket}, ordered by tokens S then name.
@@ -94,8 +108,8 @@ def bucket_table(buckets: Mapping[str, Mapping], stride_t: int = VAE_STRIDE_T, s
             raise ValueError(f"data.buckets.{name} has unknown keys {sorted(unknown)}; expected frames, height, width")
         missing = {"frames", "height", "width"} - set(spec)
         if missing:
-            near = difflib.get_close_matches(name, [n for n in buckets if n != name], n=1, cutoff=0.6)
+            near = near_name(name, buckets)
             raise ValueError(f"data.buckets.{name} is missing {sorted(missing)}" + (
-                f" (a typo for data.buckets.{near[0]}? A new bucket needs frames, height and width)" if near else ""))
+                f" (a typo for data.buckets.{near}? A new bucket needs frames, height and width)" if near else ""))
         table[name] = Bucket(name, spec["frames"], spec["height"], spec["width"], stride_t, stride_s, tuple(patch))
     return dict(sorted(table.items(), key=lambda kv: (kv[1].tokens, kv[0])))

@@ -6,11 +6,11 @@ shapes by data/buckets.py.
 """
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from data.buckets import near_name
 from data.encoders import EncoderConfig
 from data.raw import RawConfig
 
@@ -76,8 +76,7 @@ def synthetic_mix(mix: dict[str, float], bucket_names: list[str]) -> dict[str, f
             f"{sum(mix.values()):g}, leaving none: such a bucket would get no samples. Set "
             + " ".join(f"'+data.synthetic.mix.{n}=<share>'" for n in unnamed)
             + " (shares are renormalised; 0 keeps the bucket with no synthetic samples)"
-            + "".join(f"; is {n} a typo for {near[0]}?" for n in unnamed
-                      if (near := difflib.get_close_matches(n, [m for m in bucket_names if m != n], n=1, cutoff=0.6))))
+            + "".join(f"; is {n} a typo for {near}?" for n in unnamed if (near := near_name(n, bucket_names))))
     return dict(mix) | {n: rest / len(unnamed) for n in unnamed}
 
 

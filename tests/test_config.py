@@ -130,8 +130,12 @@ def test_a_mistyped_key_is_named_with_the_nearest_known_one_before_hydra_suggest
         "model.num_layer: model has no key 'num_layer' (did you mean model.num_layers?)"]
     fine = ["train.steps=20", "conf=demo", "scheduling=balanced", "model.num_single_layers=2", "model.lora.rank=4",
             "data.buckets.vid_64_9F.frames=13", "+x.y=1", "~train.steps", "hydra.run.dir=x", "-m", "name=a",
-            "optim.lr=1e-3,2e-3", "data.synthetic.mix.img_64=0.5", "objective.shift=3"]
+            "optim.lr=1e-3,2e-3", "data.synthetic.mix.img_64=0.5", "objective.shift=3", "hydra/job_logging=disabled",
+            "hydra/launcher=basic", "++train.steps=3", "name=a=b", "optim=adafactor"]
     assert unknown_override_keys(fine, groups) == []
+    # config folders added on the command line bring groups this check cannot know
+    assert unknown_override_keys(["-cd", "extra", "foo=bar"], groups) == []
+    assert unknown_override_keys(["hydra.searchpath=[file://x]", "foo=bar"], groups) == []
 
 
 def test_the_command_line_typo_stops_train_py_with_status_2_and_the_known_key():

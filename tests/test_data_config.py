@@ -138,3 +138,11 @@ def test_a_bucket_name_one_letter_off_is_called_a_likely_typo():
         bucket_table({"vid_64_9f": spec, "vid_64_9F": {"frames": 13}})
     with pytest.raises(ValueError, match=r"is missing \['height', 'width'\]$"):
         bucket_table({"vid_64_9f": spec, "zzz": {"frames": 13}})
+    from data.buckets import near_name
+
+    # case, one letter changed, two swapped; a deliberate new name (three letters apart) is none's typo
+    assert [near_name(n, ["vid_64_9f", "img_64", "vid_64x96_17f"]) for n in
+            ("vid_64_9F", "img_65", "img_46", "vid_64_17f", "img")] == ["vid_64_9f", "img_64", "img_64", None, None]
+    with pytest.raises(ValueError) as e:
+        synthetic_mix({"img_64": 1.0}, ["img_64", "vid_64x96_17f", "vid_64_17f"])
+    assert "typo" not in str(e.value)

@@ -109,9 +109,8 @@ def test_a_resume_whose_batch_table_changed_is_refused_unless_forced_then_starts
     d["modes"]["none"]["cost_model"]["params"]["b2"] = 0.001
     json.dump(d, open(cal, "w"))
     with pytest.raises(ValueError, match=r"resume refused: the batch table is not the run's "
-                                         r"\(.*img_64 \d+ → \d+.*\): "
-                                         r"the calibration the run planned with .* its content changed\)\. .*Restore "
-                                         r"that calibration file"):
+                                         r"\(.*img_64 \d+ → \d+.*\): the calibration it planned with, .*cal\.json, "
+                                         r"changed since .*Restore that calibration file"):
         run_training(tiny_overrides(run_dir, cache, "train.steps=6", *common, "resume=auto"))
     with pytest.raises(ValueError, match=r"resume refused: the batch table is not the run's"):
         run_training(tiny_overrides(run_dir, cache, "train.steps=6", *common, "resume=step_2"))

@@ -522,3 +522,20 @@ def test_a_link_deeper_down_the_path_is_refused_by_name_and_a_new_file_gets_mode
     finally:
         os.umask(umask)
     assert oct(os.stat(tmp_path / "a" / "real" / "new").st_mode & 0o777) == oct(0o644)
+
+
+def test_resume_auto_into_a_run_that_left_no_checkpoint_moves_its_files_aside(tmp_path):
+    """Before, resume=auto found nothing to resume and wrote over that run's config.yaml and appended to its
+    metrics.jsonl (steps 1-2 logged twice). A relaunch with resume=auto still starts; nothing is written over."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "config.yaml").write_text("name: old\n")
+    aside = claim(str(run_dir), "auto", False)
+    assert sorted(os.listdir(aside)) == ["config.yaml", "metrics.jsonl"]
+    assert os.listdir(run_dir) == [os.path.basename(aside)]
+    # a run with a checkpoint is resumed in place: nothing moves
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "step_2").mkdir()
+    (run_dir / "step_2" / "meta.json").write_text("{}")
+    assert claim(str(run_dir), "auto", False) is None and (run_dir / "metrics.jsonl").exists()

@@ -242,7 +242,7 @@ def load_config(d: dict) -> TrainConfig:
 
 
 def _check_cross_fields(cfg: TrainConfig) -> None:
-    from data.buckets import bucket_table
+    from data.buckets import bucket_table, near_name
 
     m = cfg.model
     if m.attention_layers > MAX_LAYERS:
@@ -272,11 +272,15 @@ def _check_cross_fields(cfg: TrainConfig) -> None:
                          f"model.name={cfg.model.name} needs its text mask and pooled text there, not yet wired: set "
                          "train.sample_every=0")
     if cfg.sample.bucket is not None and cfg.sample.bucket not in table:
-        raise ValueError(f"sample.bucket={cfg.sample.bucket!r} is not in data.buckets ({sorted(table)})")
+        near = near_name(cfg.sample.bucket, table)
+        raise ValueError(f"sample.bucket={cfg.sample.bucket!r} is not in data.buckets ({sorted(table)})"
+                         + (f": a typo for {near}?" if near else ""))
     if cfg.data.synthetic.mix and cfg.data.index is None and cfg.data.sources is None:
         unknown = set(cfg.data.synthetic.mix) - set(table)
         if unknown:
-            raise ValueError(f"data.synthetic.mix names buckets {sorted(unknown)} missing from data.buckets")
+            raise ValueError(f"data.synthetic.mix names buckets {sorted(unknown)} missing from data.buckets"
+                             + "".join(f"; is {n} a typo for {near}?" for n in sorted(unknown)
+                                       if (near := near_name(n, table))))
     sc = cfg.scheduling
     if sc.m_mem is not None:
         too_long = [n for n, b in table.items() if b.tokens > sc.m_mem]
@@ -317,13 +321,18 @@ def unknown_override_keys(overrides: list[str], groups: set[str]) -> list[str]:
     """For each command-line override whose key no config can hold — a typo like `train.step=20` — what it should
     say: the key, and the nearest known one. Hydra's own refusal suggests appending the key (`+train.step=20`), which
     load_config then refuses too; this runs before Hydra. Checked: keys into the config's dataclasses (model.* against
-    every model's fields); not checked: keys with + ~ or @, hydra.*, config-group choices (`groups`: conf,
-    scheduling, ...), and anything below a dict or list field (bucket names, optim.groups), which load_config and
-    the data checks name."""
+    every model's fields); not checked: keys with + ~ @ or / (Hydra's group paths: hydra/job_logging=disabled),
+    hydra.*, config-group choices (`groups`: conf, scheduling, ...), and anything below a dict or list field (bucket
+    names, optim.groups), which load_config and the data checks name. Nothing is checked where the command line adds
+    config folders (--config-dir, --config-path, --config-name or hydra.searchpath): their groups are not known here."""
+    if any(a.split("=", 1)[0] in ("-cd", "--config-dir", "-cp", "--config-path", "-cn", "--config-name")
+           or a.startswith(("hydra.searchpath", "+hydra.searchpath", "++hydra.searchpath")) for a in overrides):
+        return []
     out = []
     for arg in overrides:
         key, eq, _ = arg.partition("=")
-        if not eq or arg.startswith("-") or key.startswith(("+", "~")) or "@" in key or key.split(".")[0] == "hydra":
+        if (not eq or arg.startswith("-") or key.startswith(("+", "~")) or "@" in key or "/" in key
+                or key.split(".")[0] == "hydra"):
             continue
         if key in groups:
             continue

@@ -227,35 +227,41 @@ def plan_record(batch_sizes: dict, calibration: Optional[str], world_size: int) 
 
 def plan_changed(saved: Optional[dict], now: dict, force: bool) -> bool:
     """Whether this run's batch table differs from the one the checkpoint's plan position counts in (`saved`: its
-    meta.json "plan"; a checkpoint without one predates the check: False). A change is refused (ValueError) unless
-    `force`; then True, with a warning, and the caller starts a new epoch (as data.loader.corpus_changed does): the
-    position would otherwise repeat or skip samples of this epoch. The message names what changed the table: the
-    calibration file's content (a refit, --write-chosen, a re-measured file under the same path), the number of
-    processes (an FSDP memory bound rescales with it), or else the code that plans."""
+    meta.json "plan"; a checkpoint without one predates the check: False). Where it does, the caller starts a new
+    epoch (as data.loader.corpus_changed does): the position would otherwise repeat or skip samples of this epoch.
+    A table changed by the calibration file's content under the same path (a refit, --write-chosen, a re-measured
+    file) changed behind the run's back: refused (ValueError) unless `force`. One changed by what this resume
+    changes itself — another number of processes (an FSDP memory bound rescales with it), an execution setting
+    (model.checkpointing, precision: the run plans from another record or file), another calibration file — goes on
+    from a new epoch with a warning naming the cause."""
     if not saved or not isinstance(saved.get("batch_sizes"), dict) or saved["batch_sizes"] == now["batch_sizes"]:
         return False
     diff = ", ".join(f"{n} {saved['batch_sizes'].get(n)} → {now['batch_sizes'].get(n)}"
                      for n in sorted(set(saved["batch_sizes"]) | set(now["batch_sizes"]))
                      if saved["batch_sizes"].get(n) != now["batch_sizes"].get(n))
-    if saved.get("calibration_sha256") and saved.get("calibration_sha256") != now["calibration_sha256"]:
-        same = saved.get("calibration") == now["calibration"]
-        why = (f"the calibration the run planned with ({saved.get('calibration')}) is not the same file now "
-               f"({now['calibration'] or 'none'}{', its content changed' if same else ''})")
-        way = "restore that calibration file (or name the one the run used)"
-    elif saved.get("world_size") not in (None, now["world_size"]):
+    edited = (saved.get("calibration") == now["calibration"] and saved.get("calibration_sha256")
+              and saved.get("calibration_sha256") != now["calibration_sha256"])
+    if edited:
+        what = (f"the batch table is not the run's ({diff}): the calibration it planned with, {now['calibration']}, "
+                "changed since (its content hash differs)")
+        if not force:
+            raise ValueError(f"resume refused: {what}. The saved plan position counts samples in the run's table, so "
+                             "under another it would repeat or skip samples of this epoch. Restore that calibration "
+                             "file, start a new run (another name), or set resume_force=true to go on with this table "
+                             "from a new epoch.")
+        log.warning("resume_force: %s; starting a new epoch under this table", what)
+        return True
+    if saved.get("world_size") not in (None, now["world_size"]):
         why = (f"the number of processes changed ({saved['world_size']} → {now['world_size']}), which rescales the "
                "memory bound")
-        way = f"resume on {saved['world_size']} processes"
+    elif saved.get("calibration") != now["calibration"]:
+        why = (f"the run planned with {saved.get('calibration') or 'no calibration'}, this resume with "
+               f"{now['calibration']}")
     else:
-        why = "the schedule's inputs changed (the code that plans, or a setting it reads)"
-        way = "resume with the version and settings the run used"
-    what = f"the batch table is not the run's ({diff}): {why}"
-    if not force:
-        raise ValueError(f"resume refused: {what}. The saved plan position counts samples in the run's table, so "
-                         f"under another it would repeat or skip samples of this epoch. {way[0].upper() + way[1:]}, "
-                         "start a new run (another name), or set resume_force=true to go on with this table from a "
-                         "new epoch.")
-    log.warning("resume_force: %s; starting a new epoch under this table", what)
+        why = "a setting this resume changes (logged above as this run's value) plans other batch sizes"
+    log.warning("resume: the batch table is not the run's (%s): %s. The saved position counts samples in the run's "
+                "table, so this resume starts a new epoch under the new one (the rest of this epoch is not seen)",
+                diff, why)
     return True
 
 
@@ -299,10 +305,11 @@ def keep_run_values(raw: dict, saved: dict, given: set[str]) -> list[tuple[str, 
 
 
 def named_checkpoint(resume: str, run_dir: str) -> str:
-    """The folder resume=<name> means: the path as given, else a folder of that name in run_dir (resume=step_200
-    for runs/NAME/step_200)."""
+    """The folder resume=<name> means: a bare name (no folder in it: resume=step_200) is run_dir's checkpoint of that
+    name where run_dir has one, whatever the current folder holds; a path is the path as given."""
     inside = os.path.join(run_dir, resume)
-    return inside if not os.path.isdir(resume) and not os.path.isabs(resume) and os.path.isdir(inside) else resume
+    bare = os.path.basename(os.path.normpath(resume)) == resume
+    return inside if bare and os.path.isdir(inside) else resume
 
 
 def candidates(resume: str, run_dir: str) -> list[str]:

@@ -11,7 +11,8 @@ run still lives where the file system's locks do not span hosts). A run that end
 What is there. A folder holds a run when it has any of RUN_FILES: metrics, checkpoints (also a diverged,
 abandoned or half-written one), a wandb run and its id, the resolved config, samples, traces. Into such a folder
 
-    resume=auto | PATH   continues that run (training/resume.py)
+    resume=auto | PATH   continues that run (training/resume.py); resume=auto where it left no checkpoint starts
+                         afresh, its files moved aside as overwrite=true moves them
     overwrite=true       a fresh run; the old run's files (its train.log too) are moved into
                          `replaced-<date>-<time>/` in the folder, never deleted (nothing already written is lost); its
                          wandb id is not reused
@@ -287,10 +288,12 @@ def claim(run_dir: str, resume: Optional[str], overwrite: bool) -> Optional[str]
     links = links_in(run_dir)
     if links:
         raise LinkRefused(f"run_dir={run_dir} holds links ({', '.join(links)}): {_LINK_FIX}")
-    if resume:
-        return None
     there = run_files(run_dir)
-    if not there:
+    if resume == "auto" and there and not _has_checkpoint(run_dir):
+        # a run that left no checkpoint (stopped before its first): resume=auto starts from scratch, so its files
+        # move aside as overwrite=true moves them, never written over or appended to (a relaunch keeps working)
+        return _move_aside(run_dir, there)
+    if resume or not there:
         return None
     if not overwrite:
         shown = ", ".join(there[:6]) + (f" and {len(there) - 6} more" if len(there) > 6 else "")
@@ -298,9 +301,20 @@ def claim(run_dir: str, resume: Optional[str], overwrite: bool) -> Optional[str]
                          f"higher train.steps where it has finished), start "
                          f"another with name=<new name>, or set overwrite=true to move its files aside (into "
                          f"{run_dir}/replaced-<date>-<time>/) and start afresh there")
+    return _move_aside(run_dir, there)
+
+
+def _has_checkpoint(run_dir: str) -> bool:
+    """Whether run_dir holds a step_N folder with its meta.json (what resume=auto can take; not through a link)."""
+    return any(os.path.lexists(os.path.join(p, "meta.json")) and not os.path.islink(p)
+               for p in glob.glob(os.path.join(run_dir, "step_*")) if re.fullmatch(r"step_\d+", os.path.basename(p)))
+
+
+def _move_aside(run_dir: str, names: list[str]) -> str:
+    """The run's files (and its train.log) moved into run_dir/replaced-<date>-<time>/; returns that folder."""
     aside = os.path.join(run_dir, time.strftime("replaced-%Y%m%d-%H%M%S"))
     os.makedirs(aside)
-    for name in there + ([LOG_FILE] if os.path.isfile(os.path.join(run_dir, LOG_FILE)) else []):
+    for name in names + ([LOG_FILE] if os.path.isfile(os.path.join(run_dir, LOG_FILE)) else []):
         shutil.move(os.path.join(run_dir, name), os.path.join(aside, name))  # its log goes with it
     return aside
 
@@ -332,7 +346,8 @@ class RunFolder:
             self._log.setFormatter(logging.Formatter(LOG_FORMAT))
             logging.getLogger().addHandler(self._log)
         if aside:
-            log.warning("overwrite=true: the run that was in %s moved to %s", run_dir, aside)
+            log.warning("%s: the run that was in %s moved to %s", "overwrite=true" if overwrite and not resume else
+                        "resume=auto found no checkpoint to resume", run_dir, aside)
 
     def close(self) -> None:
         if self._log is not None:
