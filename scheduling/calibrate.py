@@ -523,11 +523,11 @@ def check_calibration(data: dict, path: str) -> None:
     S_all = [S for _, S in shapes] or [1560.0, 75600.0]
     shapes |= {(1.0, min(S_all)), (1.0, max(S_all))}
     for mode, rec in modes.items():
+        fits = rec.get("fits")
+        if fits is not None and not isinstance(fits, dict):
+            bad(f"modes.{mode}.fits is not an object")
         try:
             models = [("cost_model", CostModel.from_dict(rec["cost_model"]))]
-            fits = rec.get("fits")
-            if fits is not None and not isinstance(fits, dict):
-                bad(f"modes.{mode}.fits is not an object")
             models += [(f"fits.{f}", CostModel.from_dict(v)) for f, v in (fits or {}).items()]
             mem = memory_model_from_dict(rec["memory_model"]) if rec.get("memory_model") else None
         except KeyError as e:

@@ -1091,6 +1091,11 @@ def test_files_that_are_not_calibrations_are_refused_by_name(tmp_path):
                          "results/calibration_h200_policies.json")
     with pytest.raises(ValueError, match=r"modes\.full\.memory_model predicts nan bytes"):
         Calibration.load(nan_memory)
+    fits = _broken(tmp_path, lambda d: d["modes"]["none"].update(fits=[1]))
+    with pytest.raises(ValueError) as e:
+        Calibration.load(fits)
+    assert str(e.value) == (f"scheduling.calibration={fits}: modes.none.fits is not an object; re-measure it "
+                            "(scripts/calibrate.py) or restore the file")  # said once, not wrapped in itself
 
 
 def test_calibration_auto_passes_over_a_matching_file_that_lacks_a_record_part(tmp_path):
