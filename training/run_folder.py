@@ -288,8 +288,10 @@ def claim(run_dir: str, resume: Optional[str], overwrite: bool) -> Optional[str]
     links = links_in(run_dir)
     if links:
         raise LinkRefused(f"run_dir={run_dir} holds links ({', '.join(links)}): {_LINK_FIX}")
+    from training.checkpoint import list_checkpoints  # here: training.checkpoint imports this module
+
     there = run_files(run_dir)
-    if resume == "auto" and there and not _has_checkpoint(run_dir):
+    if resume == "auto" and there and not list_checkpoints(run_dir):
         # a run that left no checkpoint (stopped before its first): resume=auto starts from scratch, so its files
         # move aside as overwrite=true moves them, never written over or appended to (a relaunch keeps working)
         return _move_aside(run_dir, there)
@@ -302,12 +304,6 @@ def claim(run_dir: str, resume: Optional[str], overwrite: bool) -> Optional[str]
                          f"another with name=<new name>, or set overwrite=true to move its files aside (into "
                          f"{run_dir}/replaced-<date>-<time>/) and start afresh there")
     return _move_aside(run_dir, there)
-
-
-def _has_checkpoint(run_dir: str) -> bool:
-    """Whether run_dir holds a step_N folder with its meta.json (what resume=auto can take; not through a link)."""
-    return any(os.path.lexists(os.path.join(p, "meta.json")) and not os.path.islink(p)
-               for p in glob.glob(os.path.join(run_dir, "step_*")) if re.fullmatch(r"step_\d+", os.path.basename(p)))
 
 
 def _move_aside(run_dir: str, names: list[str]) -> str:
