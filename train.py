@@ -358,9 +358,8 @@ def _main(dcfg: DictConfig) -> None:
 def check_command_line(argv: list[str]) -> None:
     """Typos in a key (`train.step=20`) stop here with the nearest known key and status 2, before Hydra, whose own
     message suggests appending the key with `+`, which the config then refuses."""
-    groups = {d for d in os.listdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf"))
-              if os.path.isdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf", d))}
-    wrong = unknown_override_keys(argv, groups)
+    conf = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
+    wrong = unknown_override_keys(argv, {d for d in os.listdir(conf) if os.path.isdir(os.path.join(conf, d))})
     if wrong:
         print("train.py: error: unknown config key(s): " + "; ".join(wrong), file=sys.stderr)
         sys.exit(2)

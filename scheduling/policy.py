@@ -203,6 +203,14 @@ class PartialRecompute:
         return t_none + k / self.layers * (t_full - t_none) - j / self.layers * (t_full - t_keep)
 
 
+def memory_budget(mem_budget_gib: Optional[float], cal: Optional[Calibration]) -> Optional[float]:
+    """The bytes a micro-batch may peak at: scheduling.mem_budget_gib, else HBM_FRACTION of the device memory the
+    calibration measured; None where neither is known."""
+    if mem_budget_gib is not None:
+        return mem_budget_gib * 2**30
+    return HBM_FRACTION * cal.hbm_bytes if cal is not None and cal.hbm_bytes else None
+
+
 def _partial_recompute(cfg: SchedulingConfig, cal: Calibration, shape: ModelShape, checkpointing, keep_attention,
                        world_size, full_mem, full_cost, S_min) -> Optional[PartialRecompute]:
     """The per-micro-batch policy where the config asks for one (checkpointing=auto, or full with
@@ -211,8 +219,7 @@ def _partial_recompute(cfg: SchedulingConfig, cal: Calibration, shape: ModelShap
     modes = set(cal.modes)
     auto = checkpointing == "auto" and {"none", "full"} <= modes and cal.memory_model("none") is not None
     keep_only = checkpointing == "full" and keep_attention == "auto"
-    budget = (cfg.mem_budget_gib * 2**30 if cfg.mem_budget_gib
-              else HBM_FRACTION * cal.hbm_bytes if cal.hbm_bytes else None)
+    budget = memory_budget(cfg.mem_budget_gib, cal)
     if not (auto or keep_only) or full_mem is None or budget is None:
         return None
     measured_keep = "keep" in modes and cal.memory_model("keep") is not None
@@ -390,7 +397,7 @@ def _room_remedy(source: str, mode: Optional[str], memory, cal: Optional[Calibra
         ways.append("set model.keep_attention=auto or false (this bound keeps every recomputed block's attention)")
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
     hbm = cal.hbm_bytes if cal is not None else None
-    budget = budget_gib * 2**30 if budget_gib is not None else HBM_FRACTION * hbm if hbm else None
+    budget = memory_budget(budget_gib, cal)
     if isinstance(memory, FSDPMemoryModel):
         if budget is None:
             ways.append(f"shard over more ranks (FSDP over {memory.ranks}: {gib(memory.sharded)} of sharded states "
@@ -550,8 +557,7 @@ def _resolve_schedule(cfg: SchedulingConfig, tokens: Mapping[str, int], shape: M
         src["m_mem"] = f"calibration:memory model at {HBM_FRACTION:.0%} of HBM" + _fsdp_source(memory, cal, mode)
     if cfg.m_mem is None and val.get("m_mem") and cal is not None and reserve > 0 and memory is not None:
         # the bound's micro-batches run eager beside the graphs' pool: their budget is the pool smaller
-        budget = (cfg.mem_budget_gib * 2**30 if cfg.mem_budget_gib is not None
-                  else HBM_FRACTION * cal.hbm_bytes if cal.hbm_bytes else None)
+        budget = memory_budget(cfg.mem_budget_gib, cal)
         # micro-batches up to graph_tokens are captured (the pool is their own memory), so the bound never drops
         # below it; above it the pool is held beside them
         bound = max(int(graph_tokens), memory.m_mem(budget - reserve, S_min)) if budget else val["m_mem"]
