@@ -228,11 +228,11 @@ def graphs_off_because(mode: str, device: torch.device, world_size: int, reasons
 
 
 def clear_cublas_workspaces(device: torch.device) -> bool:
-    """Free the cuBLAS and cuBLASLt workspaces torch keeps for each CUDA stream they ran on (64 MiB a stream on the
-    H100 and H200; torch's stream pool has 32 a device): a graph captured on a side stream leaves its pair held until
-    the process ends (results/attention_h100.md, calls 11-12). Call it only where no graph that may still replay is
-    alive: a captured graph writes to the workspace its warm-up allocated. The next matmul allocates its stream's
-    pair anew. Returns whether anything was cleared (False off CUDA)."""
+    """Free the cuBLAS and cuBLASLt workspaces torch keeps for each CUDA stream they ran on (torch's stream pool has
+    32 a device): a graph captured on a side stream leaves its pair held until the process ends (their size:
+    results/attention_h100.md). Call it only where no graph that may still replay is alive: a captured graph writes
+    to the workspace its warm-up allocated. The next matmul allocates its stream's pair anew. Returns whether
+    anything was cleared (False off CUDA)."""
     clear, device = getattr(torch._C, "_cuda_clearCublasWorkspaces", None), torch.device(device)  # CUDA builds only
     if clear is None or device.type != "cuda" or not torch.cuda.is_available():
         return False
